@@ -1,0 +1,43 @@
+"""Boundary checks shared by every launcher: clear ValueErrors naming the tensor."""
+
+from __future__ import annotations
+
+from .dtypes import dtype as _dtype
+from .tensor import Tensor
+
+
+def expect(t, what: str, dtype=None, shape=None, device=None) -> Tensor:
+    """Check that `t` is a Tensor with the given dtype(s), shape and device.
+
+    `dtype` may be one type or a tuple of allowed types; `shape` may contain None
+    for "any size here". Raises ValueError naming `what`, the tensor and both
+    the expected and the seen dtype and shape.
+    """
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{what}: expected a cuengine Tensor, got {type(t).__name__}")
+    if t.storage is None:
+        raise ValueError(f"{what}: tensor {t.name!r} has no memory (simulated stack)")
+    if dtype is not None:
+        allowed = tuple(_dtype(d) for d in (dtype if isinstance(dtype, (tuple, list)) else (dtype,)))
+        if t.dtype not in allowed:
+            names = "/".join(d.name for d in allowed)
+            raise ValueError(f"{what}: expected dtype {names}, got tensor {t.name!r} {t.dtype} {t.shape}")
+    if shape is not None:
+        shape = tuple(shape)
+        if len(shape) != t.ndim or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{what}: expected shape {want}, got tensor {t.name!r} {t.shape} {t.dtype}")
+    if device is not None and t.device is not device:
+        raise ValueError(f"{what}: tensor {t.name!r} is on {t.device}, expected {device}")
+    return t
+
+
+def same_device(*tensors) -> object:
+    """The device shared by all non-None tensors; ValueError if they differ."""
+    devs = [t.device for t in tensors if t is not None]
+    for t in tensors:
+        if t is not None and t.device is not devs[0]:
+            raise ValueError(f"tensor {t.name!r} is on {t.device}, but {tensors[0].name!r} is on {devs[0]}")
+        if t is not None and t.kind != "device" and devs[0].is_cuda:
+            raise ValueError(f"tensor {t.name!r} is in host memory; kernels need device tensors")
+    return devs[0]

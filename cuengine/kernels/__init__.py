@@ -1,0 +1,1 @@
+"""Launchers for raw_kernels/*.cu, one module per kernel family, each with its NumPy twin."""

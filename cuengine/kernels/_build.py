@@ -1,0 +1,103 @@
+"""Compiling raw_kernels/*.cu and launching their kernels.
+
+Each .cu file is one RawModule, compiled lazily once per device and cached
+(CuPy's memoize pattern). COMPILE_OPTIONS is the one place compile flags live;
+the CPU-only compile test (tests/test_compile.py) uses the same list with
+cuda.bindings.nvrtc, so what CI compiles is what the GPU runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..tensor import Tensor
+
+COMPILE_OPTIONS = ("-std=c++17", "-DNDEBUG")
+
+
+def kernel_dir() -> Path:
+    """Where the .cu sources are: raw_kernels/ beside the package, or packaged inside it."""
+    here = Path(__file__).resolve().parents[2] / "raw_kernels"
+    if here.is_dir():
+        return here
+    from importlib.resources import files
+
+    return Path(str(files("cuengine.raw_kernels")))
+
+
+def kernel_files() -> list[Path]:
+    return sorted(kernel_dir().glob("*.cu"))
+
+
+def cuda_include_dirs() -> list[str]:
+    """CUDA headers from the nvidia-cuda-runtime wheel, then CUDA_PATH, so no system toolkit is needed."""
+    dirs = []
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            dirs += sorted(glob.glob(os.path.join(root, "cu1*", "include")))
+            dirs += sorted(glob.glob(os.path.join(root, "cuda_runtime", "include")))
+    except ImportError:
+        pass
+    cuda_path = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    if os.path.isdir(os.path.join(cuda_path, "include")):
+        dirs.append(os.path.join(cuda_path, "include"))
+    return [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_bf16.h"))]
+
+
+def include_options() -> tuple[str, ...]:
+    return tuple(f"-I{d}" for d in [str(kernel_dir()), *cuda_include_dirs()])
+
+
+@functools.cache
+def module(family: str, device_index: int):
+    """The compiled RawModule for raw_kernels/<family>.cu on one device."""
+    import cupy
+
+    path = kernel_dir() / f"{family}.cu"
+    source = path.read_text()
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=source, options=COMPILE_OPTIONS + include_options(), backend="nvrtc")
+        mod.compile()
+    return mod
+
+
+@functools.cache
+def _function(family: str, name: str, device_index: int):
+    return module(family, device_index).get_function(name)
+
+
+def _arg(a):
+    if isinstance(a, Tensor):
+        return np.uint64(a.ptr)
+    if a is None:
+        return np.uint64(0)  # optional pointer argument left out
+    if isinstance(a, (np.generic,)):
+        return a
+    raise TypeError(f"kernel argument {a!r}: pass Tensors, None, or NumPy scalars with the C type (np.int32, ...)")
+
+
+def launch(family: str, name: str, grid, block, args, device, stream=None, shared_mem: int = 0) -> None:
+    """Launch kernel `name` of raw_kernels/<family>.cu.
+
+    `args` are Tensors (passed as pointers), None (a null pointer) or NumPy scalars
+    whose type matches the C parameter (np.int32 for int, np.float32 for float, ...).
+    """
+    fn = _function(family, name, device.index)
+    if shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    s = device._stream(stream)
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
+    with device.activate():
+        fn(grid, block, tuple(_arg(a) for a in args), stream=s.raw, shared_mem=shared_mem)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,84 @@
+// Shared device helpers for every kernel family: typed load/store through float,
+// 16-byte vector access, warp and block reductions, and FP8 SATFINITE conversion.
+// Conventions (all families): outputs first, then inputs, then sizes; parameter
+// gradients accumulate (+=), activation gradients are written (=).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __nv_fp8_e4m3 fp8e4;
+typedef __nv_fp8_e5m2 fp8e5;
+
+// ---- scalar conversions (round-to-nearest-even, as ml_dtypes does) -------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(fp8e4 x) { return float(x); }
+__device__ __forceinline__ float to_float(fp8e5 x) { return float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+// SATFINITE: out-of-range values clamp to +-max (448 for E4M3, 57344 for E5M2); NaN stays NaN.
+template <> __device__ __forceinline__ fp8e4 from_float<fp8e4>(float x) {
+    fp8e4 r; r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3); return r;
+}
+template <> __device__ __forceinline__ fp8e5 from_float<fp8e5>(float x) {
+    fp8e5 r; r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2); return r;
+}
+
+template <typename T> struct fp8_limits { static constexpr float max = 0.f; };
+template <> struct fp8_limits<fp8e4> { static constexpr float max = 448.f; };
+template <> struct fp8_limits<fp8e5> { static constexpr float max = 57344.f; };
+
+// ---- 16-byte vectors -------------------------------------------------------------------
+// Pack16<T> holds 16 bytes of T; use it for coalesced 128-bit loads and stores.
+template <typename T> struct alignas(16) Pack16 {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+    __device__ __forceinline__ static Pack16 load(const T* p) { return *reinterpret_cast<const Pack16*>(p); }
+    __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Pack16*>(p) = *this; }
+    // Streaming load: read once, do not keep in L1.
+    __device__ __forceinline__ static Pack16 load_cs(const T* p) {
+        Pack16 r; *reinterpret_cast<int4*>(&r) = __ldcs(reinterpret_cast<const int4*>(p)); return r;
+    }
+};
+
+// ---- reductions ------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+// Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. Deterministic
+// for a fixed block size: the reduction tree does not depend on timing.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    x = warp_sum(x);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(x);
+}
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    x = warp_max(x);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < warps ? scratch[lane] : 0.f;
+    return warp_max(x);
+}
+
+// abs-max across the grid. Non-negative floats order like their bit patterns as ints,
+// so an integer atomicMax is exact and order-independent (deterministic).
+__device__ __forceinline__ void atomic_abs_max(float* dst, float v) {
+    atomicMax(reinterpret_cast<int*>(dst), __float_as_int(fabsf(v)));
+}
