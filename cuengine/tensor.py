@@ -111,8 +111,8 @@ class Tensor:
     def array(self):
         """A zero-copy typed array: NumPy for host memory, CuPy for device memory.
 
-        CuPy has no bf16 or fp8 types; for those, the CuPy view holds the raw bits
-        (uint16 or uint8). Writing to the array writes the tensor.
+        Where CuPy lacks the type (older CuPy has no bf16; fp8 may be missing) the CuPy
+        view holds the raw bits (uint16 or uint8). Writing to the array writes the tensor.
         """
         raw = self._bytes()
         if isinstance(raw, np.ndarray):
@@ -123,7 +123,7 @@ class Tensor:
             return raw.view(_BITS_VIEW[self.dtype.itemsize]).reshape(self.shape)
 
     def cupy(self):
-        """A zero-copy CuPy view of a device tensor (raw bits for bf16 and fp8)."""
+        """A zero-copy CuPy view of a device tensor (raw bits where CuPy lacks the type)."""
         if self.kind != "device":
             raise ValueError(f"tensor {self.name!r} is in host memory; cupy() needs a cuda device tensor")
         return self.array()
