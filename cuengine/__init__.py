@@ -1,5 +1,6 @@
 """cuengine: an LLM training and inference engine on CuPy, with no PyTorch."""
 
+from . import ops
 from .alloc import DeviceMemoryStack, MemoryReport, TensorAllocator
 from .blas import matmul
 from .device import Device, cuda_available, device
@@ -11,5 +12,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16", "BYTE", "FP8_E4M3", "FP8_E5M2", "FP16", "FP32", "INT32",
     "DType", "Device", "DeviceMemoryStack", "MemoryReport", "Tensor", "TensorAllocator",
-    "cuda_available", "device", "dtype", "matmul",
+    "cuda_available", "device", "dtype", "matmul", "ops",
 ]  # fmt: skip

@@ -36,7 +36,6 @@ WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper (split-K and stream
 ROW_ALIGN = 16  # bytes: rows (leading dimensions) and pointers; below it FP8 fails and 16-bit types go slow
 
 _FLOAT_TYPES = (FP32, FP16, BF16)
-_ABS_MAX, _SCALE, _SCALE_INV = 0, 1, 2  # fp32 slots of Tensor.stats
 # alpha and beta: host scalars that cuBLASLt reads by pointer when a call is enqueued; module-level,
 # so they outlive every call and every captured graph.
 _ONE = np.ones(1, np.float32)
@@ -229,11 +228,11 @@ class _Plan:
         if bias_ptr:
             self.set_pointer(lt, attr.BIAS_POINTER, bias_ptr)
         if a.dtype.is_fp8:
-            self.set_pointer(lt, attr.A_SCALE_POINTER, b.stats.ptr + 4 * _SCALE_INV)  # cuBLASLt's A is our b
-            self.set_pointer(lt, attr.B_SCALE_POINTER, a.stats.ptr + 4 * _SCALE_INV)
+            self.set_pointer(lt, attr.A_SCALE_POINTER, b.scale_inv.ptr)  # cuBLASLt's A is our b
+            self.set_pointer(lt, attr.B_SCALE_POINTER, a.scale_inv.ptr)
         if out.dtype.is_fp8:
-            self.set_pointer(lt, attr.D_SCALE_POINTER, out.stats.ptr + 4 * _SCALE)
-            self.set_pointer(lt, attr.AMAX_D_POINTER, out.stats.ptr + 4 * _ABS_MAX)
+            self.set_pointer(lt, attr.D_SCALE_POINTER, out.scale.ptr)
+            self.set_pointer(lt, attr.AMAX_D_POINTER, out.abs_max.ptr)
 
     def destroy(self, lt) -> None:
         for layout in self.layouts:

@@ -17,7 +17,11 @@ from .device import device as _get_device
 from .dtypes import FP32, DType
 from .dtypes import dtype as _dtype
 
-STATS_SLOTS = 3  # [abs_max, scale = max/abs_max, scale_inv = abs_max/max]
+# The stats slot is 12 floats: abs_max at 0, scale = fp8_max/abs_max at 4, scale_inv = abs_max/fp8_max
+# at 8. Each field sits in its own 16-byte lane because cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED
+# for A/B scale pointers that are not 16-byte aligned (seen on the H200, cuBLASLt 13.1).
+STATS_SLOTS = 12
+STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV = 0, 4, 8
 
 _BITS_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -43,7 +47,8 @@ class Tensor:
         offset: byte offset of element 0 within storage.
         name: what error messages and memory reports call it.
         kind: "device", "pinned" (page-locked host) or "host".
-        stats: None, or a float32 Tensor of 3 slots [abs_max, scale, scale_inv].
+        stats: None, or a float32 Tensor of STATS_SLOTS floats holding abs_max, scale and
+            scale_inv at STAT_ABS_MAX, STAT_SCALE and STAT_SCALE_INV.
     """
 
     __slots__ = ("dtype", "shape", "device", "storage", "offset", "name", "kind", "stats")
@@ -175,7 +180,7 @@ class Tensor:
         t.copy_from_numpy(array)
         if dt.is_fp8:
             amax = float(np.max(np.abs(array.astype(np.float32)))) if array.size else 0.0
-            t.stats.copy_from_numpy(np.array(stats_values(amax, dt), np.float32))
+            t.set_fp8_stats(*stats_values(amax, dt))
         return t
 
     @classmethod
@@ -268,27 +273,42 @@ class Tensor:
             )
         return self.stats.rows(slot, slot + 1)
 
+    def fp8_stats(self) -> np.ndarray:
+        """A host copy of [abs_max, scale, scale_inv] (waits for the device)."""
+        self._stat(0)
+        return self.stats.numpy()[[STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV]]
+
+    def set_fp8_stats(self, abs_max: float, scale: float, scale_inv: float) -> Tensor:
+        """Write the three stats fields (a synchronous copy: not for use inside a step)."""
+        self._stat(0)
+        values = np.zeros(STATS_SLOTS, np.float32)
+        values[[STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV]] = abs_max, scale, scale_inv
+        self.stats.copy_from_numpy(values)
+        return self
+
     @property
     def abs_max(self) -> Tensor:
         """The float32 slot holding max(|x|), as a 1-element device tensor."""
-        return self._stat(0)
+        return self._stat(STAT_ABS_MAX)
 
     @property
     def scale(self) -> Tensor:
         """The float32 slot holding the quantisation scale, fp8_max / abs_max."""
-        return self._stat(1)
+        return self._stat(STAT_SCALE)
 
     @property
     def scale_inv(self) -> Tensor:
         """The float32 slot holding abs_max / fp8_max, the dequantisation factor cuBLASLt reads."""
-        return self._stat(2)
+        return self._stat(STAT_SCALE_INV)
 
     def with_stats(self, stats: Tensor) -> Tensor:
-        """This view with `stats` (a float32 tensor of 3 slots) attached."""
+        """This view with `stats` (fp32, STATS_SLOTS floats, 16-byte aligned) attached."""
         if stats.dtype != FP32 or stats.nelem != STATS_SLOTS:
             raise ValueError(
                 f"tensor {self.name!r}: stats must be fp32 with {STATS_SLOTS} slots, got {stats.dtype} {stats.shape}"
             )
+        if stats.storage is not None and stats.ptr % 16:
+            raise ValueError(f"tensor {self.name!r}: stats slot {stats.name!r} is not 16-byte aligned")
         t = self._derive(self.dtype, self.shape, self.offset)
         t.stats = stats.reshape(STATS_SLOTS)
         return t

@@ -30,6 +30,12 @@ template <> __device__ __forceinline__ fp8e5 from_float<fp8e5>(float x) {
     fp8e5 r; r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2); return r;
 }
 
+// FP8 stats slot layout (cuengine.tensor.STATS_SLOTS): each field in its own 16-byte lane, because
+// cuBLASLt rejects scale pointers that are not 16-byte aligned.
+#define STAT_ABS_MAX 0
+#define STAT_SCALE 4
+#define STAT_SCALE_INV 8
+
 template <typename T> struct fp8_limits { static constexpr float max = 0.f; };
 template <> struct fp8_limits<fp8e4> { static constexpr float max = 448.f; };
 template <> struct fp8_limits<fp8e5> { static constexpr float max = 57344.f; };

@@ -173,7 +173,7 @@ def test_tensor_misuse_names_the_tensor(dev):
 def test_fp8_stats_travel_with_views(dev):
     src = np.array([[1.0, -3.5], [0.25, 2.0]], np.float32)
     t = ce.Tensor.from_numpy(src, dev, name="q", dtype="e4m3")
-    stats = t.stats.numpy()
+    stats = t.fp8_stats()
     assert stats[0] == 3.5
     np.testing.assert_allclose(stats[1:], stats_values(3.5, ce.FP8_E4M3)[1:])
     assert t.rows(1, 2).abs_max.numpy()[0] == 3.5
@@ -183,11 +183,17 @@ def test_fp8_stats_travel_with_views(dev):
 
 def test_with_stats(dev):
     t = ce.Tensor.from_numpy(np.ones(4, np.float32), dev, name="w", dtype="bf16")
-    slot = ce.Tensor.from_numpy(np.array([2.0, 224.0, 1 / 224], np.float32), dev, name="slot")
-    tw = t.with_stats(slot)
+    slot = ce.Tensor.empty(ce.FP32, (ce.tensor.STATS_SLOTS,), dev, name="slot").fill_zero()
+    tw = t.with_stats(slot).set_fp8_stats(2.0, 224.0, 1 / 224)
     assert tw.abs_max.numpy()[0] == 2.0 and t.stats is None
-    with pytest.raises(ValueError, match="stats must be fp32 with 3 slots"):
+    np.testing.assert_array_equal(tw.fp8_stats(), np.array([2.0, 224.0, 1 / 224], np.float32))
+    # each field is 16-byte aligned: cuBLASLt refuses scale pointers that are not
+    assert tw.abs_max.ptr % 16 == tw.scale.ptr % 16 == tw.scale_inv.ptr % 16 == 0
+    with pytest.raises(ValueError, match="stats must be fp32 with 12 slots"):
         t.with_stats(t)
+    big = ce.Tensor.empty(ce.FP32, (16,), dev, name="big")
+    with pytest.raises(ValueError, match="stats slot 'big' is not 16-byte aligned"):
+        t.with_stats(big.rows(1, 13))
 
 
 def test_interop(dev):

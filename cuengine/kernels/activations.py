@@ -1,0 +1,292 @@
+"""MLP activations, plain and gated, forward and backward (raw_kernels/activations.cu).
+
+Plain activations map (N, H) to (N, H). Gated ones read (N, 2H) holding gate and up and write (N, H):
+layout "split" is [gate | up] halves of each row (the model's packed up projection), "interleaved"
+is gate = x[:, 0::2], up = x[:, 1::2] (the standalone MLP op, seed 002). The backward writes the
+gradient of the whole input in the same layout and may overwrite the input (in place), as the seed
+does with its mlp_up buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import expect, same_device
+from ..dtypes import BF16, FP8_E4M3, FP16, FP32
+from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
+from ._build import ceil_div, launch
+
+FAMILY = "activations"
+FLOATS = (FP32, BF16, FP16)
+_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+PLAIN = ("silu", "gelu_tanh_approx", "relu", "relu_sq")
+GATED = ("swiglu", "swiglu_oai", "reglu", "geglu", "glu")
+ACTIVATIONS = PLAIN + GATED
+LAYOUTS = ("split", "interleaved")
+
+# kernel ids (enum Act in activations.cu): plain ones by name, gated ones by their gate function
+_ACT_ID = {"silu": 0, "gelu_tanh_approx": 1, "relu": 2, "relu_sq": 3,
+           "swiglu": 0, "geglu": 1, "reglu": 2, "glu": 4, "swiglu_oai": 5}  # fmt: skip
+
+_GELU_K = np.float32(np.sqrt(2.0 / np.pi))
+_GELU_A = np.float32(0.044715)
+_OAI_ALPHA = np.float32(1.702)
+_OAI_LIMIT = np.float32(7.0)
+
+
+# ---- NumPy twins (fp32 math, as the kernels) ----------------------------------------------
+def _sigmoid(x):
+    with np.errstate(over="ignore"):
+        return np.float32(1) / (np.float32(1) + np.exp(-x))
+
+
+def _value(f: str, x):
+    """f(x) for the plain functions and the gate functions of gated activations."""
+    if f == "silu":
+        return x * _sigmoid(x)
+    if f == "gelu_tanh_approx":  # x * sigmoid(2u) == 0.5 x (1 + tanh(u)), without the cancellation at x < 0
+        return x * _sigmoid(np.float32(2) * _GELU_K * (x + _GELU_A * x * x * x))
+    if f == "relu":
+        return np.where(x > 0, x, np.float32(0))
+    if f == "relu_sq":
+        return np.where(x > 0, x * x, np.float32(0))
+    return _sigmoid(x)
+
+
+def _grad(f: str, x):
+    if f == "silu":
+        s = _sigmoid(x)
+        return s * (np.float32(1) + x * (np.float32(1) - s))
+    if f == "gelu_tanh_approx":
+        x2 = x * x
+        s = _sigmoid(np.float32(2) * _GELU_K * (x + _GELU_A * x2 * x))
+        return s + x * (np.float32(2) * _GELU_K) * (np.float32(1) + np.float32(3) * _GELU_A * x2) * s * (
+            np.float32(1) - s
+        )
+    if f == "relu":
+        return np.where(x > 0, np.float32(1), np.float32(0))
+    if f == "relu_sq":
+        return np.where(x > 0, np.float32(2) * x, np.float32(0))
+    s = _sigmoid(x)
+    return s * (np.float32(1) - s)
+
+
+_GATE_FN = {"swiglu": "silu", "geglu": "gelu_tanh_approx", "reglu": "relu", "glu": "sigmoid"}
+
+
+def _split(x: np.ndarray, layout: str):
+    H = x.shape[-1] // 2
+    if layout == "split":
+        return x[..., :H], x[..., H:]
+    return x[..., 0::2], x[..., 1::2]
+
+
+def activation_forward_np(inp: np.ndarray, activation: str, layout: str = "split") -> np.ndarray:
+    """The activation of inp: (..., H) -> (..., H) plain, (..., 2H) -> (..., H) gated.
+
+    fp32 math, rounded to inp's dtype. NumPy equivalent for swiglu, split layout:
+    `g, u = x[:, :H], x[:, H:]; out = g / (1 + exp(-g)) * u`.
+    """
+    x = inp.astype(np.float32)
+    if activation in PLAIN:
+        return _value(activation, x).astype(inp.dtype)
+    g, u = _split(x, layout)
+    if activation == "swiglu_oai":
+        gc, uc = np.minimum(g, _OAI_LIMIT), np.clip(u, -_OAI_LIMIT, _OAI_LIMIT)
+        y = gc * _sigmoid(_OAI_ALPHA * gc) * (uc + np.float32(1))
+    else:
+        y = _value(_GATE_FN[activation], g) * u
+    return y.astype(inp.dtype)
+
+
+def activation_backward_np(dout: np.ndarray, inp: np.ndarray, activation: str, layout: str = "split") -> np.ndarray:
+    """The gradient with respect to inp (same shape and layout as inp), rounded to inp's dtype.
+
+    Kinks follow PyTorch: relu'(0) = 0; swiglu_oai's clamps pass the gradient at their bounds.
+    """
+    x, d = inp.astype(np.float32), dout.astype(np.float32)
+    if activation in PLAIN:
+        return (d * _grad(activation, x)).astype(inp.dtype)
+    g, u = _split(x, layout)
+    if activation == "swiglu_oai":
+        gc, uc = np.minimum(g, _OAI_LIMIT), np.clip(u, -_OAI_LIMIT, _OAI_LIMIT)
+        s = _sigmoid(_OAI_ALPHA * gc)
+        glu = gc * s
+        dg = np.where(g <= _OAI_LIMIT, d * (uc + np.float32(1)) * (s + _OAI_ALPHA * glu * (np.float32(1) - s)), 0)
+        du = np.where((u >= -_OAI_LIMIT) & (u <= _OAI_LIMIT), d * glu, 0)
+    else:
+        f = _GATE_FN[activation]
+        dg, du = d * u * _grad(f, g), d * _value(f, g)
+    dx = np.empty_like(x)
+    dg_view, du_view = _split(dx, layout)
+    dg_view[...], du_view[...] = dg, du
+    return dx.astype(inp.dtype)
+
+
+def swiglu_forward_quant_np(inp: np.ndarray, abs_max: float) -> tuple[np.ndarray, float, float]:
+    """(q, scale, scale_inv): E4M3 of swiglu(inp) (split layout) rounded to inp's dtype, times scale.
+
+    scale = 448 / abs_max (1 when abs_max is 0), as cuengine.tensor.stats_values; values are clipped
+    to +-448 and rounded to nearest even (SATFINITE).
+    """
+    _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
+    y = activation_forward_np(inp, "swiglu").astype(np.float32) * np.float32(scale)
+    q = np.clip(y, -FP8_E4M3.fp8_max, FP8_E4M3.fp8_max).astype(FP8_E4M3.np)
+    return q, scale, scale_inv
+
+
+# ---- launchers ----------------------------------------------------------------------------
+def _accumulate_abs_max(slot, values) -> None:
+    if values.size:
+        slot[...] = np.maximum(slot, np.max(np.abs(values.astype(np.float32))))
+
+
+def _shapes(what, out_like, inp, activation, layout):
+    """(N, H) after checking activation, layout and the (N, H) / (N, 2H) shapes."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{what}: unknown layout {layout!r}; choose 'split' or 'interleaved'")
+    expect(inp, f"{what} inp", FLOATS)
+    if inp.ndim < 1:
+        raise ValueError(f"{what} inp: expected shape (..., H), got tensor {inp.name!r} {inp.shape}")
+    gated = activation in GATED
+    width = inp.shape[-1]
+    if gated and width % 2:
+        raise ValueError(f"{what} inp: {activation} needs (..., 2H), got tensor {inp.name!r} {inp.shape}")
+    H = width // 2 if gated else width
+    vn = 16 // inp.dtype.itemsize
+    if H % vn:
+        raise ValueError(f"{what}: H = {H} must be a multiple of {vn} for 16-byte {inp.dtype} vectors")
+    expect(out_like[1], f"{what} {out_like[0]}", inp.dtype, inp.shape[:-1] + (H,))
+    return (inp.nelem // width if width else 0), H
+
+
+def _check_aligned(dev, *tensors) -> None:
+    if dev.is_cuda:
+        for t in tensors:
+            if t.ptr % 16:
+                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+
+
+def _blocks(dev, work: int) -> int:
+    return max(1, min(ceil_div(work, 256), dev.num_sms * 16))
+
+
+def activation_forward(out, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:
+    """out = activation(inp); for gated activations out = f(gate) * up.
+
+    Args:
+        out: (N, H) (any leading dims), inp's dtype; written (=).
+        inp: (N, H) for plain activations, (N, 2H) for gated; fp32, bf16 or fp16; H a multiple of
+            16 bytes' worth of elements.
+        activation: one of ACTIVATIONS.
+        layout: "split" ([gate | up]) or "interleaved" (gate, up alternating); plain ones ignore it.
+        abs_max: optional (1,) fp32; max-accumulates |out|.
+    NumPy equivalent: activation_forward_np.
+    """
+    N, H = _shapes("activation_forward", ("out", out), inp, activation, layout)
+    if abs_max is not None:
+        expect(abs_max, "activation_forward abs_max", FP32, (1,))
+    dev = same_device(out, inp, abs_max)
+    if dev.is_cpu:
+        y = activation_forward_np(inp.array(), activation, layout)
+        out.array()[...] = y
+        if abs_max is not None:
+            _accumulate_abs_max(abs_max.array(), y)
+        return
+    if N * H == 0:
+        return
+    _check_aligned(dev, out, inp)
+    vn, suffix, act = 16 // inp.dtype.itemsize, _SUFFIX[inp.dtype.name], np.int32(_ACT_ID[activation])
+    if activation in GATED:
+        args = (out, inp, abs_max, act, np.int64(N), np.int32(H))
+        launch(FAMILY, f"gated_forward_{layout}_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+    else:
+        args = (out, inp, abs_max, act, np.int64(N * H // vn))
+        launch(FAMILY, f"act_forward_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+
+
+def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:
+    """dinp = d activation(inp) / d inp . dout, in inp's shape and layout.
+
+    Args:
+        dinp: like inp, written (=); may be inp itself (in place).
+        dout: (N, H) gradient of the output, inp's dtype.
+        inp: (N, H) plain or (N, 2H) gated, the forward's input.
+        activation, layout: as for activation_forward.
+        abs_max: optional (1,) fp32; max-accumulates |dinp|.
+    NumPy equivalent: activation_backward_np.
+    """
+    N, H = _shapes("activation_backward", ("dout", dout), inp, activation, layout)
+    expect(dinp, "activation_backward dinp", inp.dtype, inp.shape)
+    if abs_max is not None:
+        expect(abs_max, "activation_backward abs_max", FP32, (1,))
+    dev = same_device(dinp, dout, inp, abs_max)
+    if dev.is_cpu:
+        dx = activation_backward_np(dout.array(), inp.array(), activation, layout)
+        dinp.array()[...] = dx
+        if abs_max is not None:
+            _accumulate_abs_max(abs_max.array(), dx)
+        return
+    if N * H == 0:
+        return
+    _check_aligned(dev, dinp, dout, inp)
+    vn, suffix, act = 16 // inp.dtype.itemsize, _SUFFIX[inp.dtype.name], np.int32(_ACT_ID[activation])
+    if activation in GATED:
+        args = (dinp, dout, inp, abs_max, act, np.int64(N), np.int32(H))
+        launch(FAMILY, f"gated_backward_{layout}_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+    else:
+        args = (dinp, dout, inp, abs_max, act, np.int64(N * H // vn))
+        launch(FAMILY, f"act_backward_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+
+
+def swiglu_forward(out, inp, abs_max=None, stream=None) -> None:
+    """SwiGLU on the split layout: out (N, H) = silu(inp[:, :H]) * inp[:, H:]. See activation_forward."""
+    activation_forward(out, inp, "swiglu", "split", abs_max, stream)
+
+
+def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None) -> None:
+    """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself. See activation_backward."""
+    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream)
+
+
+def swiglu_forward_quant(out_fp8, inp, stream=None) -> None:
+    """SwiGLU (split layout) written straight to E4M3, with the abs-max the forward pass recorded.
+
+    Reads out_fp8.abs_max (left unchanged), writes out_fp8.scale = 448 / abs_max and
+    out_fp8.scale_inv = 1 / scale (both 1 when abs_max is 0, as stats_values), and the values
+    fp8(round(swiglu(inp)) * scale), clipped to +-448 with round-to-nearest-even. Rounding swiglu to
+    inp's dtype first makes this equal to swiglu_forward followed by quantisation.
+
+    Args:
+        out_fp8: (N, H) e4m3 with an FP8 stats slot.
+        inp: (N, 2H) fp32, bf16 or fp16, [gate | up].
+    NumPy equivalent: swiglu_forward_quant_np(inp, abs_max).
+    """
+    what = "swiglu_forward_quant"
+    expect(inp, f"{what} inp", FLOATS)
+    if inp.ndim < 1 or inp.shape[-1] % 2:
+        raise ValueError(f"{what} inp: expected shape (..., 2H), got tensor {inp.name!r} {inp.shape}")
+    H = inp.shape[-1] // 2
+    vn = 16 // inp.dtype.itemsize
+    if H % vn:
+        raise ValueError(f"{what}: H = {H} must be a multiple of {vn} for 16-byte {inp.dtype} vectors")
+    expect(out_fp8, f"{what} out_fp8", FP8_E4M3, inp.shape[:-1] + (H,))
+    if out_fp8.stats is None:
+        raise ValueError(f"{what} out_fp8: tensor {out_fp8.name!r} carries no FP8 stats slot")
+    dev = same_device(out_fp8, inp, out_fp8.stats)
+    N = inp.nelem // inp.shape[-1] if inp.shape[-1] else 0
+    if dev.is_cpu:
+        stats = out_fp8.stats.array()
+        q, scale, scale_inv = swiglu_forward_quant_np(inp.array(), float(stats[STAT_ABS_MAX]))
+        out_fp8.array()[...] = q
+        stats[STAT_SCALE], stats[STAT_SCALE_INV] = scale, scale_inv
+        return
+    _check_aligned(dev, inp)
+    if out_fp8.ptr % vn:
+        raise ValueError(f"tensor {out_fp8.name!r}: device address {out_fp8.ptr:#x} is not {vn}-byte aligned")
+    args = (out_fp8, out_fp8.stats, inp, np.int64(N), np.int32(H))
+    name = f"swiglu_forward_quant_{_SUFFIX[inp.dtype.name]}"
+    launch(FAMILY, name, _blocks(dev, N * H // vn), 256, args, dev, stream)

@@ -1,0 +1,89 @@
+"""Fused softmax cross-entropy over one LM-head chunk: loss, LSE and dlogits in place.
+
+The logits of a 150k vocabulary are the largest activation of a step, so the forward
+(loss, LSE) and the first step of the backward (dlogits) share one kernel and the
+gradient overwrites the logits instead of taking another buffer (LLMQ's fused classifier).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _checks
+from ..dtypes import BF16, FP32, INT32
+from . import _build
+
+_SUFFIX = {"fp32": "f32", "bf16": "bf16"}
+
+
+def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0, write_dlogits=True):
+    """The NumPy twin: same arguments as `fused_classifier`, as arrays, updated in place.
+
+    logits (N, V) fp32 or bf16, losses (N,) fp32 (+=), lse (N,) fp32 (=), targets (N,) int32.
+    All math in fp32; dlogits round once to the logits dtype. Returns nothing.
+    """
+    f32 = np.float32
+    x = logits.astype(f32)
+    n, v = x.shape
+    t = targets.astype(np.int64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = x.max(axis=1, keepdims=True)
+        s = np.exp(x - m).sum(axis=1, dtype=f32, keepdims=True)
+        row_lse = (m + np.log(s)).astype(f32)  # (N, 1)
+        lse[...] = row_lse[:, 0]
+        valid = (t >= 0) & (t < v)
+        x_t = x[np.arange(n), np.where(valid, t, 0)]
+        z = f32(z_loss)
+        loss = (row_lse[:, 0] - x_t) + z * row_lse[:, 0] * row_lse[:, 0]
+        bad = ~valid & (t != -1)
+        losses[valid] += loss[valid]
+        losses[bad] += f32(np.nan)
+        if not write_dlogits:
+            return
+        p = np.exp(x - row_lse)
+        g = p * (f32(1) + f32(2) * z * row_lse)
+        g[np.arange(n)[valid], t[valid]] -= f32(1)
+        g *= f32(d_loss)
+        g[t == -1] = 0
+    logits[...] = g.astype(logits.dtype)
+
+
+def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float = 0.0, write_dlogits: bool = True,
+                     stream=None) -> None:  # fmt: skip
+    """Cross-entropy loss, log-sum-exp and (optionally) dlogits for one chunk of rows.
+
+    Args:
+        logits: (N, V) fp32 or bf16; overwritten with dlogits when `write_dlogits`.
+        losses: (N,) fp32; the per-token loss is added (+=): the caller zeroes it once per
+            step and it accumulates over micro-steps and chunks.
+        lse: (N,) fp32; written (=) with log(sum(exp(logits))) of each row.
+        targets: (N,) int32 token ids; -1 ignores the row (no loss, zero gradient row). An id
+            outside [-1, V) adds NaN to its loss (the device cannot raise without a host sync).
+        d_loss: gradient of the total loss with respect to each token's loss, e.g. 1/(B*T*accum).
+        z_loss: coefficient of the lse^2 term in the loss.
+        write_dlogits: False computes only losses and lse (validation) and leaves logits as they are.
+
+    NumPy equivalent: `fused_classifier_reference`.
+    """
+    _checks.expect(logits, "fused_classifier: logits", dtype=(FP32, BF16), shape=(None, None))  # (N, V)
+    n, v = logits.shape
+    _checks.expect(losses, "fused_classifier: losses", dtype=FP32, shape=(n,))  # (N,)
+    _checks.expect(lse, "fused_classifier: lse", dtype=FP32, shape=(n,))  # (N,)
+    _checks.expect(targets, "fused_classifier: targets", dtype=INT32, shape=(n,))  # (N,)
+    if v == 0:
+        raise ValueError(f"fused_classifier: logits {logits.name!r} has an empty vocabulary dimension {logits.shape}")
+    dev = _checks.same_device(logits, losses, lse, targets)
+    if n == 0:
+        return
+    if dev.is_cpu:
+        fused_classifier_reference(logits.array(), losses.array(), lse.array(), targets.array(), d_loss, z_loss,
+                                   write_dlogits)  # fmt: skip
+        return
+    pack = 16 // logits.dtype.itemsize
+    vectorised = v % pack == 0 and logits.ptr % 16 == 0
+    per_thread = pack if vectorised else 1
+    threads = min(1024, max(32, _build.ceil_div(_build.ceil_div(v, per_thread), 32) * 32))
+    name = f"fused_classifier_{_SUFFIX[logits.dtype.name]}" + ("" if vectorised else "_scalar")
+    args = (logits, losses, lse, targets, np.float32(d_loss), np.float32(z_loss), np.int32(bool(write_dlogits)),
+            np.int32(v))  # fmt: skip
+    _build.launch("classifier", name, n, threads, args, dev, stream)

@@ -1,0 +1,217 @@
+"""RMSNorm: forward, fused residual-add forward, backward (raw_kernels/rmsnorm.cu).
+
+Rows are normalised independently (any leading dims flatten to N rows of C channels). rstd is kept
+in fp32 for the backward. The weight gradient accumulates deterministically through per-block
+partial sums in a caller-provided fp32 scratch; the number of blocks depends only on (N, C), so
+results do not depend on which GPU runs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import expect, same_device
+from ..dtypes import BF16, FP16, FP32
+from ._build import ceil_div, launch
+
+FAMILY = "rmsnorm"
+FLOATS = (FP32, BF16, FP16)
+_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+_FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
+_BWD_SMEM = 96 * 1024  # per-warp dweight partials in shared memory: warps * C * 4 bytes at most
+_BWD_MAX_WARPS = 8
+_MAX_PARTIALS = 512  # blocks of the backward = rows of the scratch
+
+
+# ---- NumPy twins --------------------------------------------------------------------------
+def rmsnorm_forward_np(inp: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(out, rstd) for inp (..., C) and weight (C,): fp32 math, out rounded to inp's dtype.
+
+    NumPy equivalent: `rstd = 1 / sqrt(mean(x**2, -1) + eps); out = x * rstd[..., None] * weight`.
+    """
+    x = inp.astype(np.float32)
+    ms = np.mean(x * x, axis=-1, dtype=np.float32)
+    rstd = (np.float32(1) / np.sqrt(ms + np.float32(eps))).astype(np.float32)
+    out = (x * rstd[..., None] * weight.astype(np.float32)).astype(inp.dtype)
+    return out, rstd
+
+
+def fused_residual_rmsnorm_forward_np(inp1, inp2, weight, eps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(residual, out, rstd): residual = inp1 + inp2 rounded to inp1's dtype, then its RMSNorm."""
+    residual = (inp1.astype(np.float32) + inp2.astype(np.float32)).astype(inp1.dtype)
+    out, rstd = rmsnorm_forward_np(residual, weight, eps)
+    return residual, out, rstd
+
+
+def rmsnorm_backward_np(dresidual, dout, inp, weight, rstd) -> tuple[np.ndarray, np.ndarray]:
+    """(dinp, dweight_sum) for RMSNorm's backward.
+
+    dinp = dresidual + rstd * (weight * dout - x * rstd * sum(weight * dout * x) * rstd / C), rounded
+    to inp's dtype; dweight_sum (C,) fp32 = sum over rows of dout * x * rstd (accumulated in float64,
+    the exact reference for the kernel's fixed-order fp32 sums). Shapes: (..., C), weight (C,), rstd (...).
+    """
+    C = inp.shape[-1]
+    x, g = inp.astype(np.float32), dout.astype(np.float32)
+    w, r = weight.astype(np.float32), rstd.astype(np.float32)[..., None]
+    dot = np.sum(w * g * x, axis=-1, keepdims=True, dtype=np.float32)
+    coef = dot * r / np.float32(C)
+    xh = x * r
+    dinp = (dresidual.astype(np.float32) + r * (w * g - xh * coef)).astype(inp.dtype)
+    dweight = np.sum((g * xh).reshape(-1, C), axis=0, dtype=np.float64).astype(np.float32)
+    return dinp, dweight
+
+
+def _accumulate_abs_max(slot, values) -> None:
+    """slot[0] = max(slot[0], max|values|), NaN-propagating like the kernels' integer max."""
+    if values.size:
+        slot[...] = np.maximum(slot, np.max(np.abs(values.astype(np.float32))))
+
+
+# ---- sizes --------------------------------------------------------------------------------
+def _backward_warps(C: int) -> int:
+    warps = min(_BWD_MAX_WARPS, _BWD_SMEM // (4 * C)) if C > 0 else _BWD_MAX_WARPS
+    if warps < 1:
+        raise ValueError(f"rmsnorm_backward: C = {C} is too large (at most {_BWD_SMEM // 4} channels)")
+    return warps
+
+
+def rmsnorm_scratch_shape(N: int, C: int) -> tuple[int, int]:
+    """Shape (P, C) of the fp32 scratch rmsnorm_backward needs for N rows of C channels.
+
+    P = min(512, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
+    rows a block works on at once; both depend only on (N, C), which keeps dweight's bits fixed.
+    """
+    return (max(1, min(_MAX_PARTIALS, ceil_div(N, _backward_warps(C)))), C)
+
+
+# ---- launchers ----------------------------------------------------------------------------
+def _check_common(what, inp, weight, abs_max):
+    """(N, C) of inp after the shared checks on inp, weight and abs_max."""
+    expect(inp, f"{what} inp", FLOATS)
+    if inp.ndim < 1:
+        raise ValueError(f"{what} inp: expected shape (..., C), got tensor {inp.name!r} {inp.shape}")
+    C = inp.shape[-1]
+    vn = 16 // inp.dtype.itemsize
+    if C == 0 or C % vn:
+        raise ValueError(f"{what}: C = {C} must be a positive multiple of {vn} for 16-byte {inp.dtype} vectors")
+    expect(weight, f"{what} weight", inp.dtype, (C,))
+    if abs_max is not None:
+        expect(abs_max, f"{what} abs_max", FP32, (1,))
+    return inp.nelem // C, C
+
+
+def _check_aligned(dev, *tensors) -> None:
+    if dev.is_cuda:
+        for t in tensors:
+            if t.ptr % 16:
+                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+
+
+def _forward_blocks(dev, N: int) -> int:
+    return min(ceil_div(N, _FWD_WARPS), dev.num_sms * 16)
+
+
+def rmsnorm_forward(out, rstd, inp, weight, eps: float, abs_max=None, stream=None) -> None:
+    """RMSNorm of each row: out = inp * rstd * weight, rstd = 1 / sqrt(mean(inp**2) + eps).
+
+    Args:
+        out: (N, C) (any leading dims), inp's dtype; written (=).
+        rstd: (N,) fp32 (inp's leading dims); written, for the backward.
+        inp: (N, C) fp32, bf16 or fp16; C a multiple of 16 bytes' worth of elements.
+        weight: (C,) inp's dtype.
+        eps: added to the mean square.
+        abs_max: optional (1,) fp32; max-accumulates |out| (zero it first).
+    NumPy equivalent: rmsnorm_forward_np.
+    """
+    N, C = _check_common("rmsnorm_forward", inp, weight, abs_max)
+    expect(out, "rmsnorm_forward out", inp.dtype, inp.shape)
+    expect(rstd, "rmsnorm_forward rstd", FP32, inp.shape[:-1])
+    dev = same_device(out, rstd, inp, weight, abs_max)
+    if dev.is_cpu:
+        y, r = rmsnorm_forward_np(inp.array(), weight.array(), eps)
+        out.array()[...] = y
+        rstd.array()[...] = r
+        if abs_max is not None:
+            _accumulate_abs_max(abs_max.array(), y)
+        return
+    if N == 0:
+        return
+    _check_aligned(dev, out, inp, weight)
+    args = (out, rstd, inp, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
+    name = f"rmsnorm_forward_{_SUFFIX[inp.dtype.name]}"
+    launch(FAMILY, name, _forward_blocks(dev, N), 32 * _FWD_WARPS, args, dev, stream)
+
+
+def fused_residual_rmsnorm_forward(
+    residual, out, rstd, inp1, inp2, weight, eps: float, abs_max=None, stream=None
+) -> None:
+    """residual = inp1 + inp2 (rounded to the storage dtype), then out = RMSNorm(residual).
+
+    Args:
+        residual: (N, C) (any leading dims), written (=); may alias inp1 or inp2.
+        out: (N, C), written (=); may alias inp1 or inp2 too (the final norm writes over its input).
+        rstd: (N,) fp32, written.
+        inp1, inp2: (N, C) fp32, bf16 or fp16, all tensors the same dtype.
+        weight: (C,); eps: added to the mean square.
+        abs_max: optional (1,) fp32; max-accumulates |out|.
+    NumPy equivalent: fused_residual_rmsnorm_forward_np.
+    """
+    N, C = _check_common("fused_residual_rmsnorm_forward", inp1, weight, abs_max)
+    expect(inp2, "fused_residual_rmsnorm_forward inp2", inp1.dtype, inp1.shape)
+    expect(residual, "fused_residual_rmsnorm_forward residual", inp1.dtype, inp1.shape)
+    expect(out, "fused_residual_rmsnorm_forward out", inp1.dtype, inp1.shape)
+    expect(rstd, "fused_residual_rmsnorm_forward rstd", FP32, inp1.shape[:-1])
+    dev = same_device(residual, out, rstd, inp1, inp2, weight, abs_max)
+    if dev.is_cpu:
+        res, y, r = fused_residual_rmsnorm_forward_np(inp1.array(), inp2.array(), weight.array(), eps)
+        residual.array()[...] = res
+        out.array()[...] = y
+        rstd.array()[...] = r
+        if abs_max is not None:
+            _accumulate_abs_max(abs_max.array(), y)
+        return
+    if N == 0:
+        return
+    _check_aligned(dev, residual, out, inp1, inp2, weight)
+    args = (residual, out, rstd, inp1, inp2, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
+    name = f"fused_residual_rmsnorm_forward_{_SUFFIX[inp1.dtype.name]}"
+    launch(FAMILY, name, _forward_blocks(dev, N), 32 * _FWD_WARPS, args, dev, stream)
+
+
+def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max=None, stream=None) -> None:
+    """RMSNorm backward: dinp = dresidual + d(out)/d(inp) . dout; dweight += sum over rows.
+
+    Args:
+        dinp: (N, C) (any leading dims), inp's dtype; written (=). May alias dresidual (in place).
+        dweight: (C,) inp's dtype; accumulated (+=), deterministically, rounded once.
+        scratch: fp32 of shape rmsnorm_scratch_shape(N, C); overwritten.
+        dresidual: (N, C), the gradient already flowing through the residual stream.
+        dout: (N, C) gradient of out; inp: (N, C) the forward's input; weight: (C,).
+        rstd: (N,) fp32 from the forward.
+        abs_max: optional (1,) fp32; max-accumulates |dinp|.
+    NumPy equivalent: rmsnorm_backward_np.
+    """
+    N, C = _check_common("rmsnorm_backward", inp, weight, abs_max)
+    for name, t in (("dinp", dinp), ("dresidual", dresidual), ("dout", dout)):
+        expect(t, f"rmsnorm_backward {name}", inp.dtype, inp.shape)
+    expect(dweight, "rmsnorm_backward dweight", inp.dtype, (C,))
+    expect(rstd, "rmsnorm_backward rstd", FP32, inp.shape[:-1])
+    expect(scratch, "rmsnorm_backward scratch", FP32, rmsnorm_scratch_shape(N, C))
+    dev = same_device(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max)
+    if dev.is_cpu:
+        dx, dw = rmsnorm_backward_np(dresidual.array(), dout.array(), inp.array(), weight.array(), rstd.array())
+        dinp.array()[...] = dx
+        dweight.array()[...] = (dweight.array().astype(np.float32) + dw).astype(dweight.dtype.np)
+        if abs_max is not None:
+            _accumulate_abs_max(abs_max.array(), dx)
+        return
+    if N == 0:
+        return
+    _check_aligned(dev, dinp, dresidual, dout, inp, weight)
+    warps, P = _backward_warps(C), scratch.shape[0]
+    suffix = _SUFFIX[inp.dtype.name]
+    args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
+    launch(FAMILY, f"rmsnorm_backward_{suffix}", P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
+    args = (dweight, scratch, np.int32(P), np.int32(C))
+    launch(FAMILY, f"rmsnorm_backward_dweight_{suffix}", ceil_div(C, 256), 256, args, dev, stream)

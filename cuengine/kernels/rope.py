@@ -1,0 +1,139 @@
+"""Rotary position embedding on packed qkv, HF rotate-half form (raw_kernels/rope.cu).
+
+qkv is (B, T, Hq + 2*Hkv, hs), or the same with the heads flattened into the last dimension: the
+query heads, then the key heads, then the value heads. Query and key heads are rotated by the angle
+t * inv_freq of their position t; value heads pass through. The table is built once on the host in
+float64 and stored in fp16 (bf16 models, as the seed does) or fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import expect, same_device
+from ..dtypes import BF16, FP16, FP32
+from ._build import ceil_div, launch
+
+FAMILY = "rope"
+FLOATS = (FP32, BF16, FP16)
+TABLE_DTYPES = (FP32, FP16)
+_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32) -> np.ndarray:
+    """The RoPE table: (max_pos, head_size) with cos in [:hs/2] and sin in [hs/2:].
+
+    inv_freq[i] = theta ** (-2i / hs) and angle[t, i] = t * inv_freq[i], computed in float64, then
+    cast to `dtype` (float32, or float16 for bf16 models). NumPy only: upload it once with
+    Tensor.from_numpy.
+    """
+    if head_size <= 0 or head_size % 2:
+        raise ValueError(f"rope_freqs: head_size = {head_size} must be positive and even")
+    if max_pos < 0:
+        raise ValueError(f"rope_freqs: max_pos = {max_pos} must be non-negative")
+    half = head_size // 2
+    inv_freq = float(theta) ** (-2.0 * np.arange(half, dtype=np.float64) / head_size)
+    angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(dtype)
+
+
+# ---- NumPy twin ---------------------------------------------------------------------------
+def rope_np(qkv: np.ndarray, freqs: np.ndarray, n_q_heads: int, n_kv_heads: int, inverse: bool = False):
+    """Rotate the q and k heads of qkv (B, T, ...) by their positions; v heads unchanged.
+
+    inverse=False is the forward (out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin); inverse=True the
+    backward (rotation by -angle). fp32 math, rounded to qkv's dtype. Returns a new array.
+    """
+    B, T = qkv.shape[:2]
+    hs = freqs.shape[1]
+    half = hs // 2
+    x = qkv.reshape(B, T, -1, hs).astype(np.float32)
+    c = freqs[:T, :half].astype(np.float32)[None, :, None, :]
+    s = freqs[:T, half:].astype(np.float32)[None, :, None, :]
+    if inverse:
+        s = -s
+    nr = n_q_heads + n_kv_heads
+    x1, x2 = x[:, :, :nr, :half], x[:, :, :nr, half:]
+    y = x.copy()
+    y[:, :, :nr, :half] = x1 * c - x2 * s
+    y[:, :, :nr, half:] = x2 * c + x1 * s
+    return y.astype(qkv.dtype).reshape(qkv.shape)
+
+
+# ---- launchers ----------------------------------------------------------------------------
+def _overlap(a, b) -> bool:
+    return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse, stream):
+    out_name, inp_name = names
+    expect(inp, f"{what} {inp_name}", FLOATS)
+    expect(freqs, f"{what} freqs", TABLE_DTYPES, (None, None))
+    max_pos, hs = freqs.shape
+    H = n_q_heads + 2 * n_kv_heads
+    if n_q_heads < 1 or n_kv_heads < 1:
+        raise ValueError(f"{what}: n_q_heads = {n_q_heads} and n_kv_heads = {n_kv_heads} must be positive")
+    if inp.ndim not in (3, 4) or inp.shape[2:] not in ((H * hs,), (H, hs)):
+        raise ValueError(
+            f"{what} {inp_name}: expected shape (B, T, {H * hs}) or (B, T, {H}, {hs}) for {n_q_heads} q and "
+            f"{n_kv_heads} kv heads of size {hs}, got tensor {inp.name!r} {inp.shape} {inp.dtype}"
+        )
+    vn = 16 // inp.dtype.itemsize
+    if hs % (2 * vn):
+        raise ValueError(f"{what}: head size {hs} must be a multiple of {2 * vn} for 16-byte {inp.dtype} vectors")
+    B, T = inp.shape[:2]
+    if T > max_pos:
+        raise ValueError(f"{what} freqs: table has {max_pos} positions, but the sequence has T = {T}")
+    expect(out, f"{what} {out_name}", inp.dtype, inp.shape)
+    if abs_max is not None:
+        expect(abs_max, f"{what} abs_max", FP32, (1,))
+    dev = same_device(out, inp, freqs, abs_max)
+    in_place = out.storage is inp.storage and out.offset == inp.offset
+    if not in_place and _overlap(out, inp):
+        raise ValueError(
+            f"{what}: {out_name} {out.name!r} partly overlaps {inp_name} {inp.name!r}; use the same tensor or none"
+        )
+    if dev.is_cpu:
+        y = rope_np(inp.array(), freqs.array(), n_q_heads, n_kv_heads, inverse)
+        out.array()[...] = y
+        if abs_max is not None and y.size:
+            abs_max.array()[...] = np.maximum(abs_max.array(), np.max(np.abs(y.astype(np.float32))))
+        return
+    if inp.nelem == 0:
+        return
+    for t in (out, inp):
+        if t.ptr % 16:
+            raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+    total = B * T * H * (hs // 2 // vn)
+    blocks = min(ceil_div(total, 256), dev.num_sms * 16)
+    name = f"rope_{_SUFFIX[inp.dtype.name]}_{_SUFFIX[freqs.dtype.name]}"
+    heads = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs))
+    args = (out, inp, freqs, abs_max, np.int64(B * T), *heads, np.int32(inverse), np.int32(not in_place))
+    launch(FAMILY, name, blocks, 256, args, dev, stream)
+
+
+def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
+    """Apply RoPE to the q and k heads of packed qkv; v heads are copied (or left alone in place).
+
+    Args:
+        out: like inp, written (=); may be inp itself (in place), but not a partial overlap.
+        inp: (B, T, Hq + 2*Hkv, hs) or (B, T, (Hq + 2*Hkv) * hs), fp32, bf16 or fp16.
+        freqs: (max_pos, hs) fp32 or fp16 from rope_freqs, max_pos >= T; row t serves position t.
+        n_q_heads, n_kv_heads: Hq and Hkv.
+        abs_max: optional (1,) fp32; max-accumulates |out| over the whole tensor, v heads included.
+    NumPy equivalent: rope_np(inp, freqs, n_q_heads, n_kv_heads).
+    """
+    _rope("rope_forward", ("out", "inp"), out, inp, freqs, n_q_heads, n_kv_heads, abs_max, False, stream)
+
+
+def rope_backward(dinp, dout, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
+    """The gradient of rope_forward: the inverse rotation of dout's q and k heads; v heads pass through.
+
+    Args:
+        dinp: like dout, written (=); may be dout itself (in place, as the seed does).
+        dout: (B, T, Hq + 2*Hkv, hs) or (B, T, (Hq + 2*Hkv) * hs), fp32, bf16 or fp16.
+        freqs, n_q_heads, n_kv_heads: as for rope_forward.
+        abs_max: optional (1,) fp32; max-accumulates |dinp| over the whole tensor.
+    NumPy equivalent: rope_np(dout, freqs, n_q_heads, n_kv_heads, inverse=True).
+    """
+    _rope("rope_backward", ("dinp", "dout"), dinp, dout, freqs, n_q_heads, n_kv_heads, abs_max, True, stream)

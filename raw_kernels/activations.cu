@@ -1,0 +1,264 @@
+// Element-wise MLP activations, plain and gated, forward and backward, and a SwiGLU that writes FP8.
+//
+//   plain:  out = f(x)               x (N, H) -> out (N, H);  dinp = dout * f'(x)                  (=)
+//   gated:  out = f(gate) * up       x (N, 2H) -> out (N, H); dinp = [dgate, dup] in x's layout  (=)
+//           swiglu_oai: out = g * sigmoid(1.702 g) * (u + 1), g = min(gate, 7), u = clip(up, -7, 7)
+//   layouts of x for gated: split = [gate | up] halves of each row; interleaved = gate at even
+//   columns, up at odd columns.
+// gelu_tanh_approx is evaluated as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), which equals
+// 0.5 x (1 + tanh(u)) but keeps its accuracy for negative x, where 1 + tanh(u) cancels.
+// f is chosen at run time (ACT_* below, one uniform branch) so that each layout and dtype is one kernel.
+// fp32 math, one rounding at the store; abs_max outputs max-accumulate |stored value|, one integer
+// atomicMax per block. The backward may run in place (dinp == inp): a thread reads its inputs before
+// writing the same elements, and no other thread touches them. Gradients at the kinks follow PyTorch:
+// relu'(0) = 0, and the clamps of swiglu_oai pass the gradient at their bounds.
+// swiglu_forward_quant reads abs_max from the FP8 output's stats, writes scale = 448 / abs_max (1 when
+// abs_max is 0) and scale_inv = 1 / scale, and stores fp8(round_T(swiglu) * scale) with SATFINITE RNE,
+// so it equals swiglu_forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
+#include "common.cuh"
+
+enum Act { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU = 2, ACT_RELU_SQ = 3, ACT_SIGMOID = 4, ACT_SWIGLU_OAI = 5 };
+
+constexpr float GELU_K = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float GELU_A = 0.044715f;
+constexpr float OAI_ALPHA = 1.702f;
+constexpr float OAI_LIMIT = 7.f;
+
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
+// order like their bit patterns, so the integer max is exact and order-independent.
+__device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) {
+    __shared__ unsigned s_bits[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) s_bits[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
+        bits = __reduce_max_sync(0xffffffffu, bits);
+        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
+    }
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+__device__ __forceinline__ float act_value(int act, float x) {
+    switch (act) {
+        case ACT_SILU: return x * sigmoid(x);
+        case ACT_GELU: return x * sigmoid(2.f * GELU_K * (x + GELU_A * x * x * x));
+        case ACT_RELU: return x > 0.f ? x : 0.f;
+        case ACT_RELU_SQ: return x > 0.f ? x * x : 0.f;
+        default: return sigmoid(x);
+    }
+}
+
+__device__ __forceinline__ float act_grad(int act, float x) {
+    switch (act) {
+        case ACT_SILU: {
+            const float s = sigmoid(x);
+            return s * (1.f + x * (1.f - s));
+        }
+        case ACT_GELU: {
+            const float x2 = x * x, s = sigmoid(2.f * GELU_K * (x + GELU_A * x2 * x));
+            return s + x * (2.f * GELU_K) * (1.f + 3.f * GELU_A * x2) * s * (1.f - s);
+        }
+        case ACT_RELU: return x > 0.f ? 1.f : 0.f;
+        case ACT_RELU_SQ: return x > 0.f ? 2.f * x : 0.f;
+        default: {
+            const float s = sigmoid(x);
+            return s * (1.f - s);
+        }
+    }
+}
+
+__device__ __forceinline__ float gated_value(int act, float g, float u) {
+    if (act == ACT_SWIGLU_OAI) {
+        const float gc = fminf(g, OAI_LIMIT), uc = fminf(fmaxf(u, -OAI_LIMIT), OAI_LIMIT);
+        return gc * sigmoid(OAI_ALPHA * gc) * (uc + 1.f);
+    }
+    return act_value(act, g) * u;
+}
+
+__device__ __forceinline__ void gated_grad(int act, float g, float u, float d, float& dg, float& du) {
+    if (act == ACT_SWIGLU_OAI) {
+        const float gc = fminf(g, OAI_LIMIT), uc = fminf(fmaxf(u, -OAI_LIMIT), OAI_LIMIT);
+        const float s = sigmoid(OAI_ALPHA * gc), glu = gc * s;
+        dg = g <= OAI_LIMIT ? d * (uc + 1.f) * (s + OAI_ALPHA * glu * (1.f - s)) : 0.f;
+        du = (u >= -OAI_LIMIT && u <= OAI_LIMIT) ? d * glu : 0.f;
+        return;
+    }
+    dg = d * u * act_grad(act, g);
+    du = d * act_value(act, g);
+}
+
+// gate and up values of VN consecutive outputs j..j+VN-1 of one row of x (N, 2H)
+template <typename T, bool INTERLEAVED>
+__device__ __forceinline__ void load_gate_up(const T* row, int j, int H, float* g, float* u) {
+    constexpr int VN = Pack16<T>::N;
+    if (INTERLEAVED) {
+        const Pack16<T> a = Pack16<T>::load(row + 2 * j), b = Pack16<T>::load(row + 2 * j + VN);
+        for (int k = 0; k < VN / 2; ++k) {
+            g[k] = to_float(a.v[2 * k]), u[k] = to_float(a.v[2 * k + 1]);
+            g[VN / 2 + k] = to_float(b.v[2 * k]), u[VN / 2 + k] = to_float(b.v[2 * k + 1]);
+        }
+    } else {
+        const Pack16<T> a = Pack16<T>::load(row + j), b = Pack16<T>::load(row + H + j);
+        for (int k = 0; k < VN; ++k) g[k] = to_float(a.v[k]), u[k] = to_float(b.v[k]);
+    }
+}
+
+// stores gate and up values (rounded to T) where load_gate_up read them; returns the max |bits|
+template <typename T, bool INTERLEAVED>
+__device__ __forceinline__ unsigned store_gate_up(T* row, int j, int H, const float* g, const float* u) {
+    constexpr int VN = Pack16<T>::N;
+    Pack16<T> a, b;
+    if (INTERLEAVED) {
+        for (int k = 0; k < VN / 2; ++k) {
+            a.v[2 * k] = from_float<T>(g[k]), a.v[2 * k + 1] = from_float<T>(u[k]);
+            b.v[2 * k] = from_float<T>(g[VN / 2 + k]), b.v[2 * k + 1] = from_float<T>(u[VN / 2 + k]);
+        }
+        a.store(row + 2 * j), b.store(row + 2 * j + VN);
+    } else {
+        for (int k = 0; k < VN; ++k) a.v[k] = from_float<T>(g[k]), b.v[k] = from_float<T>(u[k]);
+        a.store(row + j), b.store(row + H + j);
+    }
+    unsigned m = 0;
+    for (int k = 0; k < VN; ++k) m = max(m, max(abs_bits(to_float(a.v[k])), abs_bits(to_float(b.v[k]))));
+    return m;
+}
+
+// ---- kernels ------------------------------------------------------------------------------
+
+#define GRID_STRIDE(i, total)                                                             \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
+         i += (long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__device__ void plain_forward_impl(T* out, const T* inp, float* abs_max, int act, long long vecs) {
+    constexpr int VN = Pack16<T>::N;
+    unsigned amax = 0;
+    GRID_STRIDE(i, vecs) {
+        const Pack16<T> x = Pack16<T>::load(inp + i * VN);
+        Pack16<T> y;
+        for (int k = 0; k < VN; ++k) {
+            y.v[k] = from_float<T>(act_value(act, to_float(x.v[k])));
+            amax = max(amax, abs_bits(to_float(y.v[k])));
+        }
+        y.store(out + i * VN);
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+template <typename T>
+__device__ void plain_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act,
+                                    long long vecs) {
+    constexpr int VN = Pack16<T>::N;
+    unsigned amax = 0;
+    GRID_STRIDE(i, vecs) {
+        const Pack16<T> x = Pack16<T>::load(inp + i * VN), d = Pack16<T>::load(dout + i * VN);
+        Pack16<T> y;
+        for (int k = 0; k < VN; ++k) {
+            y.v[k] = from_float<T>(to_float(d.v[k]) * act_grad(act, to_float(x.v[k])));
+            amax = max(amax, abs_bits(to_float(y.v[k])));
+        }
+        y.store(dinp + i * VN);
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+template <typename T, bool INTERLEAVED>
+__device__ void gated_forward_impl(T* out, const T* inp, float* abs_max, int act, long long N, int H) {
+    constexpr int VN = Pack16<T>::N;
+    const int hv = H / VN;
+    unsigned amax = 0;
+    GRID_STRIDE(i, N * hv) {
+        const long long row = i / hv;
+        const int j = (int)(i - row * hv) * VN;
+        float g[VN], u[VN];
+        load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
+        Pack16<T> y;
+        for (int k = 0; k < VN; ++k) {
+            y.v[k] = from_float<T>(gated_value(act, g[k], u[k]));
+            amax = max(amax, abs_bits(to_float(y.v[k])));
+        }
+        y.store(out + (size_t)row * H + j);
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+template <typename T, bool INTERLEAVED>
+__device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
+                                    int H) {
+    constexpr int VN = Pack16<T>::N;
+    const int hv = H / VN;
+    unsigned amax = 0;
+    GRID_STRIDE(i, N * hv) {
+        const long long row = i / hv;
+        const int j = (int)(i - row * hv) * VN;
+        float g[VN], u[VN];
+        load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
+        const Pack16<T> d = Pack16<T>::load(dout + (size_t)row * H + j);
+        for (int k = 0; k < VN; ++k) gated_grad(act, g[k], u[k], to_float(d.v[k]), g[k], u[k]);
+        amax = max(amax, store_gate_up<T, INTERLEAVED>(dinp + (size_t)row * 2 * H, j, H, g, u));
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
+
+template <typename T>
+__device__ void swiglu_forward_quant_impl(fp8e4* out, float* stats, const T* inp, long long N, int H) {
+    constexpr int VN = Pack16<T>::N;
+    const float a = stats[STAT_ABS_MAX];
+    const float scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
+    if (blockIdx.x == 0 && threadIdx.x == 0) stats[STAT_SCALE] = scale, stats[STAT_SCALE_INV] = 1.f / scale;  // abs_max is only read
+    const int hv = H / VN;
+    GRID_STRIDE(i, N * hv) {
+        const long long row = i / hv;
+        const int j = (int)(i - row * hv) * VN;
+        float g[VN], u[VN];
+        load_gate_up<T, false>(inp + (size_t)row * 2 * H, j, H, g, u);
+        Bytes<VN> q;
+        for (int k = 0; k < VN; ++k) {
+            const float y = to_float(from_float<T>(act_value(ACT_SILU, g[k]) * u[k]));
+            q.b[k] = from_float<fp8e4>(y * scale).__x;
+        }
+        *reinterpret_cast<Bytes<VN>*>(out + (size_t)row * H + j) = q;
+    }
+}
+
+// ---- launchers ----------------------------------------------------------------------------
+
+#define ACTIVATION_KERNELS(SUF, T)                                                                             \
+    extern "C" __global__ void act_forward_##SUF(T* out, const T* inp, float* abs_max, int act,              \
+                                                 long long vecs) {                                          \
+        plain_forward_impl<T>(out, inp, abs_max, act, vecs);                                                 \
+    }                                                                                                          \
+    extern "C" __global__ void gated_forward_split_##SUF(T* out, const T* inp, float* abs_max, int act,      \
+                                                         long long N, int H) {                              \
+        gated_forward_impl<T, false>(out, inp, abs_max, act, N, H);                                          \
+    }                                                                                                          \
+    extern "C" __global__ void gated_forward_interleaved_##SUF(T* out, const T* inp, float* abs_max, int act,\
+                                                               long long N, int H) {                        \
+        gated_forward_impl<T, true>(out, inp, abs_max, act, N, H);                                           \
+    }                                                                                                          \
+    extern "C" __global__ void swiglu_forward_quant_##SUF(fp8e4* out, float* stats, const T* inp, long long N, \
+                                                          int H) {                                          \
+        swiglu_forward_quant_impl<T>(out, stats, inp, N, H);                                                 \
+    }                                                                                                          \
+    extern "C" __global__ void act_backward_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max,       \
+                                                  int act, long long vecs) {                                \
+        plain_backward_impl<T>(dinp, dout, inp, abs_max, act, vecs);                                         \
+    }                                                                                                          \
+    extern "C" __global__ void gated_backward_split_##SUF(T* dinp, const T* dout, const T* inp,              \
+                                                          float* abs_max, int act, long long N, int H) {    \
+        gated_backward_impl<T, false>(dinp, dout, inp, abs_max, act, N, H);                                  \
+    }                                                                                                          \
+    extern "C" __global__ void gated_backward_interleaved_##SUF(T* dinp, const T* dout, const T* inp,        \
+                                                                float* abs_max, int act, long long N, int H) { \
+        gated_backward_impl<T, true>(dinp, dout, inp, abs_max, act, N, H);                                   \
+    }
+ACTIVATION_KERNELS(f32, float)
+ACTIVATION_KERNELS(bf16, bf16)
+ACTIVATION_KERNELS(f16, half)

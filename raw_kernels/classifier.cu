@@ -1,0 +1,150 @@
+// Fused classifier: softmax cross-entropy forward and the first step of its backward, in one
+// pass over one LM-head chunk of logits (N, V).
+//
+// Per row (token) with target t:
+//   lse    = log(sum_j exp(x_j))                       written (=) to lse[row]
+//   loss   = lse - x_t + z_loss * lse^2                accumulated (+=) into losses[row]
+//   dx_j   = d_loss * (softmax_j * (1 + 2 z_loss lse) - [j == t])   written over x (in place)
+// t == -1 ignores the row: losses[row] is left as is and its gradient row is zero. A target
+// outside [-1, V) cannot raise from the device, so it adds NaN to losses[row] (and its gradient
+// has no one-hot term); the trainer's non-finite loss check reports it.
+//
+// Invariants: one block per row; the max/sum are kept online in fp32 (one read of the row for
+// the forward, one more read plus one write for the backward); the target logit is read before
+// the block's first __syncthreads, so the in-place backward cannot overwrite it first.
+// Rows whose length or start are not 16-byte aligned take the `_scalar` kernels.
+#include "common.cuh"
+
+// kernels
+
+// `P` elements of T loaded or stored as one aligned access (16 bytes when vectorised).
+template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
+    T v[P];
+};
+
+#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no <math.h> INFINITY
+
+// Merge (m2, s2) into the running (m, s), where s = sum exp(x - m). An empty partner has
+// m2 = -inf and s2 = 0; two empty ones stay empty instead of producing exp(-inf + inf) = NaN.
+__device__ __forceinline__ void online_merge(float& m, float& s, float m2, float s2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == NEG_INF) return;
+    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+    m = mn;
+}
+
+template <typename T, int P, int U>
+__device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, const int* targets, float d_loss,
+                                      float z_loss, int write_dlogits, int V) {
+    __shared__ float sh_m[32], sh_s[32];
+    const int row = blockIdx.x;
+    T* x = logits + (size_t)row * V;
+    const int target = targets[row];
+    const bool valid = target >= 0 && target < V;
+    // Read before the reduction's __syncthreads: the backward below overwrites the row.
+    const float x_target = (threadIdx.x == 0 && valid) ? to_float(x[target]) : 0.f;
+
+    // Pass 1: per-thread online max and sum, U accesses in flight per thread.
+    float m = NEG_INF, s = 0.f;
+    const int stride = blockDim.x * P;
+    for (int base = threadIdx.x * P; base < V; base += stride * U) {
+        Vec<T, P> pk[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * stride;
+            if (i < V) pk[u] = *reinterpret_cast<const Vec<T, P>*>(x + i);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (base + u * stride >= V) break;
+            float lm = NEG_INF;
+#pragma unroll
+            for (int k = 0; k < P; ++k) lm = fmaxf(lm, to_float(pk[u].v[k]));
+            const float mn = fmaxf(m, lm);
+            if (mn == NEG_INF) continue;
+            float acc = s * expf(m - mn);
+#pragma unroll
+            for (int k = 0; k < P; ++k) acc += expf(to_float(pk[u].v[k]) - mn);
+            s = acc;
+            m = mn;
+        }
+    }
+    // Warp, then block: every thread ends with the same (m, s) (the merge is commutative).
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        online_merge(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (lane == 0) {
+        sh_m[warp] = m;
+        sh_s[warp] = s;
+    }
+    __syncthreads();
+    m = lane < warps ? sh_m[lane] : NEG_INF;
+    s = lane < warps ? sh_s[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        online_merge(m, s, m2, s2);
+    }
+    const float lse = m + logf(s);
+
+    if (threadIdx.x == 0) {
+        lse_out[row] = lse;
+        if (valid) losses[row] += lse - x_target + z_loss * lse * lse;
+        else if (target != -1) losses[row] += __int_as_float(0x7fc00000);  // NaN: bad target id
+    }
+    if (!write_dlogits) return;
+
+    // Pass 2: dlogits over logits. Each thread rewrites exactly the elements it reads. The row
+    // is walked backwards, so the first reads hit what pass 1 read last (still in L1/L2).
+    const float zf = 1.f + 2.f * z_loss * lse;
+    const bool ignored = target == -1;
+    const int chunk = stride * U;
+    for (int c = (V - 1) / chunk; c >= 0; --c) {
+        const int base = c * chunk + threadIdx.x * P;
+        Vec<T, P> pk[U];
+        if (!ignored) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = base + u * stride;
+                if (i < V) pk[u] = *reinterpret_cast<const Vec<T, P>*>(x + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * stride;
+            if (i >= V) break;
+            Vec<T, P> out;
+#pragma unroll
+            for (int k = 0; k < P; ++k) {
+                float g = 0.f;
+                if (!ignored) {
+                    const float p = expf(to_float(pk[u].v[k]) - lse);
+                    g = d_loss * (p * zf - (i + k == target ? 1.f : 0.f));
+                }
+                out.v[k] = from_float<T>(g);
+            }
+            *reinterpret_cast<Vec<T, P>*>(x + i) = out;
+        }
+    }
+}
+
+// Unrolling by 2 keeps two 16-byte loads in flight per thread; 1024-thread blocks keep the rows
+// in flight (between the two reads of a row) few enough to stay in L2 for V = 152k.
+#define CLASSIFIER_KERNELS(SUF, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024)                                                        \
+        fused_classifier_##SUF(T* logits, float* losses, float* lse, const int* targets, float d_loss,        \
+                               float z_loss, int write_dlogits, int V) {                                      \
+        fused_classifier_impl<T, 16 / sizeof(T), 2>(logits, losses, lse, targets, d_loss, z_loss,             \
+                                                   write_dlogits, V);                                         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(1024)                                                        \
+        fused_classifier_##SUF##_scalar(T* logits, float* losses, float* lse, const int* targets,             \
+                                        float d_loss, float z_loss, int write_dlogits, int V) {               \
+        fused_classifier_impl<T, 1, 4>(logits, losses, lse, targets, d_loss, z_loss, write_dlogits, V);     \
+    }
+
+CLASSIFIER_KERNELS(f32, float)
+CLASSIFIER_KERNELS(bf16, bf16)
+
+// launchers: cuengine/kernels/classifier.py (fused_classifier)

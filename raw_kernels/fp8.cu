@@ -1,0 +1,283 @@
+// FP8 support: abs-max, per-tensor quantisation (plain and fused with a transpose), byte
+// transposes, and the bias gradient.
+//
+// - abs_max max-accumulates |x| into one fp32 slot (zero it first). The max is taken on the
+//   float bit patterns as unsigned integers: they order like |x|, NaN sorts above inf (so a NaN
+//   is reported, not dropped as fmaxf would), and the result is exact and order-independent.
+// - quantize reads abs_max from a slot, writes the output's stats [abs_max, scale =
+//   fp8_max/abs_max, scale_inv = 1/scale] (abs_max 0 or non-finite gives 1, 1) from block 0,
+//   and stores x*scale with SATFINITE round-to-nearest-even.
+// - transposes go through a shared-memory tile: inp rows are read coalesced along C, out rows
+//   are written coalesced along N in 16-byte chunks. One 32-bit smem word holds 4/sizeof(out)
+//   consecutive n of one output row; the 33-word row pitch makes both phases conflict-free.
+// - bias_backward: dbias (+=, a parameter gradient) = column sums of dout in fp32, through a
+//   fixed partial-sum layout in scratch and a fixed-order reduction (deterministic).
+// Kernels without the `_scalar` suffix need 16-byte aligned rows (the launcher checks).
+#include "common.cuh"
+
+typedef unsigned char u8;  // NVRTC has no <stdint.h>
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// kernels
+
+template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
+    T v[P];
+};
+
+// 8 consecutive elements in as few aligned accesses as possible (16 bytes at most per access).
+template <typename T> __device__ __forceinline__ void load8(const T* p, T (&v)[8]) {
+    constexpr int P = sizeof(T) * 8 >= 16 ? 16 / sizeof(T) : 8;
+#pragma unroll
+    for (int j = 0; j < 8; j += P) {
+        const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(p + j);
+#pragma unroll
+        for (int k = 0; k < P; ++k) v[j + k] = w.v[k];
+    }
+}
+
+__device__ __forceinline__ float fp8_scale(float amax, float fp8_max) {
+    return (amax > 0.f && isfinite(amax)) ? fp8_max / amax : 1.f;
+}
+
+// Block 0 publishes the stats the quantised values were made with. The abs-max slot is left
+// alone when it is the one being read (other blocks may still be reading it).
+__device__ __forceinline__ void write_stats(float* stats, const float* amax_src, float amax, float scale) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        if (stats + STAT_ABS_MAX != amax_src) stats[STAT_ABS_MAX] = amax;
+        stats[STAT_SCALE] = scale;
+        stats[STAT_SCALE_INV] = 1.f / scale;
+    }
+}
+
+template <typename Tq> __device__ __forceinline__ u32 fp8_bits(float x) {
+    return from_float<Tq>(x).__x;
+}
+
+// ---- abs_max ----------------------------------------------------------------------------------
+template <typename T, bool VEC> __device__ void abs_max_impl(float* amax, const T* x, long long n) {
+    __shared__ unsigned sh[32];
+    unsigned bits = 0;
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (VEC) {
+        const long long packs = n / 8;
+        for (long long p = tid; p < packs; p += nthreads) {
+            T v[8];
+            load8(x + p * 8, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) bits = max(bits, __float_as_uint(fabsf(to_float(v[k]))));
+        }
+        done = packs * 8;
+    }
+    for (long long i = done + tid; i < n; i += nthreads) bits = max(bits, __float_as_uint(fabsf(to_float(x[i]))));
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) sh[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+        bits = __reduce_max_sync(0xffffffffu, lane < warps ? sh[lane] : 0u);
+        if (lane == 0 && bits != 0) atomic_abs_max(amax, __uint_as_float(bits));
+    }
+}
+
+// ---- quantize -------------------------------------------------------------------------------
+template <typename Tin, typename Tq, bool VEC>
+__device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, const Tin* x, long long n) {
+    const float amax = *amax_src;
+    const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
+    write_stats(stats, amax_src, amax, scale);
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (VEC) {
+        const long long packs = n / 8;
+        for (long long p = tid; p < packs; p += nthreads) {
+            Tin v[8];
+            load8(x + p * 8, v);
+            Vec<Tq, 8> q;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) q.v[k] = from_float<Tq>(to_float(v[k]) * scale);
+            *reinterpret_cast<Vec<Tq, 8>*>(out + p * 8) = q;
+        }
+        done = packs * 8;
+    }
+    for (long long i = done + tid; i < n; i += nthreads) out[i] = from_float<Tq>(to_float(x[i]) * scale);
+}
+
+// ---- transposes -------------------------------------------------------------------------------
+// One tile: 32 * RW rows of inp (n) by 64 columns (c); 256 threads, thread (a, b) owns rows
+// RW*a .. RW*a+RW-1 and columns 8b .. 8b+7. QUANT converts Tin to the fp8 Tq with `scale`;
+// otherwise Tin and Tout are the same raw-bits type and are moved unchanged (NaN payloads too).
+template <typename Tin, typename Tout, typename Tq, bool QUANT, bool VEC>
+__device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float scale) {
+    constexpr int S = sizeof(Tout);
+    constexpr int RW = 4 / S;
+    constexpr int TN = 32 * RW, TC = 64, EPC = 16 / S;  // EPC: out elements per 16-byte chunk
+    __shared__ u32 tile[TC][33];
+    const int b = threadIdx.x % 8, a = threadIdx.x / 8;
+    const int n0 = blockIdx.x * TN, c0 = blockIdx.y * TC;
+    const int c = c0 + 8 * b;
+    u32 words[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) words[k] = 0;
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+        const int n = n0 + RW * a + r;
+        Tin v[8];
+        bool have[8];
+        const Tin* row = inp + (size_t)n * C;
+        if (VEC) {
+            const bool ok = n < N && c < C;
+            if (ok) load8(row + c, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) have[k] = ok;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                have[k] = n < N && c + k < C;
+                if (have[k]) v[k] = row[c + k];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (!have[k]) continue;
+            u32 bits;
+            if constexpr (QUANT) bits = fp8_bits<Tq>(to_float(v[k]) * scale);
+            else bits = (u32)v[k];
+            words[k] |= bits << (8 * S * r);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int idx = threadIdx.x + 256 * h, j = idx % 8, cc = idx / 8;
+        const int oc = c0 + cc, on = n0 + j * EPC;
+        if (oc >= C || on >= N) continue;
+        const uint4 w = make_uint4(tile[cc][4 * j], tile[cc][4 * j + 1], tile[cc][4 * j + 2], tile[cc][4 * j + 3]);
+        Tout* dst = out + (size_t)oc * N + on;
+        if (VEC) {
+            *reinterpret_cast<uint4*>(dst) = w;
+        } else {
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < EPC; ++e)
+                if (on + e < N) dst[e] = (Tout)(ws[e / RW] >> (8 * S * (e % RW)));
+        }
+    }
+}
+
+template <typename Tin, typename Tq, bool VEC>
+__device__ void quantize_transpose_impl(Tq* out, float* stats, const float* amax_src, const Tin* inp, int N, int C) {
+    const float amax = *amax_src;
+    const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
+    write_stats(stats, amax_src, amax, scale);
+    transpose_tile<Tin, u8, Tq, true, VEC>(reinterpret_cast<u8*>(out), inp, N, C, scale);
+}
+
+// ---- bias backward ----------------------------------------------------------------------------
+// Partial sums: block (strip, chunk) sums rows [chunk*BIAS_ROWS, +BIAS_ROWS) of a strip of
+// 32*P columns into scratch[chunk][col]. 8 warps take rows round-robin, lanes take columns.
+constexpr int BIAS_ROWS = 128;
+
+template <typename T, int P>
+__device__ void bias_partial_impl(float* scratch, const T* dout, int N, int OC) {
+    __shared__ float red[8][32 * P];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int col = blockIdx.x * 32 * P + lane * P;
+    const int r_end = min(N, (int)(blockIdx.y + 1) * BIAS_ROWS);
+    float acc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) acc[k] = 0.f;
+    if (col < OC) {
+        for (int r = blockIdx.y * BIAS_ROWS + warp; r < r_end; r += 8) {
+            const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(dout + (size_t)r * OC + col);
+#pragma unroll
+            for (int k = 0; k < P; ++k) acc[k] += to_float(w.v[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < P; ++k) red[warp][lane * P + k] = acc[k];
+    __syncthreads();
+    for (int t = threadIdx.x; t < 32 * P; t += blockDim.x) {
+        const int c = blockIdx.x * 32 * P + t;
+        if (c >= OC) break;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) s += red[w][t];
+        scratch[(size_t)blockIdx.y * OC + c] = s;
+    }
+}
+
+template <typename T> __device__ void bias_reduce_impl(T* dbias, const float* scratch, int chunks, int OC) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    float s = 0.f;
+    for (int i = 0; i < chunks; ++i) s += scratch[(size_t)i * OC + c];
+    dbias[c] = from_float<T>(to_float(dbias[c]) + s);
+}
+
+#define ABS_MAX_KERNELS(SUF, T)                                                                               \
+    extern "C" __global__ void abs_max_##SUF(float* amax, const T* x, long long n) {                          \
+        abs_max_impl<T, true>(amax, x, n);                                                                    \
+    }                                                                                                         \
+    extern "C" __global__ void abs_max_##SUF##_scalar(float* amax, const T* x, long long n) {                 \
+        abs_max_impl<T, false>(amax, x, n);                                                                   \
+    }
+ABS_MAX_KERNELS(f32, float)
+ABS_MAX_KERNELS(bf16, bf16)
+
+#define QUANT_KERNELS(SUF, TIN, QSUF, TQ)                                                                     \
+    extern "C" __global__ void quantize_##SUF##_##QSUF(TQ* out, float* stats, const float* amax,              \
+                                                       const TIN* x, long long n) {                           \
+        quantize_impl<TIN, TQ, true>(out, stats, amax, x, n);                                                 \
+    }                                                                                                         \
+    extern "C" __global__ void quantize_##SUF##_##QSUF##_scalar(TQ* out, float* stats, const float* amax,     \
+                                                                const TIN* x, long long n) {                  \
+        quantize_impl<TIN, TQ, false>(out, stats, amax, x, n);                                                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) quantize_transpose_##SUF##_##QSUF(                      \
+        TQ* out, float* stats, const float* amax, const TIN* inp, int N, int C) {                             \
+        quantize_transpose_impl<TIN, TQ, true>(out, stats, amax, inp, N, C);                                  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) quantize_transpose_##SUF##_##QSUF##_scalar(             \
+        TQ* out, float* stats, const float* amax, const TIN* inp, int N, int C) {                             \
+        quantize_transpose_impl<TIN, TQ, false>(out, stats, amax, inp, N, C);                                 \
+    }
+QUANT_KERNELS(f32, float, e4m3, fp8e4)
+QUANT_KERNELS(f32, float, e5m2, fp8e5)
+QUANT_KERNELS(bf16, bf16, e4m3, fp8e4)
+QUANT_KERNELS(bf16, bf16, e5m2, fp8e5)
+
+#define TRANSPOSE_KERNELS(SUF, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) transpose_##SUF(T* out, const T* inp, int N, int C) {   \
+        transpose_tile<T, T, T, false, true>(out, inp, N, C, 1.f);                                            \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) transpose_##SUF##_scalar(T* out, const T* inp, int N,   \
+                                                                               int C) {                       \
+        transpose_tile<T, T, T, false, false>(out, inp, N, C, 1.f);                                           \
+    }
+TRANSPOSE_KERNELS(u8, u8)
+TRANSPOSE_KERNELS(u16, u16)
+
+#define BIAS_KERNELS(SUF, T)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bias_partial_##SUF(float* scratch, const T* dout, int N, \
+                                                                         int OC) {                            \
+        bias_partial_impl<T, 16 / sizeof(T)>(scratch, dout, N, OC);                                           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) bias_partial_##SUF##_scalar(float* scratch,             \
+                                                                                  const T* dout, int N,       \
+                                                                                  int OC) {                   \
+        bias_partial_impl<T, 1>(scratch, dout, N, OC);                                                        \
+    }                                                                                                         \
+    extern "C" __global__ void bias_reduce_##SUF(T* dbias, const float* scratch, int chunks, int OC) {        \
+        bias_reduce_impl<T>(dbias, scratch, chunks, OC);                                                      \
+    }
+BIAS_KERNELS(f32, float)
+BIAS_KERNELS(bf16, bf16)
+
+// launchers: cuengine/kernels/fp8.py (abs_max, quantize_with_abs_max, quantize_and_transpose,
+// transpose, bias_backward)

@@ -1,0 +1,73 @@
+// Global gradient norm, deterministic and entirely on the device.
+//
+// global_norm_squared adds sum(x^2) of one tensor into a buffer of fp32 partial sums: block b
+// adds its sum into slot b with a plain read-modify-write. Launches on one stream are ordered,
+// so no atomics are needed, and since the grid depends only on the tensor's size and each block
+// sums in a fixed order, the result is bitwise reproducible. The caller zeroes the partials once
+// per step. global_norm_finish sums the slots in a fixed order (one block) and writes
+// [norm, clip_scale]; a NaN or inf norm stays in result[0] for the host to see.
+// The `_scalar` kernels take tensors whose start is not 16-byte aligned.
+#include "common.cuh"
+
+// kernels
+
+template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
+    T v[P];
+};
+
+template <typename T, bool VEC> __device__ void norm_squared_impl(float* partials, const T* x, long long n) {
+    __shared__ float scratch[32];
+    constexpr int P = VEC ? 16 / sizeof(T) : 1;
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    const long long packs = n / P;
+    float acc = 0.f;
+#pragma unroll 4
+    for (long long p = tid; p < packs; p += nthreads) {
+        const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(x + p * P);
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+            const float v = to_float(w.v[k]);
+            acc += v * v;
+        }
+    }
+    // The tail (fewer than P elements) goes to the first threads of the grid.
+    const long long i = packs * P + tid;
+    if (i < n) {
+        const float v = to_float(x[i]);
+        acc += v * v;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] += acc;
+}
+
+__device__ void norm_finish_impl(float* result, const float* partials, int slots, float max_norm) {
+    __shared__ float scratch[32];
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < slots; i += blockDim.x) acc += partials[i];
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) {
+        const float norm = sqrtf(acc);
+        result[0] = norm;
+        result[1] = (max_norm > 0.f && norm > max_norm) ? max_norm / norm : 1.f;
+    }
+}
+
+#define NORM_KERNELS(SUF, T)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                         \
+        global_norm_squared_##SUF(float* partials, const T* x, long long n) {                                 \
+        norm_squared_impl<T, true>(partials, x, n);                                                           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                                         \
+        global_norm_squared_##SUF##_scalar(float* partials, const T* x, long long n) {                        \
+        norm_squared_impl<T, false>(partials, x, n);                                                          \
+    }
+NORM_KERNELS(f32, float)
+NORM_KERNELS(bf16, bf16)
+
+extern "C" __global__ void __launch_bounds__(1024)
+    global_norm_finish(float* result, const float* partials, int slots, float max_norm) {
+    norm_finish_impl(result, partials, slots, max_norm);
+}
+
+// launchers: cuengine/kernels/norm.py (global_norm_squared, global_norm_finish)

@@ -1,0 +1,158 @@
+// RMSNorm over rows of C channels: forward, fused residual-add forward, backward.
+//
+//   forward:  rstd = 1 / sqrt(mean(x^2) + eps);  out = x * rstd * weight         (=)
+//   fused:    residual = round(inp1 + inp2);  then the forward on residual        (=)
+//   backward: dinp = dresidual + rstd * (weight*dout - x*rstd * sum(weight*dout*x) * rstd / C)   (=)
+//             dweight += sum over rows of dout * x * rstd                          (+=, a parameter gradient)
+// One warp per row, fp32 math, one rounding at each store. abs_max outputs max-accumulate |stored value|
+// with one integer atomicMax per block. dinp may alias dresidual, and residual and out may alias inp1 or
+// inp2 (or each other): a lane handles the same elements in both passes of a row and reads each one
+// before it writes it, and no other thread touches them.
+// dweight is deterministic: block b's warps accumulate fixed rows (row = (k * blocks + b) * warps + warp)
+// into per-warp shared partials, added in warp order into scratch[b]; a second kernel adds scratch's
+// rows in order into dweight. The block count is the scratch's first dimension, a function of (N, C)
+// only (rmsnorm_scratch_shape), so results do not depend on the GPU. C: a multiple of the 16-byte
+// vector width.
+#include "common.cuh"
+
+constexpr int FWD_WARPS = 8;  // rows per forward block
+
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
+// order like their bit patterns, so the integer max is exact and order-independent.
+__device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) {
+    __shared__ unsigned s_bits[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) s_bits[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
+        bits = __reduce_max_sync(0xffffffffu, bits);
+        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
+    }
+}
+
+// ---- kernels ------------------------------------------------------------------------------
+
+// RESIDUAL: residual = round(inp1 + inp2) is stored, then normalised; else inp1 is normalised.
+template <typename T, bool RESIDUAL>
+__device__ void rmsnorm_forward_impl(T* out, float* rstd, T* residual, const T* inp1, const T* inp2,
+                                     const T* weight, float* abs_max, float eps, int N, int C) {
+    constexpr int VN = Pack16<T>::N;
+    const int lane = threadIdx.x % 32;
+    unsigned amax = 0;
+    for (int row = blockIdx.x * FWD_WARPS + threadIdx.x / 32; row < N; row += gridDim.x * FWD_WARPS) {
+        const size_t base = (size_t)row * C;
+        const T* x_row = RESIDUAL ? residual + base : inp1 + base;
+        float ss = 0.f;
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            Pack16<T> x;
+            if (RESIDUAL) {
+                const Pack16<T> a = Pack16<T>::load(inp1 + base + c), b = Pack16<T>::load(inp2 + base + c);
+                for (int k = 0; k < VN; ++k) x.v[k] = from_float<T>(to_float(a.v[k]) + to_float(b.v[k]));
+                x.store(residual + base + c);
+            } else {
+                x = Pack16<T>::load(inp1 + base + c);
+            }
+            for (int k = 0; k < VN; ++k) {
+                const float f = to_float(x.v[k]);
+                ss += f * f;
+            }
+        }
+        ss = warp_sum(ss);
+        const float r = 1.f / sqrtf(ss / C + eps);
+        if (lane == 0) rstd[row] = r;
+        // second pass: the row is in L1 (or, for the residual, this thread's own stores)
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            const Pack16<T> x = Pack16<T>::load(x_row + c), w = Pack16<T>::load(weight + c);
+            Pack16<T> y;
+            for (int k = 0; k < VN; ++k) {
+                y.v[k] = from_float<T>(to_float(x.v[k]) * r * to_float(w.v[k]));
+                amax = max(amax, abs_bits(to_float(y.v[k])));
+            }
+            y.store(out + base + c);
+        }
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+// Block partials of dweight into scratch[blockIdx.x, :]; dynamic shared memory: warps * C floats.
+template <typename T>
+__device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
+                                      const T* weight, const float* rstd, float* abs_max, int N, int C) {
+    extern __shared__ float s_dweight[];  // (warps, C); lane-owned entries, so no barrier until the end
+    constexpr int VN = Pack16<T>::N;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    float* my_dweight = s_dweight + (size_t)warp * C;
+    for (int c = lane * VN; c < C; c += 32 * VN)
+        for (int k = 0; k < VN; ++k) my_dweight[c + k] = 0.f;
+    unsigned amax = 0;
+    for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
+        const size_t base = (size_t)row * C;
+        const float r = rstd[row];
+        float dot = 0.f;  // sum(weight * dout * x)
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                            w = Pack16<T>::load(weight + c);
+            for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
+        }
+        dot = warp_sum(dot);
+        const float coef = dot * r / C;
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                            w = Pack16<T>::load(weight + c), dr = Pack16<T>::load(dresidual + base + c);
+            Pack16<T> d;
+            for (int k = 0; k < VN; ++k) {
+                const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
+                d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
+                my_dweight[c + k] += gk * xh;
+                amax = max(amax, abs_bits(to_float(d.v[k])));
+            }
+            d.store(dinp + base + c);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = s_dweight[c];
+        for (int w = 1; w < warps; ++w) acc += s_dweight[(size_t)w * C + c];
+        scratch[(size_t)blockIdx.x * C + c] = acc;
+    }
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+// dweight[c] += sum over p of scratch[p, c], in order of p.
+template <typename T>
+__device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, int P, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float acc = 0.f;
+    for (int p = 0; p < P; ++p) acc += scratch[(size_t)p * C + c];
+    dweight[c] = from_float<T>(to_float(dweight[c]) + acc);
+}
+
+// ---- launchers ----------------------------------------------------------------------------
+
+#define RMSNORM_KERNELS(SUF, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(FWD_WARPS * 32) rmsnorm_forward_##SUF(                     \
+        T* out, float* rstd, const T* inp, const T* weight, float* abs_max, float eps, int N, int C) {     \
+        rmsnorm_forward_impl<T, false>(out, rstd, nullptr, inp, nullptr, weight, abs_max, eps, N, C);       \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FWD_WARPS * 32) fused_residual_rmsnorm_forward_##SUF(      \
+        T* residual, T* out, float* rstd, const T* inp1, const T* inp2, const T* weight, float* abs_max,    \
+        float eps, int N, int C) {                                                                          \
+        rmsnorm_forward_impl<T, true>(out, rstd, residual, inp1, inp2, weight, abs_max, eps, N, C);         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_##SUF(                               \
+        T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
+        const float* rstd, float* abs_max, int N, int C) {                                                  \
+        rmsnorm_backward_impl<T>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);         \
+    }                                                                                                       \
+    extern "C" __global__ void rmsnorm_backward_dweight_##SUF(T* dweight, const float* scratch, int P,      \
+                                                               int C) {                                     \
+        rmsnorm_backward_dweight_impl<T>(dweight, scratch, P, C);                                           \
+    }
+RMSNORM_KERNELS(f32, float)
+RMSNORM_KERNELS(bf16, bf16)
+RMSNORM_KERNELS(f16, half)

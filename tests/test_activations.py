@@ -1,0 +1,282 @@
+"""Activations, plain and gated, both layouts: twins against float64, finite differences, cpu vs cuda."""
+
+import math
+
+import numpy as np
+import pytest
+from conftest import assert_close, check_op, rng
+
+import cuengine as ce
+from cuengine.kernels.activations import (
+    ACTIVATIONS,
+    GATED,
+    activation_backward,
+    activation_backward_np,
+    activation_forward,
+    activation_forward_np,
+    swiglu_backward,
+    swiglu_forward,
+    swiglu_forward_quant,
+)
+
+PLAIN = tuple(a for a in ACTIVATIONS if a not in GATED)
+VARIANTS = [(a, "split") for a in PLAIN] + [(a, lay) for a in GATED for lay in ("split", "interleaved")]
+ROWS = (1, 37, 199, 760, 1128, 8192)
+
+
+# ---- float64 reference, written independently of the twins ----------------------------------------
+def _sig(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _gelu(v):
+    return 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+
+def ref64(x, activation, layout="split"):
+    """The activation in float64, straight from its definition."""
+    x = x.astype(np.float64)
+    plain = {
+        "silu": lambda v: v * _sig(v),
+        "gelu_tanh_approx": _gelu,
+        "relu": lambda v: np.maximum(v, 0.0),
+        "relu_sq": lambda v: np.maximum(v, 0.0) ** 2,
+    }
+    if activation in plain:
+        return plain[activation](x)
+    h = x.shape[-1] // 2
+    g, u = (x[..., :h], x[..., h:]) if layout == "split" else (x[..., 0::2], x[..., 1::2])
+    if activation == "swiglu_oai":
+        g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+        return g * _sig(1.702 * g) * (u + 1.0)
+    gate = {"swiglu": lambda v: v * _sig(v), "reglu": lambda v: np.maximum(v, 0.0), "geglu": _gelu, "glu": _sig}
+    return gate[activation](g) * u
+
+
+def away_from_kinks(x, activation):
+    """Move values off the points where the derivative jumps, so finite differences are exact there."""
+    x = np.where(np.abs(x) < 1e-2, 0.5, x)
+    if activation == "swiglu_oai":
+        x = np.where(np.abs(np.abs(x) - 7.0) < 1e-2, 6.0, x)
+    return x
+
+
+def tensors(dev, **arrays):
+    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
+
+
+# ---- cpu: the twins against float64 -----------------------------------------------------------
+@pytest.mark.parametrize("activation,layout", VARIANTS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_forward_twin_matches_float64(activation, layout, dtype):
+    np_dt = ce.dtype(dtype).np
+    x = (rng(1).standard_normal((37, 48)) * 4).astype(np_dt)  # +-4 sigma reaches swiglu_oai's clamps
+    y = activation_forward_np(x, activation, layout)
+    assert y.dtype == np_dt and y.shape == ((37, 24) if activation in GATED else (37, 48))
+    assert_close(y, ref64(x, activation, layout), dtype, activation)
+
+
+@pytest.mark.parametrize("activation,layout", VARIANTS)
+def test_backward_twin_matches_finite_differences(activation, layout):
+    x = away_from_kinks((rng(2).standard_normal((5, 32)) * 4).astype(np.float32), activation)
+    dout = rng(3).standard_normal((5, 16 if activation in GATED else 32)).astype(np.float32)
+    dx = activation_backward_np(dout, x, activation, layout)
+    x64, h = x.astype(np.float64), 1e-6
+    fd = np.zeros_like(x64)
+    for idx in np.ndindex(*x.shape):  # each output depends on a few inputs: perturb one at a time
+        xp, xm = x64.copy(), x64.copy()
+        xp[idx] += h
+        xm[idx] -= h
+        fd[idx] = np.sum(dout * (ref64(xp, activation, layout) - ref64(xm, activation, layout))) / (2 * h)
+    np.testing.assert_allclose(dx, fd, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_at_kinks_follows_pytorch():
+    x = np.array([[0.0, -1.0, 7.0, 7.5, 0.0, 7.0, -7.0, 8.0]], np.float32)  # split: gate [:4], up [4:]
+    d = np.ones((1, 4), np.float32)
+    assert activation_backward_np(d, x[:, :4], "relu", "split")[0, 0] == 0.0
+    dx = activation_backward_np(d, x, "swiglu_oai", "split")
+    assert dx[0, 2] != 0 and dx[0, 3] == 0  # gate clamp: gradient at 7, none above
+    assert dx[0, 5] != 0 and dx[0, 6] != 0 and dx[0, 7] == 0  # up clamp: gradient at +-7, none beyond
+
+
+def test_layouts_agree():
+    r = rng(4)
+    g, u = r.standard_normal((7, 16)).astype(np.float32), r.standard_normal((7, 16)).astype(np.float32)
+    split = np.concatenate([g, u], axis=1)
+    inter = np.stack([g, u], axis=-1).reshape(7, 32)
+    d = r.standard_normal((7, 16)).astype(np.float32)
+    for act in GATED:
+        np.testing.assert_array_equal(
+            activation_forward_np(split, act, "split"), activation_forward_np(inter, act, "interleaved")
+        )
+        ds, di = activation_backward_np(d, split, act, "split"), activation_backward_np(d, inter, act, "interleaved")
+        np.testing.assert_array_equal(ds, np.concatenate([di[:, 0::2], di[:, 1::2]], axis=1))
+
+
+# ---- launchers: both devices -------------------------------------------------------------------
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("geglu", "interleaved"), ("relu_sq", "split")])
+def test_launchers_write_twin_results_and_abs_max(dev, activation, layout):
+    r = rng(5)
+    x = (r.standard_normal((3, 11, 32)) * 2).astype(np.float32)  # leading dims flatten to rows
+    h = 16 if activation in GATED else 32
+    d = r.standard_normal((3, 11, h)).astype(np.float32)
+    t = tensors(
+        dev,
+        x=x,
+        d=d,
+        out=np.zeros((3, 11, h), np.float32),
+        dx=np.zeros_like(x),
+        amax=np.zeros(1, np.float32),
+        damax=np.array([1e6], np.float32),
+    )
+    activation_forward(t["out"], t["x"], activation, layout, abs_max=t["amax"])
+    activation_backward(t["dx"], t["d"], t["x"], activation, layout, abs_max=t["damax"])
+    y, dx = activation_forward_np(x, activation, layout), activation_backward_np(d, x, activation, layout)
+    assert_close(t["out"].numpy(), y, "fp32", "out")
+    assert_close(t["dx"].numpy(), dx, "fp32", "dinp")
+    assert_close(t["amax"].numpy(), [np.abs(y).max()], "fp32", "abs_max")
+    assert t["damax"].numpy()[0] == 1e6  # max-accumulate: a larger value already there stays
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("swiglu_oai", "interleaved"), ("silu", "split")])
+def test_backward_in_place(dev, activation, layout):
+    r = rng(6)
+    x = (r.standard_normal((37, 32)) * 3).astype(ce.BF16.np)
+    d = r.standard_normal((37, 16 if activation in GATED else 32)).astype(ce.BF16.np)
+    t = tensors(dev, x=x, d=d)
+    activation_backward(t["x"], t["d"], t["x"], activation, layout)
+    assert_close(t["x"].numpy(), activation_backward_np(d, x, activation, layout), "bf16", "dinp in place")
+
+
+def test_swiglu_names_are_the_split_layout(dev):
+    r = rng(7)
+    x, d = r.standard_normal((9, 32)).astype(np.float32), r.standard_normal((9, 16)).astype(np.float32)
+    t = tensors(dev, x=x, d=d, out=np.zeros((9, 16), np.float32), dx=np.zeros_like(x), amax=np.zeros(1, np.float32))
+    swiglu_forward(t["out"], t["x"])
+    swiglu_backward(t["dx"], t["d"], t["x"], abs_max=t["amax"])
+    dx = activation_backward_np(d, x, "swiglu", "split")
+    assert_close(t["out"].numpy(), activation_forward_np(x, "swiglu", "split"), "fp32", "out")
+    assert_close(t["dx"].numpy(), dx, "fp32", "dinp")
+    assert_close(t["amax"].numpy(), [np.abs(dx).max()], "fp32", "abs_max of dinp")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("amax", [0.0, 3.0, 1e-3])
+def test_swiglu_forward_quant(dev, dtype, amax):
+    x = (rng(8).standard_normal((37, 64)) * 2).astype(ce.dtype(dtype).np)
+    y = activation_forward_np(x, "swiglu").astype(np.float32)  # what swiglu_forward stores (tested above)
+    out = ce.Tensor.empty(ce.FP8_E4M3, (37, 32), dev, name="q")
+    out.abs_max.copy_from_numpy(np.array([amax], np.float32))
+    swiglu_forward_quant(out, ce.Tensor.from_numpy(x, dev, name="x"))
+    scale = np.float32(448.0) / np.float32(amax) if amax else np.float32(1)
+    stats = out.fp8_stats()
+    np.testing.assert_array_equal(stats, np.array([amax, scale, np.float32(1) / scale], np.float32))
+    want = np.clip(y * scale, -448, 448).astype(ce.FP8_E4M3.np)
+    got = out.numpy()
+    if dev.is_cuda:  # the device's expf may move a value across a rounding boundary of the 16-bit swiglu
+        assert_close(got, want, "e4m3", "fp8 values")
+    else:
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    if amax == 1e-3:
+        assert np.abs(got.astype(np.float32)).max() == 448  # saturates, no inf or NaN
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _t(shape, dtype=np.float32):
+    return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name="t")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: activation_forward(_t((4, 8)), _t((4, 16)), "swish"), "unknown activation 'swish'"),
+        (lambda: activation_forward(_t((4, 8)), _t((4, 16)), "swiglu", "blocked"), "unknown layout 'blocked'"),
+        (lambda: activation_forward(_t((4, 8)), _t((4, 15)), "swiglu"), r"needs \(\.\.\., 2H\)"),
+        (lambda: activation_forward(_t((4, 6)), _t((4, 12)), "swiglu"), "H = 6 must be a multiple of 4"),
+        (lambda: activation_forward(_t((4, 12), ce.BF16.np), _t((4, 12), ce.BF16.np), "relu"), "multiple of 8"),
+        (lambda: activation_forward(_t((4, 16)), _t((4, 16)), "swiglu"), r"out: expected shape \(4, 8\)"),
+        (lambda: activation_forward(_t((4, 8), ce.BF16.np), _t((4, 16)), "swiglu"), "expected dtype fp32"),
+        (lambda: activation_forward(_t((4, 8)), _t((4, 8), np.int32), "relu"), "expected dtype fp32/bf16/fp16"),
+        (lambda: activation_forward(_t((4, 8)), _t((4, 16)), "swiglu", abs_max=_t((2,))), r"abs_max: expected shape"),
+        (lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 16)), "glu"), r"dinp: expected shape \(4, 16\)"),
+        (lambda: activation_backward(_t((4, 16)), _t((4, 16)), _t((4, 16)), "glu"), r"dout: expected shape \(4, 8\)"),
+        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 16))), "expected dtype e4m3"),
+        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 15))), r"expected shape \(\.\.\., 2H\)"),
+        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 12))), "H = 6 must be a multiple of 4"),
+        (
+            lambda: swiglu_forward_quant(ce.Tensor.empty(ce.FP8_E4M3, (4, 4), "cpu"), _t((4, 16))),
+            r"expected shape \(4, 8\)",
+        ),
+    ],
+)
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_quant_needs_stats():
+    out = ce.Tensor.empty(ce.FP8_E4M3, (4, 8), "cpu", name="q")
+    out.stats = None
+    with pytest.raises(ValueError, match="carries no FP8 stats"):
+        swiglu_forward_quant(out, _t((4, 16)))
+
+
+# ---- gpu: cuda against the twin ---------------------------------------------------------------
+def fwd_bwd(out, dinp, abs_max, inp, dout, activation, layout):
+    activation_forward(out, inp, activation, layout, abs_max=abs_max)
+    activation_backward(dinp, dout, inp, activation, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,layout", VARIANTS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_matches_cpu_every_activation(activation, layout, dtype):
+    r = rng(9)
+    h = 1000
+    x = (r.standard_normal((37, 2 * h if activation in GATED else h)) * 3).astype(np.float32)
+    check_op(
+        fwd_bwd,
+        {"inp": x, "dout": r.standard_normal((37, h)).astype(np.float32)},
+        {"out": np.zeros((37, h), np.float32), "dinp": np.zeros_like(x), "abs_max": np.zeros(1, np.float32)},
+        dtypes={"inp": dtype, "dout": dtype, "out": dtype, "dinp": dtype},
+        compare={"abs_max": dtype},
+        activation=activation,
+        layout=layout,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_matches_cpu_swiglu(rows, dtype):
+    r, h = rng(rows), 896
+    x = (r.standard_normal((rows, 2 * h)) * 2).astype(np.float32)
+    check_op(
+        fwd_bwd,
+        {"inp": x, "dout": r.standard_normal((rows, h)).astype(np.float32)},
+        {"out": np.zeros((rows, h), np.float32), "dinp": np.zeros_like(x), "abs_max": np.zeros(1, np.float32)},
+        dtypes={"inp": dtype, "dout": dtype, "out": dtype, "dinp": dtype},
+        compare={"abs_max": dtype},
+        activation="swiglu",
+        layout="split",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [37, 1128])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_swiglu_quant_equals_forward_then_quantise(cuda, rows, dtype):
+    x = (rng(10).standard_normal((rows, 2 * 1000)) * 2).astype(ce.dtype(dtype).np)
+    inp = ce.Tensor.from_numpy(x, cuda, name="x")
+    y = ce.Tensor.empty(dtype, (rows, 1000), cuda, name="y")
+    amax = ce.Tensor.from_numpy(np.zeros(1, np.float32), cuda, name="amax")
+    swiglu_forward(y, inp, abs_max=amax)
+    q = ce.Tensor.empty(ce.FP8_E4M3, (rows, 1000), cuda, name="q")
+    cuda.copy(q.abs_max, amax)
+    swiglu_forward_quant(q, inp)
+    a = float(amax.numpy()[0])
+    scale = np.float32(448.0) / np.float32(a)
+    np.testing.assert_array_equal(q.fp8_stats(), np.array([a, scale, np.float32(1) / scale], np.float32))
+    want = np.clip(y.numpy().astype(np.float32) * scale, -448, 448).astype(ce.FP8_E4M3.np)
+    np.testing.assert_array_equal(q.numpy().view(np.uint8), want.view(np.uint8))  # same bits as unfused

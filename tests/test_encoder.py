@@ -1,0 +1,199 @@
+"""Token embedding: gather forward and the deterministic scatter-add backward, cpu and cuda."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, rng
+
+import cuengine as ce
+from cuengine.kernels.encoder import (
+    encoder_backward,
+    encoder_backward_np,
+    encoder_forward,
+    encoder_forward_np,
+    encoder_scratch_shape,
+)
+
+ROWS = (1, 37, 199, 760, 1128, 8192)
+
+
+def make(n, v, c, dout_dtype="fp32", dwte_dtype="fp32", seed=0):
+    """tokens (1, n) drawn from a small vocabulary part so that ids repeat; dout, dwte in their dtypes."""
+    r = rng(seed)
+    tokens = r.integers(0, min(v, 50), (1, n)).astype(np.int32)  # many repeats
+    tokens[0, ::7] = r.integers(0, v, tokens[0, ::7].shape)  # and a spread over the vocabulary
+    dout = r.standard_normal((1, n, c)).astype(ce.dtype(dout_dtype).np)
+    dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
+    return tokens, dout, dwte
+
+
+def tensors(dev, **arrays):
+    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
+
+
+def backward(dev, dwte, dout, tokens, scratch_fill=0):
+    t = tensors(dev, dwte=dwte, dout=dout, tokens=tokens)
+    scratch = ce.Tensor.from_numpy(np.full(encoder_scratch_shape(*tokens.shape), scratch_fill, np.int32), dev)
+    encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch)
+    return t["dwte"].numpy()
+
+
+# ---- cpu: the twins against independent formulas ------------------------------------------------
+def test_forward_twin_is_a_gather():
+    tokens, _, wte = make(37, 300, 16)
+    out = encoder_forward_np(tokens, wte)
+    for i, tok in enumerate(tokens[0]):
+        np.testing.assert_array_equal(out[0, i], wte[tok])
+
+
+@pytest.mark.parametrize("dwte_dtype", ["fp32", "bf16"])
+def test_backward_twin_matches_float64(dwte_dtype):
+    tokens, dout, dwte = make(199, 300, 16, dwte_dtype=dwte_dtype)
+    want = dwte.astype(np.float64)
+    np.add.at(want, tokens.reshape(-1), dout.reshape(-1, 16).astype(np.float64))
+    assert_close(encoder_backward_np(dwte, dout, tokens), want, dwte_dtype, "dwte")
+
+
+def test_backward_twin_sums_in_kernel_order():
+    """A run of 6 positions: lanes get positions 0,4 / 1,5 / 2 / 3, added as ((p0 + p1) + p2) + p3."""
+    vals = np.array([1e8, 1.0, -1e8, 3.0, 1.0, 0.5], np.float32)[:, None]  # order-sensitive in fp32
+    got = encoder_backward_np(np.zeros((2, 1), np.float32), vals[None], np.ones((1, 6), np.int32))
+    f = np.float32
+    p = [f(f(1e8) + f(1.0)), f(f(1.0) + f(0.5)), f(-1e8), f(3.0)]
+    assert got[1, 0] == f(f(f(p[0] + p[1]) + p[2]) + p[3]) and got[0, 0] == 0
+
+
+def test_invalid_ids_are_skipped_and_give_zero_rows():
+    tokens = np.array([[3, -1, 5, 9, 3]], np.int32)
+    wte = np.arange(1, 41, dtype=np.float32).reshape(5, 8)
+    out = encoder_forward_np(tokens, wte)
+    np.testing.assert_array_equal(out[0, [1, 2, 3]], 0)
+    np.testing.assert_array_equal(out[0, 0], wte[3])
+    dout = np.ones((1, 5, 8), np.float32)
+    dw = encoder_backward_np(np.zeros((5, 8), np.float32), dout, tokens)
+    np.testing.assert_array_equal(dw[3], 2)
+    assert dw.sum() == 16
+
+
+# ---- launchers: both devices -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_forward(dev, dtype):
+    tokens, _, wte = make(2 * 37, 300, 64, dwte_dtype=dtype)
+    tokens = tokens.reshape(2, 37)
+    tokens[1, 3] = 300  # out of range: a zero row, no out-of-bounds read
+    t = tensors(dev, tokens=tokens, wte=wte, out=np.full((2, 37, 64), 7, ce.dtype(dtype).np))
+    encoder_forward(t["out"], t["tokens"], t["wte"])
+    np.testing.assert_array_equal(t["out"].numpy(), encoder_forward_np(tokens, wte))
+
+
+@pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+def test_backward_accumulates(dev, dwte_dtype, dout_dtype):
+    tokens, dout, dwte = make(2 * 19, 300, 32, dout_dtype, dwte_dtype, seed=1)
+    tokens, dout = tokens.reshape(2, 19), dout.reshape(2, 19, 32)
+    t = tensors(dev, dwte=dwte, dout=dout, tokens=tokens)
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(2, 19, 32), dev, name="scratch")
+    encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch)
+    once = encoder_backward_np(dwte, dout, tokens)
+    np.testing.assert_array_equal(t["dwte"].numpy(), once)  # the twin mirrors the kernel's order: same bits
+    encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch)
+    np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(once, dout, tokens))
+
+
+def test_backward_skips_invalid_ids_without_touching_memory(dev):
+    """dwte is a view between two guard rows; ids -1 and V must change neither."""
+    v, c = 20, 16
+    full = rng(2).standard_normal((v + 2, c)).astype(np.float32)
+    buf = ce.Tensor.from_numpy(full, dev, name="buf")
+    dwte = buf[1 : v + 1]
+    tokens = np.array([[0, -1, v, v - 1, 5, -7, v + 100, 5]], np.int32)
+    dout = rng(3).standard_normal((1, 8, c)).astype(np.float32)
+    t = tensors(dev, dout=dout, tokens=tokens)
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 8), dev, name="scratch")
+    encoder_backward(dwte, t["dout"], t["tokens"], scratch)
+    got = buf.numpy()
+    np.testing.assert_array_equal(got[[0, -1]], full[[0, -1]])
+    np.testing.assert_array_equal(got[1:-1], encoder_backward_np(full[1:-1], dout, tokens))
+
+
+def test_scratch_shape():
+    assert encoder_scratch_shape(1, 1) == (3 + 256,)
+    assert encoder_scratch_shape(8, 1024, 896) == (3 * 8192 + 256 * 4,)  # C does not matter
+    assert encoder_scratch_shape(1, 2049) == (3 * 2049 + 256 * 2,)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _t(shape, dtype=np.float32):
+    return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name="t")
+
+
+I32, BF = np.int32, ce.BF16.np
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3)), _t((10, 8))), "tokens: expected dtype int32"),
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t((10, 8), I32)), "wte: expected dtype fp32/bf16"),
+        (lambda: encoder_forward(_t((2, 4, 8)), _t((2, 3), I32), _t((10, 8))), r"out: expected shape \(2, 3, 8\)"),
+        (lambda: encoder_forward(_t((2, 3, 8), BF), _t((2, 3), I32), _t((10, 8))), "out: expected dtype fp32"),
+        (lambda: encoder_forward(_t((2, 3, 6)), _t((2, 3), I32), _t((10, 6))), "C = 6 must be a multiple of 4"),
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t(80)), r"wte: expected shape \(\*, \*\)"),
+        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(7, I32)), "scratch: expected shape"),
+        (
+            lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(274)),
+            "scratch: expected dtype int32",
+        ),
+        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(274, I32)), "dout: expected shape"),
+        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(274, I32)), "C = 12 must"),
+    ],
+)
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- gpu: determinism, capture, and cuda against the twin ----------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
+    tokens, dout, dwte = make(rows, 1000, 896, dout_dtype, dwte_dtype, seed=rows)
+    cpu = backward(ce.device("cpu"), dwte, dout, tokens)
+    gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=-12345)
+    assert_close(gpu, cpu, dwte_dtype, "dwte")
+    np.testing.assert_array_equal(gpu.view(np.uint8), cpu.view(np.uint8))  # the twin mirrors the sum order
+    t = tensors(ce.device("cuda"), tokens=tokens, wte=dwte)
+    out = ce.Tensor.empty(dwte_dtype, (1, rows, 896), ce.device("cuda"), name="out")
+    encoder_forward(out, t["tokens"], t["wte"])
+    np.testing.assert_array_equal(out.numpy(), encoder_forward_np(tokens, dwte))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [200, 50257, 151936])  # 1, 2 and 3 radix passes
+@pytest.mark.parametrize("skew", ["one_token", "few_tokens", "spread"])
+def test_cuda_deterministic(v, skew):
+    """Bitwise-equal dwte across runs, with scratch garbage in between, on heavily repeated tokens."""
+    n, c = 8 * 1024, 256
+    r = rng(11)
+    tokens = {"one_token": np.full(n, v - 1), "few_tokens": r.integers(0, 3, n), "spread": r.integers(0, v, n)}[skew]
+    tokens = tokens.astype(np.int32).reshape(8, 1024)
+    dout = r.standard_normal((8, 1024, c)).astype(ce.BF16.np)
+    dwte = np.zeros((v, c), ce.BF16.np)
+    runs = [backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=f) for f in (0, -1, 7)]
+    for other in runs[1:]:
+        np.testing.assert_array_equal(other.view(np.uint8), runs[0].view(np.uint8))
+    np.testing.assert_array_equal(runs[0].view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_cuda_backward_captures_into_a_graph(cuda):
+    tokens, dout, dwte = make(1128, 50257, 896, "bf16", "fp32", seed=5)
+    t = tensors(cuda, dwte=np.zeros_like(dwte), dout=dout, tokens=tokens)
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 1128), cuda, name="scratch")
+    warm = ce.Tensor.empty(ce.FP32, dwte.shape, cuda, name="warm")  # loads the kernels before capturing
+    encoder_backward(warm, t["dout"], t["tokens"], scratch)
+    graph = cuda.capture(lambda: encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch))
+    assert not t["dwte"].numpy().any()  # captured, not run
+    graph.launch()
+    graph.launch()
+    once = encoder_backward_np(np.zeros_like(dwte), dout, tokens)
+    np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(once, dout, tokens))

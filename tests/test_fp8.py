@@ -1,0 +1,333 @@
+"""FP8 family: abs-max, quantise (plain and transposed), transpose, bias gradient."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_close, rng
+
+import cuengine as ce
+from cuengine.kernels import fp8
+from cuengine.tensor import stats_values
+
+FP8 = ["e4m3", "e5m2"]
+_BITS = {1: np.uint8, 2: np.uint16}
+
+
+def nearest_fp8_codes(y, fp8_name):
+    """Independent SATFINITE RNE: clamp in float64, then pick the nearest finite fp8 value by
+    searching the table of all 256 codes (ties go to the even code)."""
+    dt = ce.dtype(fp8_name)
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(dt.np).astype(np.float64)
+    ok = np.isfinite(vals) & ~((vals == 0) & (codes == 0x80))  # one zero (+0) per magnitude
+    vals, codes = vals[ok], codes[ok]
+    order = np.argsort(vals, kind="stable")
+    vals, codes = vals[order], codes[order]
+    y = np.clip(np.asarray(y, np.float64), -dt.fp8_max, dt.fp8_max).reshape(-1)
+    hi = np.clip(np.searchsorted(vals, y), 1, len(vals) - 1)
+    lo = hi - 1
+    d_lo, d_hi = y - vals[lo], vals[hi] - y
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    out = np.where(pick_hi, codes[hi], codes[lo])
+    value = np.where(pick_hi, vals[hi], vals[lo])
+    out = np.where(value == 0, np.where(np.signbit(y), 0x80, 0), out)  # a zero keeps the sign of y
+    return out.astype(np.uint8)
+
+
+def fp8_close(actual, expected):
+    """Equal codes, or adjacent ones (one fp8 ulp) of the same sign."""
+    a = np.asarray(actual).view(np.uint8).astype(np.int32)
+    e = np.asarray(expected).view(np.uint8).astype(np.int32)
+    same_sign = (a & 0x80) == (e & 0x80)
+    assert np.all(same_sign & (np.abs((a & 0x7F) - (e & 0x7F)) <= 1)), "fp8 values differ by more than one ulp"
+
+
+def data(shape, dtype="fp32", seed=0, scale=3.0):
+    return (rng(seed).standard_normal(shape) * scale).astype(ce.dtype(dtype).np)
+
+
+# ---- cpu: twins against independent references ------------------------------------------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_abs_max_accumulates(dtype):
+    cpu = ce.device("cpu")
+    x = data((37, 29), dtype)
+    expect = np.abs(x.astype(np.float64)).max()
+    amax = ce.Tensor.from_numpy(np.zeros(1, np.float32), cpu)
+    fp8.abs_max(amax, ce.Tensor.from_numpy(x, cpu))
+    assert amax.numpy()[0] == np.float32(expect)
+    amax.copy_from_numpy(np.array([1e6], np.float32))  # a larger value already there stays
+    fp8.abs_max(amax, ce.Tensor.from_numpy(x, cpu))
+    assert amax.numpy()[0] == np.float32(1e6)
+
+
+def test_abs_max_reports_nan():
+    cpu = ce.device("cpu")
+    x = data((100,))
+    x[17] = np.nan
+    amax = ce.Tensor.from_numpy(np.zeros(1, np.float32), cpu)
+    fp8.abs_max(amax, ce.Tensor.from_numpy(x, cpu))
+    assert np.isnan(amax.numpy()[0])
+
+
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("amax_factor", [1.0, 0.5, 0.0])
+def test_quantize_matches_independent_rounding(fp8_name, dtype, amax_factor):
+    """amax_factor 0.5 forces saturation; 0 gives unit scales."""
+    cpu = ce.device("cpu")
+    x = data((37, 41), dtype, seed=2)
+    x[0, :4] = [0, -0.0, 1e-30, -1e-30]
+    amax = np.float32(np.abs(x.astype(np.float32)).max() * amax_factor)
+    out = ce.Tensor.empty(fp8_name, (37, 41), cpu, name="q")
+    out.abs_max.copy_from_numpy(np.array([amax], np.float32))
+    fp8.quantize_with_abs_max(out, ce.Tensor.from_numpy(x, cpu))
+    _, scale, scale_inv = stats_values(float(amax), ce.dtype(fp8_name))
+    np.testing.assert_array_equal(out.fp8_stats(), np.array([amax, scale, scale_inv], np.float32))
+    y = x.astype(np.float32) * np.float32(scale)  # the fp32 product is the rounding point
+    np.testing.assert_array_equal(out.numpy().view(np.uint8).reshape(-1), nearest_fp8_codes(y, fp8_name))
+
+
+def test_quantize_reads_a_given_slot_and_records_it():
+    cpu = ce.device("cpu")
+    x = data((8, 16), "bf16")
+    slot = ce.Tensor.from_numpy(np.array([7.0], np.float32), cpu, name="slot")
+    out = ce.Tensor.empty("e4m3", (8, 16), cpu, name="q")
+    fp8.quantize_with_abs_max(out, ce.Tensor.from_numpy(x, cpu), abs_max=slot)
+    np.testing.assert_array_equal(out.fp8_stats(), np.array(stats_values(7.0, ce.FP8_E4M3), np.float32))
+    ref = np.clip(x.astype(np.float32) * np.float32(448 / np.float32(7)), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), ref.view(np.uint8))
+
+
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("shape", [(1, 8), (37, 24), (3, 5, 40)])
+def test_quantize_and_transpose_is_transposed_quantize(fp8_name, shape):
+    cpu = ce.device("cpu")
+    x = data(shape, "bf16", seed=4)
+    c = shape[-1]
+    n = x.size // c
+    plain = ce.Tensor.empty(fp8_name, shape, cpu)
+    tq = ce.Tensor.empty(fp8_name, (c, n), cpu)
+    for t in (plain, tq):
+        t.abs_max.copy_from_numpy(np.array([2.5], np.float32))  # below max|x|: saturation too
+    fp8.quantize_with_abs_max(plain, ce.Tensor.from_numpy(x, cpu))
+    fp8.quantize_and_transpose(tq, ce.Tensor.from_numpy(x, cpu))
+    np.testing.assert_array_equal(tq.numpy().view(np.uint8), plain.numpy().reshape(n, c).T.view(np.uint8))
+    np.testing.assert_array_equal(tq.fp8_stats(), plain.fp8_stats())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "e4m3", "e5m2", "byte"])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (4, 3, 7)])
+def test_transpose_moves_bits(dtype, shape):
+    cpu = ce.device("cpu")
+    dt = ce.dtype(dtype)
+    bits = rng(5).integers(0, 256**dt.itemsize, shape).astype(_BITS[dt.itemsize])  # NaN payloads included
+    inp = ce.Tensor.from_numpy(bits.view(dt.np), cpu, name="inp")
+    c = shape[-1]
+    out = ce.Tensor.empty(dt, (c, bits.size // c), cpu, name="out")
+    fp8.transpose(out, inp)
+    np.testing.assert_array_equal(out.numpy().view(bits.dtype), bits.reshape(-1, c).T)
+
+
+@pytest.mark.parametrize("dbias_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dout_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 7), (37, 40), (300, 3, 24)])
+def test_bias_backward_accumulates_column_sums(dbias_dtype, dout_dtype, shape):
+    cpu = ce.device("cpu")
+    oc = shape[-1]
+    dout = data(shape, dout_dtype, seed=6, scale=1.0)
+    dbias0 = data((oc,), dbias_dtype, seed=7, scale=1.0)
+    n = dout.size // oc
+    scratch = ce.Tensor.empty(ce.FP32, fp8.bias_backward_scratch_shape(n, oc), cpu)
+    dbias = ce.Tensor.from_numpy(dbias0, cpu, name="dbias")
+    fp8.bias_backward(dbias, ce.Tensor.from_numpy(dout, cpu), scratch)
+    expect = dbias0.astype(np.float64) + dout.astype(np.float64).reshape(n, oc).sum(axis=0)
+    assert_close(dbias.numpy(), expect, dbias_dtype, "dbias", scale=math.sqrt(n))
+
+
+def test_bias_backward_scratch_shape():
+    assert fp8.bias_backward_scratch_shape(8192, 896) == (64, 896)
+    assert fp8.bias_backward_scratch_shape(1, 5) == (1, 5)
+    assert fp8.bias_backward_scratch_shape(129, 5) == (2, 5)
+
+
+# ---- cpu: error paths -------------------------------------------------------------------------
+def _t(dtype, shape, name="t"):
+    return ce.Tensor.empty(dtype, shape, ce.device("cpu"), name=name)
+
+
+def test_errors_abs_max():
+    with pytest.raises(ValueError, match=r"abs_max: amax: expected shape \(1\)"):
+        fp8.abs_max(_t(ce.FP32, (2,)), _t(ce.FP32, (4,)))
+    with pytest.raises(ValueError, match=r"abs_max: inp: expected dtype fp32/bf16"):
+        fp8.abs_max(_t(ce.FP32, (1,)), _t(ce.INT32, (4,)))
+
+
+def test_errors_quantize():
+    x = _t(ce.BF16, (4, 8))
+    with pytest.raises(ValueError, match=r"out: expected dtype e4m3/e5m2, got tensor 'q' bf16"):
+        fp8.quantize_with_abs_max(_t(ce.BF16, (4, 8), "q"), x)
+    with pytest.raises(ValueError, match=r"inp: expected dtype fp32/bf16"):
+        fp8.quantize_with_abs_max(_t("e4m3", (4, 8)), _t(ce.FP16, (4, 8)))
+    bare = ce.Tensor(ce.FP8_E4M3, (4, 8), ce.device("cpu"), np.zeros(32, np.uint8), name="bare")
+    with pytest.raises(ValueError, match=r"'bare'.*carries no FP8 stats"):
+        fp8.quantize_with_abs_max(bare, x)
+    with pytest.raises(ValueError, match=r"different numbers of elements"):
+        fp8.quantize_with_abs_max(_t("e4m3", (4, 9)), x)
+    with pytest.raises(ValueError, match=r"abs_max: expected shape \(1\)"):
+        fp8.quantize_with_abs_max(_t("e4m3", (4, 8)), x, abs_max=_t(ce.FP32, (3,)))
+    with pytest.raises(ValueError, match=r"quantize_and_transpose: out: expected shape \(8, 4\)"):
+        fp8.quantize_and_transpose(_t("e5m2", (4, 8)), x)
+
+
+def test_errors_transpose():
+    with pytest.raises(ValueError, match=r"only 1- and 2-byte dtypes"):
+        fp8.transpose(_t(ce.FP32, (8, 4)), _t(ce.FP32, (4, 8)))
+    with pytest.raises(ValueError, match=r"transpose: out: expected dtype bf16"):
+        fp8.transpose(_t(ce.FP16, (8, 4)), _t(ce.BF16, (4, 8)))
+    with pytest.raises(ValueError, match=r"transpose: out: expected shape \(8, 4\)"):
+        fp8.transpose(_t(ce.BF16, (4, 8)), _t(ce.BF16, (4, 8)))
+    with pytest.raises(ValueError, match=r"non-empty last dimension"):
+        fp8.transpose(_t(ce.BF16, (0, 4)), _t(ce.BF16, (4, 0)))
+
+
+def test_errors_bias_backward():
+    with pytest.raises(ValueError, match=r"dbias: expected dtype fp32/bf16"):
+        fp8.bias_backward(_t(ce.FP16, (8,)), _t(ce.BF16, (4, 8)), _t(ce.FP32, (1, 8)))
+    with pytest.raises(ValueError, match=r"dbias: expected shape \(\*\)"):
+        fp8.bias_backward(_t(ce.FP32, (2, 8)), _t(ce.BF16, (4, 8)), _t(ce.FP32, (1, 8)))
+    with pytest.raises(ValueError, match=r"must end in OC = 8"):
+        fp8.bias_backward(_t(ce.FP32, (8,)), _t(ce.BF16, (8, 4)), _t(ce.FP32, (1, 8)))
+    with pytest.raises(ValueError, match=r"scratch 's'.*needs 16"):
+        fp8.bias_backward(_t(ce.FP32, (8,)), _t(ce.BF16, (200, 8)), _t(ce.FP32, (8,), "s"))
+    with pytest.raises(ValueError, match=r"scratch: expected dtype fp32"):
+        fp8.bias_backward(_t(ce.FP32, (8,)), _t(ce.BF16, (4, 8)), _t(ce.BF16, (1, 8)))
+
+
+# ---- cuda against the twin ----------------------------------------------------------------------
+SHAPES = [(1, 8), (37, 5), (199, 760), (128, 1128), (760, 896), (1128, 37), (8192, 896)]
+
+
+def both(fn):
+    """Run fn(device) on cpu and cuda; return the two results."""
+    return fn(ce.device("cpu")), fn(ce.device("cuda"))
+
+
+def unaligned(dev, x, dtype):
+    """A tensor holding x whose start is 2 elements past a 16-byte boundary."""
+    padded = np.concatenate([np.zeros(2, x.dtype), x.reshape(-1)])
+    t = ce.Tensor.from_numpy(padded, dev, name="x", dtype=dtype)
+    return t[2:].reshape(x.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 37, 199 * 760, 8192 * 896 + 3])
+@pytest.mark.parametrize("align", [True, False])
+def test_cuda_abs_max(dtype, n, align):
+    x = data((n,), dtype, seed=n)
+    x[n // 2] = -9.5  # the max sits in the middle
+
+    def fn(dev):
+        amax = ce.Tensor.from_numpy(np.array([0.5], np.float32), dev)
+        fp8.abs_max(amax, ce.Tensor.from_numpy(x, dev) if align else unaligned(dev, x, dtype))
+        return amax.numpy()
+
+    cpu, cuda = both(fn)
+    np.testing.assert_array_equal(cuda, cpu)
+
+
+@pytest.mark.gpu
+def test_cuda_abs_max_nan():
+    x = data((5000,), "bf16")
+    x[4321] = np.nan
+    amax = ce.Tensor.from_numpy(np.zeros(1, np.float32), "cuda")
+    fp8.abs_max(amax, ce.Tensor.from_numpy(x, "cuda"))
+    assert np.isnan(amax.numpy()[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("slot", ["own", "given", "zero"])
+def test_cuda_quantize(fp8_name, dtype, shape, slot):
+    x = data(shape, dtype, seed=shape[0])
+    amax = 0.0 if slot == "zero" else float(np.abs(x.astype(np.float32)).max()) * 0.9
+
+    def fn(dev):
+        out = ce.Tensor.empty(fp8_name, shape, dev, name="q")
+        given = None
+        if slot == "given":
+            given = ce.Tensor.from_numpy(np.array([amax], np.float32), dev)
+        else:
+            out.abs_max.copy_from_numpy(np.array([amax], np.float32))
+        inp = ce.Tensor.from_numpy(x, dev) if shape[0] % 2 else unaligned(dev, x, dtype)
+        fp8.quantize_with_abs_max(out, inp, abs_max=given)
+        return out.numpy(), out.fp8_stats()
+
+    (q_cpu, s_cpu), (q_cuda, s_cuda) = both(fn)
+    np.testing.assert_array_equal(s_cuda, s_cpu)
+    fp8_close(q_cuda, q_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES + [(4, 2, 96)])
+def test_cuda_quantize_and_transpose(fp8_name, dtype, shape):
+    x = data(shape, dtype, seed=shape[-1])
+    c = shape[-1]
+    n = x.size // c
+
+    def fn(dev):
+        out = ce.Tensor.empty(fp8_name, (c, n), dev, name="qt")
+        slot = ce.Tensor.from_numpy(np.array([2.0], np.float32), dev)
+        fp8.quantize_and_transpose(out, ce.Tensor.from_numpy(x, dev), abs_max=slot)
+        return out.numpy(), out.fp8_stats()
+
+    (q_cpu, s_cpu), (q_cuda, s_cuda) = both(fn)
+    np.testing.assert_array_equal(s_cuda, s_cpu)
+    fp8_close(q_cuda, q_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "e4m3", "e5m2", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 64), (64, 4096)])
+def test_cuda_transpose(dtype, shape):
+    dt = ce.dtype(dtype)
+    bits = rng(shape[0]).integers(0, 256**dt.itemsize, shape).astype(_BITS[dt.itemsize])
+    c = shape[-1]
+
+    def fn(dev):
+        out = ce.Tensor.empty(dt, (c, bits.size // c), dev, name="out")
+        fp8.transpose(out, ce.Tensor.from_numpy(bits.view(dt.np), dev))
+        return out.numpy().view(bits.dtype)
+
+    cpu, cuda = both(fn)
+    np.testing.assert_array_equal(cuda, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dbias_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dout_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cuda_bias_backward(dbias_dtype, dout_dtype, shape):
+    n, oc = shape
+    dout = data(shape, dout_dtype, seed=oc, scale=1.0)
+    dbias0 = data((oc,), dbias_dtype, seed=1, scale=1.0)
+
+    def fn(dev):
+        dbias = ce.Tensor.from_numpy(dbias0, dev, name="dbias")
+        scratch = ce.Tensor.empty(ce.FP32, fp8.bias_backward_scratch_shape(n, oc), dev)
+        runs = []
+        for _ in range(2):  # deterministic: the same sums twice
+            dbias.copy_from_numpy(dbias0)
+            fp8.bias_backward(dbias, ce.Tensor.from_numpy(dout, dev), scratch)
+            runs.append(dbias.numpy())
+        np.testing.assert_array_equal(runs[0], runs[1])
+        return runs[0]
+
+    cpu, cuda = both(fn)
+    assert_close(cuda, cpu, dbias_dtype, "dbias", scale=math.sqrt(n))

@@ -1,0 +1,285 @@
+"""Bandwidth of the memory-bound kernel families against the device-to-device copy ceiling.
+
+Each case moves at least 64 MB (bytes read + bytes written, counting every tensor once: the
+algorithmic minimum, not what the kernel happens to re-read from L2). The ceiling is measured
+here, as a 1 GiB device-to-device copy timed the same way (known figure on an H200: 4.27 TB/s).
+Timing: CUDA events around a few back-to-back launches (about 200 MB of traffic) after a
+warm-up; the median over the samples is reported, per launch.
+
+    python tools/bench_kernels.py                      # every family
+    python tools/bench_kernels.py --family fp8,adamw   # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cuengine as ce  # noqa: E402
+
+FAMILIES = ("classifier", "fp8", "norm", "adamw", "encoder", "rmsnorm", "rope", "swiglu")
+MB = 1e6
+
+
+def fill(t, scale=1.0, seed=0):
+    """Random normal values in place (fp8: random finite positive codes). On cuda, bf16 arrays
+    are raw bits, filled by truncating fp32 bits."""
+    xp = t.device.xp
+    rng = xp.random.default_rng(seed)
+    a = t.array()
+    if t.dtype.is_fp8:
+        a.view(xp.uint8)[...] = rng.integers(0, 0x7F, a.shape, dtype=xp.int32).astype(xp.uint8)
+        return t
+    x = rng.standard_normal(a.shape, dtype=xp.float32) * xp.float32(scale)
+    if a.dtype.kind == "u":  # bf16 bits on cuda
+        a[...] = (x.view(xp.uint32) >> 16).astype(xp.uint16)
+    else:
+        a[...] = x
+    return t
+
+
+def randint(t, high, seed=0):
+    xp = t.device.xp
+    t.array()[...] = xp.random.default_rng(seed).integers(0, high, t.shape, dtype=xp.int32)
+    return t
+
+
+def tensor(dev, dtype, shape, scale=1.0, seed=0, name="t"):
+    return fill(ce.Tensor.empty(dtype, shape, dev, name=name), scale, seed)
+
+
+def time_ms(dev, fn, nbytes: int, warmup: int, iters: int) -> float:
+    """Median milliseconds per call of fn().
+
+    Each of the `iters` samples runs fn() several times between two CUDA events, enough for
+    about 200 MB of traffic, so that the GPU time of a sample outweighs Python's launch
+    overhead and the queue never drains (on cpu, host time: only good for checking this script).
+    """
+    reps = max(1, min(64, round(2e8 / max(nbytes, 1))))
+    for _ in range(warmup):
+        fn()
+    if dev.is_cpu:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    events = [(dev.event(timing=True), dev.event(timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+    dev.synchronize()
+    return statistics.median(start.elapsed_ms(end) for start, end in events) / reps
+
+
+# ---- cases: each yields (family, case, bytes moved, fn) ------------------------------------------
+def copy_case(dev, shrink):
+    n = (1 << 30) // shrink
+    src, dst = ce.Tensor.empty(ce.BYTE, (n,), dev), ce.Tensor.empty(ce.BYTE, (n,), dev)
+    yield "copy", "d2d memcpy 1 GiB", 2 * n, lambda: dev.copy_async(dst, src)
+
+
+def classifier_cases(dev, shrink):
+    from cuengine.kernels.classifier import fused_classifier
+
+    for n, v, dt in ((2048, 151936, ce.BF16), (2048, 151936, ce.FP32), (131072, 256, ce.BF16)):
+        n = max(1, n // shrink)
+        logits = tensor(dev, dt, (n, v), 2.0)
+        losses, lse = ce.Tensor.empty(ce.FP32, (n,), dev).fill_zero(), ce.Tensor.empty(ce.FP32, (n,), dev)
+        targets = randint(ce.Tensor.empty(ce.INT32, (n,), dev), v, 1)
+        size = logits.nbytes
+        # Replays overwrite the logits with dlogits: the work per launch is the same.
+        args = (logits, losses, lse, targets, 1.0 / n)
+        yield "classifier", f"fwd+bwd ({n}, {v}) {dt}", 2 * size, lambda a=args: fused_classifier(*a)
+        yield "classifier", f"fwd only ({n}, {v}) {dt}", size, lambda a=args: fused_classifier(*a, write_dlogits=False)
+
+
+def fp8_cases(dev, shrink):
+    from cuengine.kernels import fp8
+
+    n, c = max(16, 8192 // shrink), 4864  # (B*T, intermediate) of a 0.5B-shape MLP
+    x = tensor(dev, ce.BF16, (n, c), 3.0)
+    amax = ce.Tensor.empty(ce.FP32, (1,), dev).fill_zero()
+    q = ce.Tensor.empty(ce.FP8_E4M3, (n, c), dev)
+    qt = ce.Tensor.empty(ce.FP8_E4M3, (c, n), dev)
+    fp8.abs_max(q.abs_max, x)
+    e = n * c
+    yield "fp8", f"abs_max ({n}, {c}) bf16", 2 * e, lambda: fp8.abs_max(amax, x)
+    yield "fp8", f"quantize ({n}, {c}) bf16->e4m3", 3 * e, lambda: fp8.quantize_with_abs_max(q, x)
+    yield "fp8", f"quant+transpose ({n}, {c}) bf16->e4m3", 3 * e, lambda: fp8.quantize_and_transpose(qt, x)
+    yield "fp8", f"transpose ({n}, {c}) e4m3", 2 * e, lambda: fp8.transpose(qt, q)
+    xt = ce.Tensor.empty(ce.BF16, (c, n), dev)
+    yield "fp8", f"transpose ({n}, {c}) bf16", 4 * e, lambda: fp8.transpose(xt, x)
+    dbias = ce.Tensor.empty(ce.FP32, (c,), dev).fill_zero()
+    scratch = ce.Tensor.empty(ce.FP32, fp8.bias_backward_scratch_shape(n, c), dev)
+    yield "fp8", f"bias_backward ({n}, {c}) bf16", 2 * e, lambda: fp8.bias_backward(dbias, x, scratch)
+
+
+def norm_cases(dev, shrink):
+    from cuengine.kernels.norm import global_norm_finish, global_norm_squared, norm_partials_shape
+
+    partials = ce.Tensor.empty(ce.FP32, norm_partials_shape(), dev).fill_zero()
+    result = ce.Tensor.empty(ce.FP32, (2,), dev)
+    v, c = max(1, 151936 // shrink), 896  # the 0.5B embedding gradient
+    for dt in (ce.BF16, ce.FP32):
+        g = tensor(dev, dt, (v, c), 1e-3)
+        yield "norm", f"norm_squared ({v}, {c}) {dt}", g.nbytes, lambda g=g: global_norm_squared(partials, g)
+    yield "norm", "finish (latency only)", 0, lambda: global_norm_finish(result, partials, 1.0)
+
+
+def adamw_cases(dev, shrink):
+    from cuengine.kernels.adamw import adamw_update, make_hparams
+
+    n = (64 << 20) // shrink
+    hp = ce.Tensor.from_numpy(make_hparams(1e-4, 0.9, 0.95, 1e-8, 0.1, 10), dev)
+    scale = ce.Tensor.from_numpy(np.array([0.5], np.float32), dev)
+    for pdt, gdt, mdt in ((ce.BF16, ce.BF16, ce.FP32), (ce.FP32, ce.FP32, ce.FP32), (ce.BF16, ce.BF16, ce.BF16)):
+        p, g = tensor(dev, pdt, (n,), 0.02), tensor(dev, gdt, (n,), 1e-3, 1)
+        m, v = tensor(dev, mdt, (n,), 1e-4, 2), tensor(dev, mdt, (n,), 0.0, 3)  # v = 0: no negatives
+        traffic = n * (2 * pdt.itemsize + gdt.itemsize + 4 * mdt.itemsize)  # p, m, v read and written
+        args = (p, g, m, v, hp, scale, True, 42)
+        yield "adamw", f"update {n} p={pdt} g={gdt} m,v={mdt}", traffic, lambda a=args: adamw_update(*a)
+
+
+def encoder_cases(dev, shrink):
+    from cuengine.kernels.encoder import encoder_backward, encoder_forward, encoder_scratch_shape
+
+    b, t, v, c = max(1, 32 // shrink), 1024, 151936, 896
+    wte = tensor(dev, ce.BF16, (v, c), 0.02)
+    tokens = randint(ce.Tensor.empty(ce.INT32, (b, t), dev), v, 4)
+    out = ce.Tensor.empty(ce.BF16, (b, t, c), dev)
+    row = c * 2
+    yield "encoder", f"forward ({b}, {t}, {c}) bf16", 2 * b * t * row, lambda: encoder_forward(out, tokens, wte)
+    dwte = ce.Tensor.empty(ce.BF16, (v, c), dev).fill_zero()
+    dout = tensor(dev, ce.BF16, (b, t, c), 1e-3)
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(b, t, c), dev)
+    unique = int(dev.xp.unique(tokens.array()).size)
+    traffic = b * t * row + 2 * unique * row  # dout read; the touched dwte rows read and written
+    yield "encoder", f"backward ({b}, {t}, {c}) bf16", traffic, lambda: encoder_backward(dwte, dout, tokens, scratch)
+
+
+def rmsnorm_cases(dev, shrink):
+    from cuengine.kernels.rmsnorm import (
+        fused_residual_rmsnorm_forward,
+        rmsnorm_backward,
+        rmsnorm_forward,
+        rmsnorm_scratch_shape,
+    )
+
+    n, c = max(1, 32768 // shrink), 1536
+    x, x2 = tensor(dev, ce.BF16, (n, c)), tensor(dev, ce.BF16, (n, c), seed=1)
+    w = tensor(dev, ce.BF16, (c,), seed=2)
+    out, res = ce.Tensor.empty(ce.BF16, (n, c), dev), ce.Tensor.empty(ce.BF16, (n, c), dev)
+    rstd = ce.Tensor.empty(ce.FP32, (n,), dev)
+    a = n * c * 2
+    yield "rmsnorm", f"forward ({n}, {c}) bf16", 2 * a, lambda: rmsnorm_forward(out, rstd, x, w, 1e-6)
+    yield (
+        "rmsnorm",
+        f"fused residual fwd ({n}, {c}) bf16",
+        4 * a,
+        lambda: fused_residual_rmsnorm_forward(res, out, rstd, x, x2, w, 1e-6),
+    )
+    rmsnorm_forward(out, rstd, x, w, 1e-6)
+    dw = ce.Tensor.empty(ce.BF16, (c,), dev).fill_zero()
+    scratch = ce.Tensor.empty(ce.FP32, rmsnorm_scratch_shape(n, c), dev)
+    dinp, dres = ce.Tensor.empty(ce.BF16, (n, c), dev), tensor(dev, ce.BF16, (n, c), seed=3)
+    yield (
+        "rmsnorm",
+        f"backward ({n}, {c}) bf16",
+        4 * a,
+        lambda: rmsnorm_backward(dinp, dw, scratch, dres, x2, x, w, rstd),
+    )
+
+
+def rope_cases(dev, shrink):
+    from cuengine.kernels.rope import rope_backward, rope_forward, rope_freqs
+
+    b, t, hq, hkv, hs = max(1, 16 // shrink), 1024, 12, 2, 128  # 1.5B shape
+    freqs = ce.Tensor.from_numpy(rope_freqs(t, hs, 1e6, dtype=np.float16), dev)
+    qkv = tensor(dev, ce.BF16, (b, t, (hq + 2 * hkv) * hs))
+    out = ce.Tensor.empty(ce.BF16, qkv.shape, dev)
+    yield "rope", f"forward {qkv.shape} bf16", 2 * qkv.nbytes, lambda: rope_forward(out, qkv, freqs, hq, hkv)
+    yield "rope", f"backward in place {qkv.shape} bf16", 2 * qkv.nbytes, lambda: rope_backward(out, out, freqs, hq, hkv)
+
+
+def swiglu_cases(dev, shrink):
+    from cuengine.kernels.activations import swiglu_backward, swiglu_forward
+
+    n, h = max(1, 8192 // shrink), 8960  # 1.5B MLP
+    inp = tensor(dev, ce.BF16, (n, 2 * h))
+    out, dout = ce.Tensor.empty(ce.BF16, (n, h), dev), tensor(dev, ce.BF16, (n, h), seed=1)
+    dinp = ce.Tensor.empty(ce.BF16, (n, 2 * h), dev)
+    e = n * h * 2
+    yield "swiglu", f"forward ({n}, {2 * h}) bf16", 3 * e, lambda: swiglu_forward(out, inp)
+    yield "swiglu", f"backward ({n}, {2 * h}) bf16", 5 * e, lambda: swiglu_backward(dinp, dout, inp)
+
+
+CASES = {
+    "classifier": classifier_cases,
+    "fp8": fp8_cases,
+    "norm": norm_cases,
+    "adamw": adamw_cases,
+    "encoder": encoder_cases,
+    "rmsnorm": rmsnorm_cases,
+    "rope": rope_cases,
+    "swiglu": swiglu_cases,
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="all", help=f"comma-separated subset of {', '.join(FAMILIES)} (or 'all')")
+    ap.add_argument("--iters", type=int, default=20, help="timed launches per case (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed launches first (the first compiles)")
+    ap.add_argument("--device", default="cuda", help="cuda; or cpu, with --shrink, to check this script without a GPU")
+    ap.add_argument("--shrink", type=int, default=1, help="divide each case's row count by this (smoke runs)")
+    args = ap.parse_args(argv)
+    families = FAMILIES if args.family == "all" else tuple(f.strip() for f in args.family.split(","))
+    unknown = [f for f in families if f not in CASES]
+    if unknown:
+        ap.error(f"unknown family {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
+    if args.device != "cpu" and not ce.cuda_available():
+        print("bench_kernels: no CUDA device", file=sys.stderr)
+        return 1
+    dev = ce.device(args.device)
+
+    rows = []
+    ((_, _, nbytes, fn),) = copy_case(dev, args.shrink)
+    ceiling = nbytes / (time_ms(dev, fn, nbytes, args.warmup, args.iters) * 1e-3)
+    print(f"{dev.name}: device-to-device copy {ceiling / 1e12:.2f} TB/s (the ceiling; known figure 4.27 TB/s)")
+    failed = 0
+    for family in families:
+        try:
+            for fam, case, nbytes, fn in CASES[family](dev, args.shrink):
+                ms = time_ms(dev, fn, nbytes, args.warmup, args.iters)
+                gbs = nbytes / (ms * 1e-3) / 1e9 if nbytes else float("nan")
+                rows.append((fam, case, nbytes / MB, ms * 1e3, gbs, 100 * gbs * 1e9 / ceiling))
+                print(f"  {fam:<10} {case:<48} {ms * 1e3:9.1f} us {gbs:8.0f} GB/s", flush=True)
+        except Exception as err:  # one broken family must not hide the others' numbers
+            failed += 1
+            print(f"  {family}: FAILED {type(err).__name__}: {err}", file=sys.stderr)
+            traceback.print_exc(limit=3)
+        dev.synchronize()
+
+    print(f"\n{'family':<11}{'case':<50}{'MB':>9}{'us':>10}{'GB/s':>9}{'% copy':>8}")
+    for fam, case, mb, us, gbs, pct in rows:
+        pct_s = f"{pct:7.1f}%" if mb else "      -"
+        gbs_s = f"{gbs:9.0f}" if mb else "        -"
+        print(f"{fam:<11}{case:<50}{mb:9.1f}{us:10.1f}{gbs_s}{pct_s}")
+    print(f"(ceiling: d2d copy {ceiling / 1e9:.0f} GB/s; target for memory-bound kernels: >= 80%)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
