@@ -335,6 +335,10 @@ def _gpu_tol(combo, fast_accum):
 def _compare(case, fast_accum=False):
     (want, want_amax), (got, got_amax) = (run(ce.device(d), case, fast_accum) for d in ("cpu", "cuda"))
     rtol, atol = _gpu_tol(tuple(d.name for d in case["combo"]), fast_accum)
+    if case["combo"][0].is_fp8:
+        # FP8 tensor cores accumulate with ~14 significant bits: the error scales with the largest
+        # partial sums, so small outputs carry an absolute error relative to max|out|.
+        atol *= max(1.0, float(np.max(np.abs(want.astype(np.float64)))))
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
     if want_amax is not None:
         np.testing.assert_allclose(got_amax, want_amax, rtol=5e-3)

@@ -504,8 +504,13 @@ def compare_devices(arrays, act, dtype, recompute, fuse, matmul_dtype=None):
     cuda = run_mlp(arrays, act, dtype, "cuda", recompute=recompute, fuse=fuse, matmul_dtype=matmul_dtype)
     for k in ("out", "dx", "dw1", "dw2"):
         e = cpu[k].astype(np.float64)
-        tol = matmul_dtype or dtype
-        assert_close(cuda[k].astype(np.float64), e, tol, what=k, scale=max(1.0, float(np.max(np.abs(e)))))
+        if matmul_dtype is not None:
+            # One fp8 rounding flip of a hidden value (its fp32 input differs by an ulp between the
+            # devices) moves a whole output row by a fp8 ulp times the weights: compare in norm.
+            err = np.linalg.norm(cuda[k].astype(np.float64) - e) / np.linalg.norm(e)
+            assert err < 2e-2, f"{k}: relative error {err:.3g} between cuda and cpu"
+            continue
+        assert_close(cuda[k].astype(np.float64), e, dtype, what=k, scale=max(1.0, float(np.max(np.abs(e)))))
 
 
 @pytest.mark.gpu

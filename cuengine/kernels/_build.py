@@ -73,6 +73,9 @@ def _function(family: str, name: str, device_index: int):
     return module(family, device_index).get_function(name)
 
 
+_smem_opt_in: dict = {}  # kernel -> the dynamic shared memory limit set on it
+
+
 def _arg(a):
     if isinstance(a, Tensor):
         return np.uint64(a.ptr)
@@ -90,8 +93,11 @@ def launch(family: str, name: str, grid, block, args, device, stream=None, share
     whose type matches the C parameter (np.int32 for int, np.float32 for float, ...).
     """
     fn = _function(family, name, device.index)
-    if shared_mem > 48 * 1024:
+    if shared_mem > _smem_opt_in.get(fn, 0):
+        # Dynamic plus static shared memory over 48 KB needs the opt-in, even when the
+        # dynamic part alone is under it; raise the limit once per kernel.
         fn.max_dynamic_shared_size_bytes = shared_mem
+        _smem_opt_in[fn] = shared_mem
     s = device._stream(stream)
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
     block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
