@@ -84,7 +84,9 @@ def fill(t, seed: int) -> None:
         t.cupy()[...] = (bits & 0x3F) | ((bits & 0x40) << 1)
         t.set_fp8_stats(1.0, 1.0, 1.0)
     else:  # bf16 by truncating fp32 bits
-        t.cupy()[...] = (g.standard_normal(t.shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+        t.cupy().view(cupy.uint16)[...] = (
+            g.standard_normal(t.shape, dtype=cupy.float32).view(cupy.uint32) >> 16
+        ).astype(cupy.uint16)
 
 
 def make_set(dev, dtype, product, M, N, K, seed):
