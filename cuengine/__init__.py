@@ -5,6 +5,7 @@ from .alloc import DeviceMemoryStack, MemoryReport, TensorAllocator
 from .blas import matmul
 from .device import Device, cuda_available, device
 from .dtypes import BF16, BYTE, FP8_E4M3, FP8_E5M2, FP16, FP32, INT32, DType, dtype
+from .model import LlamaModel, TrainOptions, TransformerConfig
 from .tensor import Tensor
 
 __version__ = "0.1.0"
@@ -12,5 +13,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16", "BYTE", "FP8_E4M3", "FP8_E5M2", "FP16", "FP32", "INT32",
     "DType", "Device", "DeviceMemoryStack", "MemoryReport", "Tensor", "TensorAllocator",
-    "cuda_available", "device", "dtype", "matmul", "ops",
+    "LlamaModel", "TrainOptions", "TransformerConfig", "cuda_available", "device", "dtype", "matmul", "ops",
 ]  # fmt: skip

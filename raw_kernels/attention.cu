@@ -23,6 +23,7 @@
 #define LOG2E 1.4426950408889634f
 #define ATT_INF __int_as_float(0x7f800000)  // NVRTC has no math.h INFINITY
 
+// helpers
 // ---- PTX helpers -------------------------------------------------------------------------
 // (tests/test_attention.py compiles this file on the host with everything from here to the
 // extern __shared__ declaration replaced by an emulation of the same helpers.)
@@ -180,6 +181,7 @@ __device__ __forceinline__ void store_rows(bf16* out, long ld, int row0, int T, 
     }
 }
 
+// kernels
 // ---- flash forward -------------------------------------------------------------------------
 // Grid (ceil(T / BR), Hq, B), block 32*NW. Query block BR = 16*NW rows (heaviest causal blocks
 // first), key blocks of 64, K/V double-buffered. Shared: Q [BR][HS], K [2][64][HS], V [2][64][HS].
@@ -617,7 +619,7 @@ __device__ __forceinline__ void simt_backward_dkdv(T_* __restrict__ dqkv, const 
     store_row(dqkv + (long)b * T * ld + c * ld + (long)(Hq + Hkv + kvh) * hs, dv, 1.f, hs, lane);
 }
 
-// kernels
+// ---- entry points: the names cuengine/attention.py launches (NW_FWD matches its _FWD_WARPS) ----
 #define FLASH_KERNELS(HS, NW_FWD, MIN_BLOCKS_FWD)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW_FWD, MIN_BLOCKS_FWD) attention_forward_flash_hs##HS##_bf16(  \
         bf16* att, float* lse, const bf16* qkv, int T, int Hq, int Hkv, float scale) {                    \
@@ -658,4 +660,4 @@ FLASH_KERNELS(128, 8, 1)
 SIMT_KERNELS(float, f32)
 SIMT_KERNELS(bf16, bf16)
 
-// launchers: cuengine/attention.py (attention_forward, then attention_backward)
+// launchers: cuengine/attention.py (attention_forward, then attention_backward; the cpu twin there)

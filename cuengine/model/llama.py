@@ -1,0 +1,521 @@
+"""LlamaModel: training and evaluation of a LLaMA / Qwen2 decoder (seed 001, LLMQ llama_model.cpp).
+
+A step is forward → LM head + loss → backward → AdamW, all enqueued on the device's main stream
+with buffers from the allocator or the stack, so any part can be captured into a CUDA graph.
+Blocks read like the seed's `_forward_block`, `_recompute_block` and `_backward_block`; the
+matmuls go through `_qmm_forward` / `_qmm_backward` (the seed's forward_qmm / backward_qmm), which
+switch between plain BF16/FP32 GEMMs and FP8 GEMMs (E4M3 weights and activations, E5M2 or E4M3
+gradients, transposed copies for the TN-only weight-gradient GEMMs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import attention, blas
+from ..alloc import TensorAllocator
+from ..device import device as _get_device
+from ..dtypes import dtype as _dtype
+from ..kernels import activations, adamw, classifier, encoder, fp8, rmsnorm, rope
+from . import checkpoint
+from .optimizer import AdamWState, adamw_step, global_norm
+from .options import TrainOptions
+from .run_state import RunState
+from .weights import ModelWeights, hf_views
+
+
+class LlamaModel:
+    """A LLaMA or Qwen2 causal LM on one device.
+
+    Args:
+        cfg: TransformerConfig.
+        opts: TrainOptions (None: defaults); missing dtypes are filled in from the config.
+        device: "cpu", "cuda", "auto" or a Device.
+        alloc: optional TensorAllocator to allocate from (e.g. with a memory limit).
+    """
+
+    def __init__(self, cfg, opts: TrainOptions | None = None, device="auto", alloc: TensorAllocator | None = None):
+        self.cfg = cfg
+        self.opts = (opts or TrainOptions()).resolved(cfg.dtype)
+        self.device = _get_device(device)
+        self.alloc = alloc or TensorAllocator(self.device)
+        self.dtype = _dtype(self.opts.model_dtype)
+        self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8)
+        self.rs: RunState | None = None
+        self.grads: dict | None = None
+        self.opt_state: AdamWState | None = None
+        self.step = 0
+        self._graphs: dict = {}
+        self._graphs_warm: set = set()
+        self._in_graph = False
+
+    # ---- weights -----------------------------------------------------------------------------
+    def init_weights(self, seed: int = 42) -> None:
+        """Seeded random init (see `ModelWeights.init`); resets the optimizer state and step."""
+        self.weights.init(seed)
+        self._reset_optimizer()
+
+    def import_weights(self, path, allow_cast: bool = False) -> None:
+        """Load HF safetensors (file, directory or sharded index); see `ModelWeights.load_hf`."""
+        self.weights.load_hf(path, allow_cast=allow_cast)
+        self._reset_optimizer()
+
+    def export_weights(self, out_dir) -> None:
+        """Write `model.safetensors` + `config.json` that HF transformers loads unchanged."""
+        self.device.synchronize()
+        self.weights.save_hf(out_dir)
+
+    def num_parameters(self) -> int:
+        return self.weights.num_parameters()
+
+    def flops_per_token(self, T: int) -> float:
+        """Training FLOPs per token at sequence length T: 6 per matmul parameter (forward 2,
+        backward 4) plus causal attention, 6·L·C·T (QKᵀ and PV, half the positions masked)."""
+        cfg = self.cfg
+        matmul_params = self.num_parameters()
+        if not cfg.tied_embeddings:
+            matmul_params -= cfg.vocab_size * cfg.hidden_size  # the embedding lookup is no matmul
+        return 6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.hidden_size * T
+
+    def _reset_optimizer(self) -> None:
+        self.step = 0
+        if self.opt_state is not None:
+            self.opt_state.zero()
+
+    # ---- run state ---------------------------------------------------------------------------
+    def allocate_run_state(self, B: int, T: int) -> None:
+        """Allocate every buffer a step of batch (B, T) needs: activations, gradients, optimizer
+        state, scratch and the stack (sized by simulating a step). Call once, before stepping."""
+        o, cfg = self.opts, self.cfg
+        if B < 1 or T < 1:
+            raise ValueError(f"allocate_run_state: B and T must be >= 1, got B={B}, T={T}")
+        if T > cfg.max_position_embeddings:
+            raise ValueError(f"allocate_run_state: T={T} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        if (B * T) % o.lmhead_chunks:
+            raise ValueError(f"allocate_run_state: lmhead_chunks={o.lmhead_chunks} does not divide B*T={B * T}")
+        if B % o.attn_bwd_chunks:
+            raise ValueError(f"allocate_run_state: attn_bwd_chunks={o.attn_bwd_chunks} does not divide B={B}")
+        if o.fp8 and (B * T) % 16:
+            # the weight-gradient GEMMs reduce over B*T, and FP8 GEMMs need K % 16 == 0
+            raise ValueError(f"allocate_run_state: FP8 matmuls need B*T to be a multiple of 16, got {B * T}")
+        if self.rs is not None:
+            raise ValueError("allocate_run_state: the run state is already allocated; make a new LlamaModel")
+        blas.init(self.alloc)
+        self.rs = RunState(cfg, o, B, T, self.alloc)
+        with self.alloc.context("Gradients"):
+            self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
+        self._block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
+                              if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
+        self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
+        self.rs.size_stack()
+
+    def memory_report(self):
+        """The allocator's MemoryReport: bytes per context and per named buffer."""
+        return self.alloc.report()
+
+    def _need_rs(self, what):
+        if self.rs is None:
+            raise ValueError(f"{what}: call allocate_run_state(B, T) first")
+        return self.rs
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def _check_tokens(self, arr, what: str, allow_ignore: bool) -> np.ndarray:
+        rs = self.rs
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.int32:
+            got = f"{arr.dtype} array" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise ValueError(f"{what}: expected an int32 NumPy array of shape ({rs.B}, {rs.T}), got {got}")
+        if arr.shape != (rs.B, rs.T):
+            raise ValueError(
+                f"{what}: expected shape (B, T) = ({rs.B}, {rs.T}) as allocated by allocate_run_state, got {arr.shape}"
+            )
+        lo = -1 if allow_ignore else 0
+        V = self.cfg.vocab_size
+        if arr.size and (arr.min() < lo or arr.max() >= V):
+            bad = arr[(arr < lo) | (arr >= V)]
+            allowed = f"[-1, {V}) (-1 = ignore)" if allow_ignore else f"[0, {V})"
+            raise ValueError(f"{what}: token id {int(bad[0])} outside {allowed}; {bad.size} such ids")
+        return arr
+
+    def _upload(self, host, dst, event, arr) -> None:
+        event.synchronize()  # the previous copy out of this pinned buffer has finished
+        host.array()[...] = arr
+        self.device.copy_async(dst, host)
+        self.device.stream.record(event)
+
+    def _graph(self, key, fn) -> None:
+        """Run `fn`, or with use_cuda_graphs: run it eagerly the first time (kernels compile and
+        matmul plans are built outside any capture), capture it under `key` the second time,
+        then replay. Calls nested inside a captured `fn` run plainly, becoming part of it."""
+        if not self.opts.use_cuda_graphs or self._in_graph:
+            fn()
+            return
+        g = self._graphs.get(key)
+        self._in_graph = True
+        try:
+            if g is None and key not in self._graphs_warm:
+                self._graphs_warm.add(key)
+                fn()
+                return
+            if g is None:
+                g = self._graphs[key] = self.device.capture(fn)
+            g.launch()
+        finally:
+            self._in_graph = False
+
+    @property
+    def _whole_graphs(self) -> bool:
+        """Capture forward and backward whole; offload's side-stream copies need per-block graphs."""
+        return not self.opts.offload_residual
+
+    # ---- matmuls (the seed's forward_qmm / backward_qmm) --------------------------------------
+    def _qmm_forward(self, out, inp, inp_q, wname, bias=None, reuse_quant=False) -> None:
+        """out (N, OC) = inp (N, C) · Wᵀ (+ bias). FP8: quantize inp with its stored abs-max
+        (unless `reuse_quant`: its FP8 copy is already valid) and use the E4M3 weight copy."""
+        if not self.rs.fp8:
+            blas.matmul(out, inp, self.weights[wname], bias)
+            return
+        if not reuse_quant:
+            fp8.quantize_with_abs_max(inp_q, inp)
+        blas.matmul(out, inp_q, self.weights.fp8[wname], bias)
+
+    def _qmm_backward(self, dinp, dweight, dbias, dout, dout_q, inp, inp_q, wname, reuse_inp) -> None:
+        """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
+
+        FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
+        both GEMMs are TN, so W, dout and inp are transposed into stack temporaries first
+        (inp from its stored FP8 copy when `reuse_inp`, else quantized and transposed at once).
+        """
+        rs = self.rs
+        if dbias is not None:
+            fp8.bias_backward(dbias, dout, rs.bias_scratch)
+        if not rs.fp8:
+            blas.matmul(dinp, dout, self.weights[wname], trans_b=False)
+            blas.matmul(dweight, dout, inp, trans_a=True, trans_b=False, accumulate=True)
+            return
+        stack = rs.stack
+        N, OC = dout.nelem // dout.shape[-1], dout.shape[-1]
+        C = inp.shape[-1]
+        fp8.quantize_with_abs_max(dout_q, dout)
+        w8 = self.weights.fp8[wname]  # (OC, C)
+        with stack.temporary(rs.mm_dtype, (C, OC), "weight_tp") as w_tp:
+            w_tp = w_tp.with_stats(w8.stats)
+            fp8.transpose(w_tp, w8)
+            blas.matmul(dinp, dout_q, w_tp)  # (N, OC) · (C, OC)ᵀ
+        act_raw = stack.allocate(rs.mm_dtype, (C, N), "act_tp")
+        grad_raw = stack.allocate(rs.grad_dtype, (OC, N), "grad_tp")
+        act_tp, grad_tp = act_raw.with_stats(inp_q.stats), grad_raw.with_stats(dout_q.stats)
+        if reuse_inp:
+            fp8.transpose(act_tp, inp_q)
+        else:
+            fp8.quantize_and_transpose(act_tp, inp)
+        fp8.transpose(grad_tp, dout_q)
+        blas.matmul(dweight, grad_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
+        stack.free(grad_raw)
+        stack.free(act_raw)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, inputs) -> None:
+        """Run the forward pass of `inputs` (int32 (B, T)) up to the final RMSNorm (`lnf`).
+        Enqueued only: no host sync."""
+        rs = self._need_rs("forward")
+        self._check_tokens(inputs, "inputs", allow_ignore=False)
+        self._upload(rs.inputs_host, rs.inputs, rs.inputs_event, inputs)
+        if self._whole_graphs:
+            self._graph(("forward",), self._forward)
+        else:
+            self._forward()
+
+    def _forward(self) -> None:
+        rs, cfg, W = self.rs, self.cfg, self.weights
+        L, eps = cfg.num_layers, cfg.rms_norm_eps
+        res = rs.residuals
+        encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
+        if rs.fp8:
+            rs.abs_maxes.fill_zero()
+        for i in range(L):
+            a, w = rs.acts[i], W.block(i)
+            amax = a.ln1_q.abs_max if rs.fp8 else None
+            if i == 0:
+                residual = rs.encoded
+                rmsnorm.rmsnorm_forward(a.ln1, a.ln1_rstd, residual, w["ln1_w"], eps, abs_max=amax)
+            else:
+                p = rs.acts[i - 1]
+                residual = res.get(i - 1)
+                # res_ffn[i-1] = res_att[i-1] + mlp_down[i-1] (mlp_down lives in lnf)
+                rmsnorm.fused_residual_rmsnorm_forward(residual, a.ln1, a.ln1_rstd, p.res_att, rs.lnf, w["ln1_w"],
+                                                       eps, abs_max=amax)  # fmt: skip
+                res.mark_ready(i - 1)
+            mlp_up = rs.acquire_mlp_up(i)
+            self._graph(("forward", i), lambda i=i, r=residual, u=mlp_up: self._forward_block(i, r, u))
+            rs.release_mlp_up(i, mlp_up)
+            if i > 0:
+                res.put(i - 1)
+        last = rs.acts[L - 1]
+        rmsnorm.fused_residual_rmsnorm_forward(res.get(L - 1), rs.lnf, rs.lnf_rstd, last.res_att, rs.lnf,
+                                               W["lnf_w"], eps)  # fmt: skip
+        res.mark_ready(L - 1)
+        res.put(L - 1)
+
+    def _forward_block(self, i: int, residual, mlp_up) -> None:
+        rs, cfg, o = self.rs, self.cfg, self.opts
+        a, w, q8 = rs.acts[i], self.weights.block(i), rs.fp8
+        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        att_o = mlp_down = rs.lnf  # (B, T, C): never needed in backward
+        self._qmm_forward(a.qkv, a.ln1, getattr(a, "ln1_q", None), f"layers.{i}.qkv_w", w.get("qkv_b"))
+        rope.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # (B, T, Q) in place
+        attention.attention_forward(a.att, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
+                                    workspace=rs.att_workspace)  # fmt: skip
+        if q8:
+            fp8.abs_max(a.att_q.abs_max, a.att)
+        self._qmm_forward(att_o, a.att, getattr(a, "att_q", None), f"layers.{i}.atto_w")
+        rmsnorm.fused_residual_rmsnorm_forward(a.res_att, a.ln2, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
+                                               abs_max=a.ln2_q.abs_max if q8 else None)  # fmt: skip
+        self._qmm_forward(mlp_up, a.ln2, getattr(a, "ln2_q", None), f"layers.{i}.up_w")  # (B, T, 2H)
+        activations.swiglu_forward(a.swiglu, mlp_up, abs_max=a.swiglu_q.abs_max if q8 else None)  # (B, T, H)
+        self._qmm_forward(mlp_down, a.swiglu, getattr(a, "swiglu_q", None), f"layers.{i}.down_w")
+
+    def _recompute_block(self, i: int, residual, mlp_up) -> None:
+        """Recompute what the recompute flags dropped, exactly as forward computed it (same
+        kernels, same stored abs-maxes), so results stay bitwise equal to the baseline."""
+        rs, cfg, o = self.rs, self.cfg, self.opts
+        a, w = rs.acts[i], self.weights.block(i)
+        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        if o.rc_ln1:
+            rmsnorm.rmsnorm_forward(a.ln1, a.ln1_rstd, residual, w["ln1_w"], eps)
+        if o.rc_qkv:
+            self._qmm_forward(a.qkv, a.ln1, getattr(a, "ln1_q", None), f"layers.{i}.qkv_w", w.get("qkv_b"),
+                              reuse_quant=not o.rc_ln1)  # fmt: skip
+            rope.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)
+        if o.rc_att:
+            attention.attention_forward(a.att, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
+                                        workspace=rs.att_workspace)  # fmt: skip
+            if o.recompute_block:
+                self._qmm_forward(rs.lnf, a.att, getattr(a, "att_q", None), f"layers.{i}.atto_w")
+        if o.rc_ln2:
+            if o.recompute_block:
+                rmsnorm.fused_residual_rmsnorm_forward(a.res_att, a.ln2, a.ln2_rstd, residual, rs.lnf, w["ln2_w"], eps)
+            else:
+                rmsnorm.rmsnorm_forward(a.ln2, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
+        if o.rc_mlp_up:
+            self._qmm_forward(mlp_up, a.ln2, getattr(a, "ln2_q", None), f"layers.{i}.up_w")
+        if o.rc_swiglu:
+            if rs.fp8:  # backward only reads the FP8 copy: write it directly, with the stored abs-max
+                activations.swiglu_forward_quant(a.swiglu_q, mlp_up)
+            else:
+                activations.swiglu_forward(a.swiglu, mlp_up)
+
+    # ---- LM head -----------------------------------------------------------------------------
+    def _lm_head(self, d_loss: float, backward: bool, logits_out=None) -> None:
+        """Logits, loss and (with `backward`) dlogits → d_lm_head and d_lnf, in lmhead_chunks
+        chunks of rows through one stack buffer of (B*T/chunks, V) logits."""
+        rs, cfg = self.rs, self.cfg
+        N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
+        n = rs.lmhead_rows()
+        head = self.weights.lm_head
+        lnf, d_lnf = rs.lnf.reshape(N, C), rs.d_lnf.reshape(N, C)
+        targets = rs.targets.reshape(N)
+        d_head = self.grads["wte" if cfg.tied_embeddings else "lm_head"] if backward else None
+        with rs.stack.temporary(self.dtype, (n, V), "lmhead_logits") as out:
+            for c in range(self.opts.lmhead_chunks):
+                rows = slice(c * n, (c + 1) * n)
+                x = lnf[rows]
+                blas.matmul(out, x, head)  # (n, V)
+                if logits_out is not None:
+                    logits_out[rows] = out.numpy().astype(np.float32)
+                    continue
+                classifier.fused_classifier(out, rs.losses[rows], rs.head_lse[rows], targets[rows], d_loss,
+                                            self.opts.z_loss, write_dlogits=backward)  # fmt: skip
+                if backward:
+                    blas.matmul(d_head, out, x, trans_a=True, trans_b=False, accumulate=True)  # (V, C)
+                    blas.matmul(d_lnf[rows], out, head, trans_b=False)  # (n, C)
+
+    # ---- backward ----------------------------------------------------------------------------
+    def backward(self, inputs, targets, micro_step: int = 0, grad_accum_steps: int = 1) -> None:
+        """LM head, loss and backward through every block after `forward(inputs)`.
+
+        Parameter gradients are zeroed on micro_step 0 and accumulate over micro-steps; the loss
+        gradient is 1/(B·T·grad_accum_steps) per token. Enqueued only: no host sync."""
+        rs = self._need_rs("backward")
+        self._check_tokens(inputs, "inputs", allow_ignore=False)
+        self._check_tokens(targets, "targets", allow_ignore=True)
+        if not 0 <= micro_step < grad_accum_steps:
+            raise ValueError(f"backward: micro_step={micro_step} outside [0, grad_accum_steps={grad_accum_steps})")
+        self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
+        if self._whole_graphs:
+            first = micro_step == 0
+            self._graph(("backward", first, grad_accum_steps), lambda: self._backward(micro_step, grad_accum_steps))
+        else:
+            self._backward(micro_step, grad_accum_steps)
+
+    def _backward(self, micro_step: int, grad_accum_steps: int) -> None:
+        rs, cfg, W, G = self.rs, self.cfg, self.weights, self.grads
+        L, res = cfg.num_layers, rs.residuals
+        if micro_step == 0:
+            for g in G.values():
+                g.fill_zero()
+            rs.losses.fill_zero()
+        self._lm_head(1.0 / (rs.B * rs.T * grad_accum_steps), backward=True)
+        top = rs.dacts[L - 1]
+        top.d_res_ffn.fill_zero()
+        rmsnorm.rmsnorm_backward(top.d_res_ffn, G["lnf_w"], rs.rms_scratch, top.d_res_ffn, rs.d_lnf, res.get(L - 1),
+                                 W["lnf_w"], rs.lnf_rstd,
+                                 abs_max=top.d_res_ffn_q.abs_max if rs.fp8 else None)  # fmt: skip
+        res.release(L - 1)
+        # res_ffn[L-2] is still in its device buffer from forward (only res_ffn[L-1] came after
+        # it, into the other buffer), so the first fetch is for L-3, issued in the loop.
+        for i in reversed(range(L)):
+            if i > 1:
+                res.fetch(i - 2)
+            a, g, w = rs.acts[i], rs.dacts[i], W.block(i)
+            residual = rs.encoded if i == 0 else res.get(i - 1)
+            mlp_up = rs.acquire_mlp_up(i)
+
+            def block(i=i, r=residual, u=mlp_up):
+                self._recompute_block(i, r, u)
+                self._backward_block(i, u)
+
+            self._graph(("backward", i), block)
+            rs.release_mlp_up(i, mlp_up)
+            dg = G[f"layers.{i}.ln1_w"]
+            if i > 0:
+                prev = rs.dacts[i - 1]
+                rmsnorm.rmsnorm_backward(prev.d_res_ffn, dg, rs.rms_scratch, g.d_res_att, g.d_ln1, residual, w["ln1_w"],
+                                         a.ln1_rstd, abs_max=prev.d_res_ffn_q.abs_max if rs.fp8 else None)  # fmt: skip
+                res.release(i - 1)
+            else:
+                rmsnorm.rmsnorm_backward(rs.d_emb, dg, rs.rms_scratch, g.d_res_att, g.d_ln1, rs.encoded, w["ln1_w"],
+                                         a.ln1_rstd)  # fmt: skip
+        encoder.encoder_backward(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
+
+    def _backward_block(self, i: int, mlp_up) -> None:
+        rs, cfg, o = self.rs, self.cfg, self.opts
+        a, g, w = rs.acts[i], rs.dacts[i], self.weights.block(i)
+        G = self._block_grads[i]
+        B, T, H, Q = rs.B, rs.T, cfg.intermediate_size, cfg.qkv_channels
+        Hq, Hkv, q8 = cfg.num_q_heads, cfg.num_kv_heads, rs.fp8
+        p = f"layers.{i}."
+        # MLP down: the gradient of the block output is d_res_ffn
+        with rs.stack.temporary(self.dtype, (B, T, H), "d_swiglu") as d_swiglu:
+            self._qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, getattr(g, "d_res_ffn_q", None), a.swiglu,
+                               getattr(a, "swiglu_q", None), p + "down_w", reuse_inp=True)  # fmt: skip
+            d_mlp_up = mlp_up  # in place: mlp_up is not needed after this
+            activations.swiglu_backward(d_mlp_up, d_swiglu, mlp_up,
+                                        abs_max=g.d_mlp_up_amax if q8 else None)  # fmt: skip
+        # MLP up
+        d_up_q = d_up_raw = None
+        if q8:
+            d_up_raw = rs.stack.allocate(rs.grad_dtype, (B, T, 2 * H), "d_mlp_up_q")
+            d_up_q = d_up_raw.with_stats(g.d_mlp_up_stats)
+        self._qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, d_up_q, a.ln2, getattr(a, "ln2_q", None), p + "up_w",
+                           reuse_inp=not o.recompute_rmsnorm)  # fmt: skip
+        if q8:
+            rs.stack.free(d_up_raw)
+        # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
+        rmsnorm.rmsnorm_backward(g.d_res_att, G["ln2_w"], rs.rms_scratch, g.d_res_ffn, g.d_ln2, a.res_att, w["ln2_w"],
+                                 a.ln2_rstd, abs_max=g.d_res_att_q.abs_max if q8 else None)  # fmt: skip
+        # attention output projection
+        self._qmm_backward(g.d_att_y, G["atto_w"], None, g.d_res_att, getattr(g, "d_res_att_q", None), a.att,
+                           getattr(a, "att_q", None), p + "atto_w", reuse_inp=False)  # fmt: skip
+        with rs.stack.temporary(self.dtype, (B, T, Q), "d_qkv") as d_qkv:
+            k = o.attn_bwd_chunks
+            for c in range(k):
+                attention.attention_backward(d_qkv.shard_view(c, k), g.d_att_y.shard_view(c, k),
+                                             a.att.shard_view(c, k), a.lse.shard_view(c, k), a.qkv.shard_view(c, k),
+                                             Hq, Hkv, backend=o.attention_backend,
+                                             workspace=rs.att_workspace)  # fmt: skip
+            rope.rope_backward(d_qkv, d_qkv, rs.freqs, Hq, Hkv, abs_max=g.d_qkv_q.abs_max if q8 else None)
+            self._qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, getattr(g, "d_qkv_q", None), a.ln1,
+                               getattr(a, "ln1_q", None), p + "qkv_w",
+                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
+
+    # ---- update ------------------------------------------------------------------------------
+    def update(self, lr: float, step: int | None = None) -> None:
+        """Global norm, clipping and one AdamW step at learning rate `lr` (`step` defaults to
+        the next step number; it drives the bias correction). Enqueued only: no host sync."""
+        rs, o = self._need_rs("update"), self.opts
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
+        self.step = self.step + 1 if step is None else int(step)
+        hp = adamw.make_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
+        self._upload(rs.hparams_host, rs.hparams, rs.hparams_event, hp)
+        self._graph(("update",), self._update)
+
+    def _update(self) -> None:
+        global_norm(self.rs, self.grads, self.opts.grad_clip)
+        adamw_step(self.weights.tensors, self.grads, self.opt_state, self.rs, self.opts.seed)
+        self.weights.requantize()
+
+    def _read_loss(self) -> float:
+        """Sum of the per-token losses; waits for the device (the step's one host sync)."""
+        rs = self.rs
+        self.device.copy(rs.losses_host, rs.losses)
+        return float(np.sum(rs.losses_host.array(), dtype=np.float64))
+
+    def train_step(self, inputs, targets, lr: float) -> float:
+        """forward + backward + update on one batch; returns the mean loss.
+
+        The host waits once, for the loss, before the update is enqueued: a non-finite loss
+        raises FloatingPointError and the weights stay as they were.
+        """
+        rs = self._need_rs("train_step")
+        self._check_tokens(inputs, "inputs", allow_ignore=False)
+        self._check_tokens(targets, "targets", allow_ignore=True)
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"train_step: lr must be finite and >= 0, got {lr!r}")
+        self.forward(inputs)
+        self.backward(inputs, targets)
+        loss = self._read_loss() / (rs.B * rs.T)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"train_step: the loss is {loss} (non-finite); the update was skipped")
+        self.update(lr)
+        return loss
+
+    def validate(self, inputs, targets) -> float:
+        """Mean loss of `targets` given `inputs`, without gradients."""
+        rs = self._need_rs("validate")
+        self._check_tokens(targets, "targets", allow_ignore=True)
+        self.forward(inputs)
+        self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
+        rs.losses.fill_zero()
+        self._lm_head(1.0 / (rs.B * rs.T), backward=False)
+        loss = self._read_loss() / (rs.B * rs.T)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
+        return loss
+
+    def logits(self, inputs) -> np.ndarray:
+        """float32 logits (B, T, V) of `inputs`, for generation and tests. A batch smaller than
+        the run state's (B, T) is zero-padded (causal attention keeps the real positions exact)."""
+        rs = self._need_rs("logits")
+        inputs = np.asarray(inputs)
+        if inputs.ndim != 2 or inputs.shape[0] > rs.B or inputs.shape[1] > rs.T:
+            raise ValueError(f"logits: inputs must be (b, t) with b <= {rs.B} and t <= {rs.T}, got {inputs.shape}")
+        if inputs.dtype != np.int32:
+            raise ValueError(f"logits: expected an int32 NumPy array, got {inputs.dtype}")
+        b, t = inputs.shape
+        padded = np.zeros((rs.B, rs.T), np.int32)
+        padded[:b, :t] = inputs
+        self.forward(padded)
+        out = np.empty((rs.B * rs.T, self.cfg.vocab_size), np.float32)
+        self._lm_head(0.0, backward=False, logits_out=out)
+        return out.reshape(rs.B, rs.T, -1)[:b, :t]
+
+    # ---- gradients and checkpoints -----------------------------------------------------------
+    def gradients(self) -> dict:
+        """{HF name: Tensor}: zero-copy views of the gradients (q/k/v and gate/up unpacked)."""
+        self._need_rs("gradients")
+        return hf_views(self.cfg, self.grads)
+
+    def save_checkpoint(self, out_dir, extra: dict | None = None) -> None:
+        """Weights, optimizer moments, RNG and step into `out_dir` (written to a temporary
+        directory, then renamed). `extra` is any JSON-able dict, returned by load_checkpoint."""
+        self._need_rs("save_checkpoint")
+        checkpoint.save(self, out_dir, extra)
+
+    def load_checkpoint(self, path) -> dict:
+        """Restore what save_checkpoint wrote; returns its `extra`. Checks everything first:
+        a checkpoint of another shape raises ValueError and changes nothing."""
+        self._need_rs("load_checkpoint")
+        return checkpoint.load(self, path)

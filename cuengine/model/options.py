@@ -1,0 +1,134 @@
+"""TrainOptions: precision, recompute, memory and optimizer settings of a training run.
+
+The recompute flags follow LLMQ: each one lets the run state share one buffer across layers for
+that activation and recompute it during backward, trading FLOPs for memory. Every combination is
+required to give bitwise the same losses and gradients as the baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+_MODEL_DTYPES = ("bf16", "fp32")
+_MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
+_FP8_GRAD_DTYPES = ("e4m3", "e5m2")
+_BACKENDS = ("auto", "raw", "cudnn")
+
+
+@dataclass
+class TrainOptions:
+    # ---- precision ---------------------------------------------------------------------------
+    model_dtype: str | None = None  # weights, activations and gradients: "bf16" or "fp32" (None: the config's)
+    matmul_dtype: str | None = None  # operands of the block matmuls: model dtype or "e4m3" (None: model dtype)
+    grad_dtype: str | None = None  # activation gradients fed to FP8 matmuls: "e4m3"/"e5m2" (None: matmul dtype)
+    opt_m_dtype: str = "fp32"  # AdamW first moment: "fp32" or "bf16"
+    opt_v_dtype: str = "fp32"  # AdamW second moment: "fp32" or "bf16"
+    # ---- recompute and memory ----------------------------------------------------------------
+    recompute_rmsnorm: bool = False  # recompute ln1/ln2 in backward; one shared buffer each
+    recompute_qkv: bool = False  # recompute the qkv projection + RoPE in backward
+    recompute_att: bool = False  # recompute ln1, qkv and attention in backward
+    recompute_ffn: bool = False  # recompute ln2, the up projection and SwiGLU; mlp_up lives on the stack
+    recompute_swiglu: bool = False  # recompute SwiGLU from mlp_up in backward
+    recompute_block: bool = False  # recompute the whole block from its input residual
+    keep_all_activations: bool = False  # never share activation buffers across layers (debugging aid)
+    offload_residual: bool = False  # keep the per-layer residuals in pinned host memory, double-buffered
+    lmhead_chunks: int = 1  # split the B*T rows of the LM head + loss into this many chunks
+    attn_bwd_chunks: int = 1  # split the batch of the attention backward into this many chunks
+    attention_backend: str = "auto"  # "auto", "raw" (our flash kernel) or "cudnn"
+    use_cuda_graphs: bool = False  # capture each block's forward and backward once, then replay
+    # ---- optimizer ---------------------------------------------------------------------------
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (not norms or biases)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    z_loss: float = 0.0  # coefficient of the z-loss (lse^2) regulariser
+    seed: int = 42  # seeds the optimizer's stochastic-rounding stream
+
+    def resolved(self, config_dtype: str) -> TrainOptions:
+        """A copy with every None filled in from `config_dtype`, checked; raises ValueError naming
+        the option for an invalid value or combination."""
+        o = dataclasses.replace(self)
+        o.model_dtype = o.model_dtype or config_dtype
+        o.matmul_dtype = o.matmul_dtype or o.model_dtype
+        if o.grad_dtype is None:
+            o.grad_dtype = "e5m2" if o.matmul_dtype == "e4m3" else o.matmul_dtype
+        o.validate()
+        return o
+
+    def validate(self) -> None:
+        def bad(msg):
+            return ValueError(f"TrainOptions: {msg}")
+
+        if self.model_dtype not in _MODEL_DTYPES:
+            raise bad(f"model_dtype must be one of {_MODEL_DTYPES}, got {self.model_dtype!r}")
+        if self.matmul_dtype not in _MATMUL_DTYPES:
+            raise bad(f"matmul_dtype must be one of {_MATMUL_DTYPES}, got {self.matmul_dtype!r}")
+        if self.matmul_dtype == "e4m3":
+            if self.model_dtype != "bf16":
+                raise bad(f"matmul_dtype 'e4m3' needs model_dtype 'bf16', got {self.model_dtype!r}")
+            if self.grad_dtype not in _FP8_GRAD_DTYPES:
+                raise bad(f"grad_dtype must be one of {_FP8_GRAD_DTYPES} with FP8 matmuls, got {self.grad_dtype!r}")
+        else:
+            if self.matmul_dtype != self.model_dtype:
+                raise bad(
+                    f"matmul_dtype {self.matmul_dtype!r} differs from model_dtype {self.model_dtype!r}; "
+                    "only 'e4m3' may differ"
+                )
+            if self.grad_dtype != self.matmul_dtype:
+                raise bad(f"grad_dtype {self.grad_dtype!r} needs FP8 matmuls; with {self.matmul_dtype} leave it None")
+        for name in ("opt_m_dtype", "opt_v_dtype"):
+            if getattr(self, name) not in ("fp32", "bf16"):
+                raise bad(f"{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r}")
+        if self.keep_all_activations and self.any_recompute:
+            raise bad("keep_all_activations contradicts the recompute_* flags (which share buffers); choose one")
+        for name in ("lmhead_chunks", "attn_bwd_chunks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{name} must be an int >= 1, got {v!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise bad(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("grad_clip", "weight_decay", "eps", "z_loss"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise bad(f"{name} must be finite and >= 0, got {v!r}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                raise bad(f"{name} must be in [0, 1), got {v!r}")
+
+    # ---- derived flags (the seed's _recompute_block) -----------------------------------------
+    @property
+    def any_recompute(self) -> bool:
+        return any((self.recompute_rmsnorm, self.recompute_qkv, self.recompute_att, self.recompute_ffn,
+                    self.recompute_swiglu, self.recompute_block))  # fmt: skip
+
+    @property
+    def fp8(self) -> bool:
+        return self.matmul_dtype == "e4m3"
+
+    @property
+    def rc_ln1(self) -> bool:
+        return self.recompute_rmsnorm or self.recompute_att or self.recompute_block
+
+    @property
+    def rc_ln2(self) -> bool:
+        return self.recompute_rmsnorm or self.recompute_ffn or self.recompute_block
+
+    @property
+    def rc_qkv(self) -> bool:
+        return self.recompute_qkv or self.recompute_att or self.recompute_block
+
+    @property
+    def rc_att(self) -> bool:
+        return self.recompute_att or self.recompute_block
+
+    @property
+    def rc_mlp_up(self) -> bool:
+        return self.recompute_ffn or self.recompute_block
+
+    @property
+    def rc_swiglu(self) -> bool:
+        return self.recompute_swiglu or self.recompute_ffn or self.recompute_block

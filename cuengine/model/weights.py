@@ -1,0 +1,281 @@
+"""Model parameters: layout, seeded init, HF safetensors import/export and FP8 weight copies.
+
+The engine packs HF's per-projection matrices so that one matmul does the work of several:
+q/k/v stack into `qkv_w` ((Hq + 2 Hkv) * hs, C) (+ `qkv_b` on Qwen2) and gate/up stack into
+`up_w` (2H, C) = [gate | up]. Every packed tensor is a row-stack, so each HF tensor is a zero-copy
+row view of an engine tensor; `hf_layout` is the one table of that mapping, used by import,
+export and `LlamaModel.gradients()`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import dtype as _dtype
+from ..tensor import Tensor
+
+MATMUL_WEIGHTS = ("qkv_w", "atto_w", "up_w", "down_w")  # the block matrices that get FP8 copies
+_SAFETENSORS_DTYPE = {"BF16": "bf16", "F32": "fp32", "F16": "fp16"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints carry
+_INIT_BLOCK = 1 << 22  # elements per independently seeded block of init_weights
+
+
+def param_specs(cfg) -> list[tuple[str, tuple[int, ...], bool]]:
+    """[(engine name, shape, decays)] in the engine's canonical order; `decays` marks the
+    matrices that take weight decay (norm weights and biases do not)."""
+    C, H, V, Q = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.qkv_channels
+    specs = [("wte", (V, C), True)]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        specs += [(p + "ln1_w", (C,), False), (p + "ln2_w", (C,), False), (p + "qkv_w", (Q, C), True)]
+        if cfg.qkv_bias:
+            specs.append((p + "qkv_b", (Q,), False))
+        specs += [(p + "atto_w", (C, C), True), (p + "up_w", (2 * H, C), True), (p + "down_w", (C, H), True)]
+    specs.append(("lnf_w", (C,), False))
+    if not cfg.tied_embeddings:
+        specs.append(("lm_head", (V, C), True))
+    return specs
+
+
+def hf_layout(cfg) -> dict[str, list[tuple[str, int, int]]]:
+    """{engine name: [(HF name, first row, last row + 1)]}: where each HF tensor sits."""
+    H, hs = cfg.intermediate_size, cfg.head_size
+    q, kv = cfg.num_q_heads * hs, cfg.num_kv_heads * hs
+    out = {"wte": [("model.embed_tokens.weight", 0, cfg.vocab_size)], "lnf_w": [("model.norm.weight", 0, 0)]}
+    if not cfg.tied_embeddings:
+        out["lm_head"] = [("lm_head.weight", 0, cfg.vocab_size)]
+    for i in range(cfg.num_layers):
+        e, h = f"layers.{i}.", f"model.layers.{i}."
+        out[e + "ln1_w"] = [(h + "input_layernorm.weight", 0, 0)]
+        out[e + "ln2_w"] = [(h + "post_attention_layernorm.weight", 0, 0)]
+        for suffix, hsuf in (("qkv_w", "weight"), ("qkv_b", "bias")):
+            if suffix == "qkv_b" and not cfg.qkv_bias:
+                continue
+            a = h + "self_attn."
+            out[e + suffix] = [(a + f"q_proj.{hsuf}", 0, q), (a + f"k_proj.{hsuf}", q, q + kv),
+                               (a + f"v_proj.{hsuf}", q + kv, q + 2 * kv)]  # fmt: skip
+        out[e + "atto_w"] = [(h + "self_attn.o_proj.weight", 0, 0)]
+        out[e + "up_w"] = [(h + "mlp.gate_proj.weight", 0, H), (h + "mlp.up_proj.weight", H, 2 * H)]
+        out[e + "down_w"] = [(h + "mlp.down_proj.weight", 0, 0)]
+    return out
+
+
+def hf_views(cfg, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """{HF name: zero-copy row view} of engine tensors (weights or gradients)."""
+    views = {}
+    for ename, parts in hf_layout(cfg).items():
+        t = tensors[ename]
+        for hname, a, b in parts:
+            views[hname] = t if a == b == 0 else t.rows(a, b)
+    return views
+
+
+def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    shapes = dict((n, s) for n, s, _ in param_specs(cfg))
+    out = {}
+    for ename, parts in hf_layout(cfg).items():
+        for hname, a, b in parts:
+            out[hname] = shapes[ename] if a == b == 0 else (b - a,) + shapes[ename][1:]
+    return out
+
+
+class ModelWeights:
+    """The parameters of one model, allocated in the allocator's "Weights" context.
+
+    Args:
+        cfg: TransformerConfig.
+        dtype: the model dtype ("bf16"/"fp32").
+        alloc: the TensorAllocator.
+        fp8: also keep E4M3 copies of the block matrices (with their scales) for FP8 matmuls.
+    """
+
+    def __init__(self, cfg, dtype, alloc, fp8: bool = False):
+        self.cfg = cfg
+        self.dtype = _dtype(dtype)
+        self.device = alloc.device
+        self.specs = param_specs(cfg)
+        self.tensors: dict[str, Tensor] = {}
+        with alloc.context("Weights"):
+            for name, shape, _ in self.specs:
+                self.tensors[name] = alloc.allocate(self.dtype, name, shape)
+        self._blocks = [{k[len(f"layers.{i}.") :]: v for k, v in self.tensors.items() if k.startswith(f"layers.{i}.")}
+                        for i in range(cfg.num_layers)]  # fmt: skip
+        self.fp8: dict[str, Tensor] = {}
+        if fp8:
+            with alloc.context("Weights FP8"):
+                for name, shape, _ in self.specs:
+                    if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS:
+                        self.fp8[name] = alloc.allocate("e4m3", name + ".q", shape)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def block(self, i: int) -> dict[str, Tensor]:
+        """{"ln1_w": ..., "qkv_w": ..., ...}: the tensors of layer i under their short names."""
+        return self._blocks[i]
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self.tensors["wte" if self.cfg.tied_embeddings else "lm_head"]
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(s) for _, s, _ in self.specs)
+
+    # ---- init --------------------------------------------------------------------------------
+    def init(self, seed: int) -> None:
+        """LLMQ's random_init: N(0, 0.02) for matrices, with the output projections (o_proj,
+        down_proj) scaled by 1/sqrt(2 L) so the residual stream's variance does not grow with
+        depth; norm weights 1, biases 0.
+
+        Every block of rows draws from its own generator seeded by (seed, tensor, block), so the
+        same seed gives the same weights on every device and for any number of threads, and a
+        thread pool can fill a 1.5B model in seconds.
+        """
+        scale_out = 1.0 / math.sqrt(2 * self.cfg.num_layers)
+        host, tasks = {}, []
+        for idx, (name, shape, _) in enumerate(self.specs):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("ln1_w", "ln2_w", "lnf_w", "qkv_b"):
+                host[name] = np.full(shape, 0.0 if leaf == "qkv_b" else 1.0, self.dtype.np)
+                continue
+            host[name] = np.empty(shape, self.dtype.np)
+            std = np.float32(0.02 * (scale_out if leaf in ("atto_w", "down_w") else 1.0))
+            rows = max(1, _INIT_BLOCK // math.prod(shape[1:]))
+            tasks += [(name, idx, b, rows, std) for b in range(-(-shape[0] // rows))]
+
+        def fill(task):
+            name, idx, b, rows, std = task
+            out = host[name][b * rows : (b + 1) * rows]
+            x = np.random.default_rng([seed, idx, b]).standard_normal(out.shape, dtype=np.float32)
+            x *= std
+            out[...] = x
+
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            list(pool.map(fill, tasks))
+        for name, arr in host.items():
+            self.tensors[name].copy_from_numpy(arr)
+        self.requantize()
+
+    # ---- FP8 copies --------------------------------------------------------------------------
+    def requantize(self, stream=None) -> None:
+        """Refresh the E4M3 copies (abs-max, scales, values) from the master weights; runs after
+        every update, in stream order, without a host sync."""
+        if not self.fp8:
+            return
+        from ..kernels import fp8
+
+        for name, q in self.fp8.items():
+            q.abs_max.fill_zero(stream)
+            fp8.abs_max(q.abs_max, self.tensors[name], stream=stream)
+            fp8.quantize_with_abs_max(q, self.tensors[name], q.abs_max, stream=stream)
+
+    # ---- HF safetensors ----------------------------------------------------------------------
+    def load_hf(self, path, allow_cast: bool = False) -> None:
+        """Import HF weights from a .safetensors file, a directory holding `model.safetensors`
+        or a sharded `model.safetensors.index.json`.
+
+        Everything is read and checked before any engine tensor is written, so a bad file
+        (missing, extra or misshapen tensors, or another dtype without `allow_cast`) raises
+        ValueError and leaves the weights as they were.
+        """
+        files = _safetensors_files(Path(path))
+        from safetensors import safe_open
+
+        want = hf_shapes(self.cfg)
+        found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+        for f in files:
+            with safe_open(str(f), framework="np") as sf:
+                for key in sf.keys():
+                    sl = sf.get_slice(key)
+                    found[key] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        extra = sorted(k for k in found if k not in want and not k.endswith(_IGNORED_SUFFIXES))
+        if extra:
+            raise ValueError(f"{path}: unexpected tensors not in a {self.cfg.architecture} of this config: {extra[:8]}"
+                             + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))  # fmt: skip
+        missing = sorted(k for k in want if k not in found)
+        if missing:
+            raise ValueError(f"{path}: missing tensors: {missing[:8]}" + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""))  # fmt: skip
+        for k, shape in want.items():
+            _, got, dt = found[k]
+            if got != shape:
+                raise ValueError(f"{path}: tensor {k!r} has shape {got}, expected {shape}")
+            engine_dt = _SAFETENSORS_DTYPE.get(dt)
+            if engine_dt is None:
+                raise ValueError(f"{path}: tensor {k!r} has dtype {dt}, which cuengine cannot read")
+            if engine_dt != self.dtype.name and not allow_cast:
+                raise ValueError(
+                    f"{path}: tensor {k!r} is {engine_dt} but the model is {self.dtype.name}; "
+                    "pass allow_cast=True to convert"
+                )
+        host: dict[str, np.ndarray] = {}
+        by_file: dict[Path, list[str]] = {}
+        for k in want:
+            by_file.setdefault(found[k][0], []).append(k)
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="np") as sf:
+                for k in keys:
+                    host[k] = sf.get_tensor(k)
+        packed = {}
+        for ename, parts in hf_layout(self.cfg).items():
+            arrs = [host[h] for h, _, _ in parts]
+            arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=0)
+            packed[ename] = arr.astype(self.dtype.np) if arr.dtype != self.dtype.np else arr
+        for ename, arr in packed.items():
+            self.tensors[ename].copy_from_numpy(arr)
+        self.requantize()
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """{HF name: host array in the model dtype}, unpacked."""
+        out = {}
+        for ename, parts in hf_layout(self.cfg).items():
+            arr = self.tensors[ename].numpy()
+            for hname, a, b in parts:
+                out[hname] = arr if a == b == 0 else np.ascontiguousarray(arr[a:b])
+        return out
+
+    def save_hf(self, out_dir) -> None:
+        """Write `model.safetensors` and `config.json` that HF transformers loads unchanged.
+        Each file is written under a temporary name and renamed, so a crash leaves no torn file."""
+        from safetensors.numpy import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg_dict = self.cfg.replace(dtype=self.dtype.name).to_hf_dict()
+        atomic_write(out / "model.safetensors", lambda p: save_file(self.host_arrays(), p, metadata={"format": "pt"}))
+        atomic_write(out / "config.json", lambda p: Path(p).write_text(json.dumps(cfg_dict, indent=2) + "\n"))
+
+
+def atomic_write(target: Path, write) -> None:
+    """Call `write(tmp_path)` and rename the result onto `target`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.name.endswith(".index.json"):
+            index = json.loads(path.read_text())
+            return sorted({path.parent / f for f in index["weight_map"].values()})
+        return [path]
+    if path.is_dir():
+        if (path / "model.safetensors").is_file():
+            return [path / "model.safetensors"]
+        if (path / "model.safetensors.index.json").is_file():
+            return _safetensors_files(path / "model.safetensors.index.json")
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json is there")
+    raise FileNotFoundError(f"no safetensors file or directory at {path}")

@@ -1,0 +1,787 @@
+"""Causal GQA attention: the NumPy twin against float64, the launchers' checks, and both GPU backends."""
+
+import functools
+import math
+
+import numpy as np
+import pytest
+from conftest import TOL, rng
+
+import cuengine as ce
+from cuengine import attention as A
+from cuengine.attention import (
+    attention_backward,
+    attention_backward_numpy,
+    attention_forward,
+    attention_forward_numpy,
+    available_backends,
+    workspace_shape,
+)
+
+HAS_CUDNN = "cudnn" in available_backends()
+needs_cudnn = pytest.mark.skipif(not HAS_CUDNN, reason="nvidia-cudnn-frontend is not installed")
+
+
+# ---- independent float64 reference ------------------------------------------------------------
+def _heads64(qkv, Hq, Hkv):
+    """q, k, v as float64 (B, T, Hq, hs), the kv heads repeated over each group."""
+    B, T, C3 = qkv.shape
+    hs = C3 // (Hq + 2 * Hkv)
+    x = np.asarray(qkv, np.float64).reshape(B, T, Hq + 2 * Hkv, hs)
+    group = Hq // Hkv
+    return x[:, :, :Hq], np.repeat(x[:, :, Hq : Hq + Hkv], group, 2), np.repeat(x[:, :, Hq + Hkv :], group, 2), hs
+
+
+def _probs64(q, k, hs):
+    """Causal softmax weights (B, H, T, S) and the log of their denominators, without a max shift."""
+    T = q.shape[1]
+    w = np.exp(np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hs)) * np.tril(np.ones((T, T)))
+    den = w.sum(-1)
+    return w / den[..., None], np.log(den)
+
+
+def forward64(qkv, Hq, Hkv):
+    q, k, v, hs = _heads64(qkv, Hq, Hkv)
+    p, lse = _probs64(q, k, hs)
+    B, T = q.shape[:2]
+    return np.einsum("bhts,bshd->bthd", p, v).reshape(B, T, Hq * hs), lse
+
+
+def backward64(datt, qkv, Hq, Hkv):
+    """Through the softmax Jacobian (it never uses att): ds = p (dp - rowsum(p dp))."""
+    q, k, v, hs = _heads64(qkv, Hq, Hkv)
+    p, _ = _probs64(q, k, hs)
+    B, T = q.shape[:2]
+    do = np.asarray(datt, np.float64).reshape(B, T, Hq, hs)
+    dp = np.einsum("bthd,bshd->bhts", do, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = np.einsum("bhts,bshd->bthd", ds, k) / math.sqrt(hs)
+    dk = np.einsum("bhts,bthd->bshd", ds, q) / math.sqrt(hs)
+    dv = np.einsum("bhts,bthd->bshd", p, do)
+    group = Hq // Hkv
+    dk = dk.reshape(B, T, Hkv, group, hs).sum(3)
+    dv = dv.reshape(B, T, Hkv, group, hs).sum(3)
+    return np.concatenate([dq, dk, dv], axis=2).reshape(qkv.shape)
+
+
+def _inputs(B, T, Hq, Hkv, hs, seed=0, dtype=np.float32):
+    r = rng(seed)
+    qkv = r.standard_normal((B, T, (Hq + 2 * Hkv) * hs)).astype(dtype)
+    datt = r.standard_normal((B, T, Hq * hs)).astype(dtype)
+    return qkv, datt
+
+
+SMALL = [(2, 1, 2, 2, 8), (1, 7, 4, 1, 16), (2, 33, 6, 2, 8), (1, 64, 2, 1, 64), (1, 20, 3, 3, 24)]
+
+
+# ---- the twin against float64 -------------------------------------------------------------------
+@pytest.mark.parametrize("B,T,Hq,Hkv,hs", SMALL)
+def test_twin_forward_matches_float64(B, T, Hq, Hkv, hs):
+    qkv, _ = _inputs(B, T, Hq, Hkv, hs)
+    att, lse = attention_forward_numpy(qkv, Hq, Hkv)
+    att64, lse64 = forward64(qkv, Hq, Hkv)
+    assert att.dtype == np.float32 and lse.dtype == np.float32
+    np.testing.assert_allclose(att, att64, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, lse64, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,hs", SMALL)
+def test_twin_backward_matches_float64(B, T, Hq, Hkv, hs):
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=1)
+    att, lse = attention_forward_numpy(qkv, Hq, Hkv)
+    dqkv = attention_backward_numpy(datt, att, lse, qkv, Hq, Hkv)
+    assert dqkv.shape == qkv.shape and dqkv.dtype == np.float32
+    np.testing.assert_allclose(dqkv, backward64(datt, qkv, Hq, Hkv), rtol=1e-4, atol=2e-5)
+
+
+def test_float64_backward_matches_finite_differences():
+    B, T, Hq, Hkv, hs = 1, 5, 4, 2, 4
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=2, dtype=np.float64)
+    grad = backward64(datt, qkv, Hq, Hkv)
+    loss = lambda x: float((forward64(x, Hq, Hkv)[0] * datt).sum())
+    eps = 1e-6
+    for idx in np.ndindex(qkv.shape):  # every entry: q, k and v heads, all tokens
+        x = qkv.copy()
+        x[idx] += eps
+        up = loss(x)
+        x[idx] -= 2 * eps
+        fd = (up - loss(x)) / (2 * eps)
+        assert abs(fd - grad[idx]) < 1e-6 * max(1.0, abs(fd)), (idx, fd, grad[idx])
+
+
+def test_twin_gqa_reduces_over_the_group():
+    B, T, Hq, Hkv, hs = 2, 9, 6, 2, 8
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=3)
+    group = Hq // Hkv
+    x = qkv.reshape(B, T, Hq + 2 * Hkv, hs)
+    k = np.repeat(x[:, :, Hq : Hq + Hkv], group, 2)
+    v = np.repeat(x[:, :, Hq + Hkv :], group, 2)
+    mha = np.concatenate([x[:, :, :Hq], k, v], axis=2).reshape(B, T, 3 * Hq * hs)
+    att, lse = attention_forward_numpy(qkv, Hq, Hkv)
+    att_m, lse_m = attention_forward_numpy(mha, Hq, Hq)
+    np.testing.assert_allclose(att, att_m, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, lse_m, rtol=1e-6, atol=1e-6)
+    d = attention_backward_numpy(datt, att, lse, qkv, Hq, Hkv).reshape(B, T, Hq + 2 * Hkv, hs)
+    dm = attention_backward_numpy(datt, att_m, lse_m, mha, Hq, Hq).reshape(B, T, 3 * Hq, hs)
+    np.testing.assert_allclose(d[:, :, :Hq], dm[:, :, :Hq], rtol=1e-5, atol=1e-6)
+    for part, lo in ((Hq, Hq), (Hq + Hkv, 2 * Hq)):  # dk, then dv: sums over each group
+        summed = dm[:, :, lo : lo + Hq].reshape(B, T, Hkv, group, hs).sum(3)
+        np.testing.assert_allclose(d[:, :, part : part + Hkv], summed, rtol=1e-5, atol=1e-5)
+
+
+# ---- launchers on cpu ----------------------------------------------------------------------------
+def _tensors(dev, qkv, datt, Hq, Hkv, dtype, backend="raw"):
+    """Input and output tensors on `dev`; outputs start as NaN so that unwritten elements show."""
+    B, T, C3 = qkv.shape
+    hs = C3 // (Hq + 2 * Hkv)
+    t = {
+        "qkv": ce.Tensor.from_numpy(qkv, dev, name="qkv", dtype=dtype),
+        "datt": ce.Tensor.from_numpy(datt, dev, name="datt", dtype=dtype),
+        "att": ce.Tensor.from_numpy(np.full((B, T, Hq * hs), np.nan), dev, name="att", dtype=dtype),
+        "lse": ce.Tensor.from_numpy(np.full((B, Hq, T), np.nan), dev, name="lse", dtype=ce.FP32),
+        "dqkv": ce.Tensor.from_numpy(np.full(qkv.shape, np.nan), dev, name="dqkv", dtype=dtype),
+    }
+    ws = workspace_shape(B, T, Hq, Hkv, hs, backend, dtype=dtype, device=dev)
+    t["ws"] = ce.Tensor.empty(ce.BYTE, ws, dev, name="workspace")
+    return t
+
+
+def _run(t, Hq, Hkv, backend="raw", stream=None):
+    attention_forward(t["att"], t["lse"], t["qkv"], Hq, Hkv, backend=backend, workspace=t["ws"], stream=stream)
+    attention_backward(t["dqkv"], t["datt"], t["att"], t["lse"], t["qkv"], Hq, Hkv, backend=backend,
+                       workspace=t["ws"], stream=stream)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["auto", "raw"])
+def test_cpu_launchers_run_the_twin_and_round_once(dtype, backend):
+    B, T, Hq, Hkv, hs = 2, 13, 4, 2, 16
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=4)
+    dt = ce.dtype(dtype)
+    t = _tensors(ce.device("cpu"), qkv, datt, Hq, Hkv, dt, backend)
+    _run(t, Hq, Hkv, backend)
+    q32 = qkv.astype(dt.np).astype(np.float32)  # the values the tensor holds
+    d32 = datt.astype(dt.np).astype(np.float32)
+    att, lse = attention_forward_numpy(q32, Hq, Hkv)
+    np.testing.assert_array_equal(t["att"].numpy(), att.astype(dt.np))
+    np.testing.assert_array_equal(t["lse"].numpy(), lse)
+    dx = attention_backward_numpy(d32, t["att"].numpy().astype(np.float32), lse, q32, Hq, Hkv)
+    np.testing.assert_array_equal(t["dqkv"].numpy(), dx.astype(dt.np))
+
+
+def test_cpu_backward_accepts_batch_shards():
+    B, T, Hq, Hkv, hs, n = 4, 11, 2, 1, 8, 2
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=5)
+    dev = ce.device("cpu")
+    t = _tensors(dev, qkv, datt, Hq, Hkv, ce.BF16)
+    _run(t, Hq, Hkv)
+    full = t["dqkv"].numpy().copy()
+    t["dqkv"].fill_zero()
+    ws = ce.Tensor.empty(ce.BYTE, workspace_shape(B // n, T, Hq, Hkv, hs, "raw", device=dev), dev, name="ws_chunk")
+    for i in range(n):
+        attention_backward(*(t[k].shard_view(i, n) for k in ("dqkv", "datt", "att", "lse", "qkv")), Hq, Hkv,
+                           backend="raw", workspace=ws)  # fmt: skip
+    np.testing.assert_array_equal(t["dqkv"].numpy(), full)
+
+
+def test_available_backends_and_workspace_shape():
+    assert available_backends()[0] == "raw"
+    assert set(available_backends()) <= {"raw", "cudnn"}
+    cpu = ce.device("cpu")
+    # raw: forward needs nothing, backward D = rowsum(dO * O) in fp32, rounded up to 256 bytes
+    assert workspace_shape(3, 100, 14, 2, 64, "raw", device=cpu) == (16896,)  # 3 * 14 * 100 * 4 = 16800
+    assert workspace_shape(1, 1, 1, 1, 64, "auto", device=cpu) == (256,)
+    with pytest.raises(ValueError, match="T must be a non-negative int"):
+        workspace_shape(1, -1, 1, 1, 64, device=cpu)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        workspace_shape(1, 8, 1, 1, 64, "flash", device=cpu)
+
+
+def test_t_of_one_and_empty_batch():
+    dev = ce.device("cpu")
+    qkv, datt = _inputs(2, 1, 2, 1, 8, seed=6)
+    t = _tensors(dev, qkv, datt, 2, 1, ce.FP32)
+    _run(t, 2, 1)
+    x = qkv.reshape(2, 1, 4, 8)
+    np.testing.assert_allclose(t["att"].numpy().reshape(2, 1, 2, 8), x[:, :, [3, 3]], rtol=1e-6)  # softmax of one
+    np.testing.assert_allclose(t["lse"].numpy(), (x[:, 0, :2] * x[:, 0, [2]]).sum(-1)[:, :, None] / math.sqrt(8),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    e = _tensors(dev, qkv[:0], datt[:0], 2, 1, ce.FP32)
+    _run(e, 2, 1)  # nothing to do, no error
+
+
+# ---- error paths -----------------------------------------------------------------------------------
+@pytest.fixture
+def cpu_set():
+    qkv, datt = _inputs(1, 8, 4, 2, 16, seed=7)
+    return _tensors(ce.device("cpu"), qkv, datt, 4, 2, ce.BF16)
+
+
+def _fwd(t, **kw):
+    args = {"att": t["att"], "lse": t["lse"], "qkv": t["qkv"], "n_q_heads": 4, "n_kv_heads": 2, "workspace": t["ws"]}
+    args.update(kw)
+    attention_forward(**args)
+
+
+def _bwd(t, **kw):
+    args = {"dqkv": t["dqkv"], "datt": t["datt"], "att": t["att"], "lse": t["lse"], "qkv": t["qkv"],
+            "n_q_heads": 4, "n_kv_heads": 2, "workspace": t["ws"]}  # fmt: skip
+    args.update(kw)
+    attention_backward(**args)
+
+
+def _t(shape, dtype, name="x"):
+    return ce.Tensor.empty(dtype, shape, "cpu", name=name)
+
+
+def test_error_bad_qkv_layout(cpu_set):
+    with pytest.raises(ValueError, match=r"qkv: expected shape \(B, T, \(n_q_heads \+ 2\*n_kv_heads\) \* head_size\)"):
+        _fwd(cpu_set, qkv=_t((1, 8, 8 * 16 + 4), ce.BF16))
+    with pytest.raises(ValueError, match="qkv: expected shape"):
+        _fwd(cpu_set, qkv=_t((8, 8 * 16), ce.BF16))
+    with pytest.raises(ValueError, match="qkv: expected shape"):
+        _bwd(cpu_set, qkv=_t((1, 8, 8 * 16 - 3), ce.BF16))
+
+
+def test_error_heads(cpu_set):
+    with pytest.raises(ValueError, match="n_q_heads=3 is not a multiple of n_kv_heads=2"):
+        _fwd(cpu_set, n_q_heads=3)
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive int, got 0"):
+        _bwd(cpu_set, n_kv_heads=0)
+    with pytest.raises(ValueError, match="n_q_heads must be a positive int"):
+        _fwd(cpu_set, n_q_heads=4.0)
+
+
+def test_error_dtypes_and_shapes(cpu_set):
+    with pytest.raises(ValueError, match="qkv: expected dtype fp32/bf16"):
+        _fwd(cpu_set, qkv=_t((1, 8, 128), ce.FP16))
+    with pytest.raises(ValueError, match="att: expected dtype bf16"):
+        _fwd(cpu_set, att=_t((1, 8, 64), ce.FP32))
+    with pytest.raises(ValueError, match=r"att: expected shape \(1, 8, 64\)"):
+        _fwd(cpu_set, att=_t((1, 8, 32), ce.BF16))
+    with pytest.raises(ValueError, match="lse: expected dtype fp32"):
+        _fwd(cpu_set, lse=_t((1, 4, 8), ce.BF16))
+    with pytest.raises(ValueError, match=r"lse: expected shape \(1, 4, 8\)"):
+        _bwd(cpu_set, lse=_t((1, 8, 4), ce.FP32))
+    with pytest.raises(ValueError, match=r"dqkv: expected shape \(1, 8, 128\)"):
+        _bwd(cpu_set, dqkv=_t((1, 8, 64), ce.BF16))
+    with pytest.raises(ValueError, match="dqkv: expected dtype bf16"):
+        _bwd(cpu_set, dqkv=_t((1, 8, 128), ce.FP32))
+    with pytest.raises(ValueError, match="datt: expected dtype bf16"):
+        _bwd(cpu_set, datt=_t((1, 8, 64), ce.FP32))
+    with pytest.raises(ValueError, match=r"att: expected shape \(1, 8, 64\)"):
+        _bwd(cpu_set, att=_t((1, 4, 64), ce.BF16))
+
+
+def test_error_backends(cpu_set, monkeypatch):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; use one of auto, raw, cudnn"):
+        _fwd(cpu_set, backend="flash")
+    big = _t((1, 8, 3 * 264), ce.BF16)
+    with pytest.raises(ValueError, match="backend 'raw' supports head sizes up to 256, got 264"):
+        _fwd(cpu_set, qkv=big, att=_t((1, 8, 264), ce.BF16), lse=_t((1, 1, 8), ce.FP32), n_q_heads=1,
+             n_kv_heads=1, backend="raw")  # fmt: skip
+    if not HAS_CUDNN:
+        with pytest.raises(ValueError, match="backend 'cudnn' needs nvidia-cudnn-frontend"):
+            _fwd(cpu_set, backend="cudnn")
+        with pytest.raises(ValueError, match="backend 'cudnn' needs nvidia-cudnn-frontend"):
+            _bwd(cpu_set, backend="cudnn")
+    monkeypatch.setattr(A, "_cudnn", lambda: object())  # pretend it is installed
+    f32 = _tensors(ce.device("cpu"), *_inputs(1, 8, 4, 2, 16), 4, 2, ce.FP32)
+    with pytest.raises(ValueError, match="backend 'cudnn' takes bf16 qkv, got fp32"):
+        _fwd(f32, backend="cudnn")
+    odd = _tensors(ce.device("cpu"), *_inputs(1, 8, 4, 2, 12), 4, 2, ce.BF16)
+    with pytest.raises(ValueError, match="multiple of 8, got 12"):
+        _bwd(odd, backend="cudnn")
+
+
+def test_error_workspace(cpu_set):
+    with pytest.raises(ValueError, match="backward: needs a workspace of 256 bytes"):
+        _bwd(cpu_set, workspace=None)
+    with pytest.raises(ValueError, match="workspace 'small' holds 16 bytes, needs 256"):
+        _bwd(cpu_set, workspace=_t((16,), ce.BYTE, "small"))
+    with pytest.raises(ValueError, match="workspace: expected dtype byte"):
+        _bwd(cpu_set, workspace=_t((64,), ce.FP32))
+    _fwd(cpu_set, workspace=None)  # the raw forward needs none
+
+
+def test_error_aliasing(cpu_set):
+    with pytest.raises(ValueError, match=r"dqkv \('qkv'\) overlaps qkv \('qkv'\)"):
+        _bwd(cpu_set, dqkv=cpu_set["qkv"])
+    t = cpu_set["qkv"]
+    with pytest.raises(ValueError, match="att .* overlaps qkv"):
+        _fwd(cpu_set, att=t.flat().rows(0, 8 * 64).reshape(1, 8, 64))
+    with pytest.raises(ValueError, match="workspace .* overlaps lse"):
+        _bwd(cpu_set, workspace=cpu_set["lse"].view(ce.BYTE).reshape(-1))
+
+
+def test_bad_input_changes_nothing(cpu_set):
+    before = cpu_set["dqkv"].numpy().copy()
+    with pytest.raises(ValueError):
+        _bwd(cpu_set, workspace=None)
+    np.testing.assert_array_equal(cpu_set["dqkv"].numpy().view(np.uint16), before.view(np.uint16))
+
+
+# ---- GPU: both backends against the twin ---------------------------------------------------------
+# (B, T, Hq, Hkv, hs): T in {1, 17, 128, 1000, 2048} x hs in {64, 128} x Hq/Hkv in {1/1, 4/1, 14/2},
+# not every combination (the float32 twin on T = 2048 takes seconds).
+GPU_CASES = [
+    (2, 1, 4, 1, 64), (2, 1, 14, 2, 128),
+    (2, 17, 1, 1, 64), (2, 17, 4, 1, 128), (1, 17, 14, 2, 64),
+    (2, 128, 1, 1, 128), (1, 128, 4, 1, 64), (2, 128, 14, 2, 128),
+    (1, 1000, 1, 1, 64), (1, 1000, 4, 1, 128), (1, 1000, 14, 2, 64), (1, 1000, 14, 2, 128),
+    (1, 2048, 4, 1, 64), (1, 2048, 14, 2, 128),
+]  # fmt: skip
+LSE_TOL = (1e-4, 2e-4)  # fp32 LSE from the same bf16 inputs; sums in another order
+F32_TOL = (1e-4, 1e-4)  # fp32 kernels against the float32 twin: sums over T in another order
+
+
+@functools.cache
+def _reference(case, dtype_name):
+    """Inputs (rounded to dtype) and the cpu twin's att, lse, dqkv for one case."""
+    B, T, Hq, Hkv, hs = case
+    dt = ce.dtype(dtype_name)
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=sum(case))
+    qkv, datt = qkv.astype(dt.np), datt.astype(dt.np)
+    t = _tensors(ce.device("cpu"), qkv, datt, Hq, Hkv, dt)
+    _run(t, Hq, Hkv)
+    return qkv, datt, t["att"].numpy(), t["lse"].numpy(), t["dqkv"].numpy()
+
+
+def _on_cuda(case, dtype_name, backend):
+    B, T, Hq, Hkv, hs = case
+    qkv, datt = _reference(case, dtype_name)[:2]
+    dev = ce.device("cuda")
+    t = _tensors(dev, qkv, datt, Hq, Hkv, ce.dtype(dtype_name), backend)
+    _run(t, Hq, Hkv, backend)
+    return {k: t[k].numpy() for k in ("att", "lse", "dqkv")}
+
+
+def _compare(got, want, dtype_name, what, factor=1.0):
+    """assert_close with tolerances that follow the magnitude of the result."""
+    want64 = np.asarray(want, np.float64)
+    scale = max(1.0, float(np.abs(want64).max()))
+    if what == "lse":
+        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=LSE_TOL[0] * factor,
+                                   atol=LSE_TOL[1] * factor, err_msg=what)  # fmt: skip
+    elif dtype_name == "fp32":
+        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=F32_TOL[0] * factor,
+                                   atol=F32_TOL[1] * scale * factor, err_msg=what)  # fmt: skip
+    else:
+        rtol, atol = TOL[dtype_name]
+        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=rtol * factor, atol=atol * scale * factor,
+                                   err_msg=what)  # fmt: skip
+
+
+def _check_against_twin(case, dtype_name, backend):
+    ref = dict(zip(("att", "lse", "dqkv"), _reference(case, dtype_name)[2:]))
+    got = _on_cuda(case, dtype_name, backend)
+    for k in ("att", "lse", "dqkv"):
+        assert np.all(np.isfinite(got[k].astype(np.float32))), f"{k}: non-finite values (unwritten?)"
+        _compare(got[k], ref[k], dtype_name, k)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_raw_bf16_matches_twin(case):
+    _check_against_twin(case, "bf16", "raw")
+
+
+@pytest.mark.gpu
+@needs_cudnn
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_cudnn_matches_twin_and_raw(case):
+    got = _check_against_twin(case, "bf16", "cudnn")
+    raw = _on_cuda(case, "bf16", "raw")
+    for k in ("att", "lse", "dqkv"):
+        _compare(raw[k], got[k], "bf16", f"raw vs cudnn {k}", factor=2.0)
+
+
+# The warp-per-row kernels: fp32, and bf16 head sizes without flash kernels (hs 80: lanes partly idle).
+SIMT_CASES = [(2, 1, 4, 1, 64), (2, 17, 4, 2, 32), (1, 300, 14, 2, 128), (1, 129, 2, 1, 80), (1, 70, 3, 1, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", SIMT_CASES, ids=str)
+def test_gpu_raw_simt_matches_twin(case, dtype_name):
+    if dtype_name == "bf16" and case[4] in A.FLASH_HEAD_SIZES:
+        pytest.skip("bf16 with this head size runs the flash kernels")
+    _check_against_twin(case, dtype_name, "raw")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["raw", pytest.param("cudnn", marks=needs_cudnn)])
+def test_gpu_batch_shards_deterministic_stream_and_graph(backend):
+    """Chunked backward (the seed's AttBwdChunks), repeatability, a side stream and graph capture."""
+    case = (4, 200, 4, 2, 128)
+    B, T, Hq, Hkv, hs = case
+    qkv, datt = _reference(case, "bf16")[:2]
+    dev = ce.device("cuda")
+    t = _tensors(dev, qkv, datt, Hq, Hkv, ce.BF16, backend)
+    _run(t, Hq, Hkv, backend)
+    full = {k: t[k].numpy().copy() for k in ("att", "lse", "dqkv")}
+    _run(t, Hq, Hkv, backend)
+    exact = backend == "raw"  # cuDNN runs its deterministic algorithm, but only raw promises bitwise results
+    if exact:
+        for k in full:
+            np.testing.assert_array_equal(t[k].numpy(), full[k], err_msg=f"{k} not repeatable")
+    n = 2
+    ws = ce.Tensor.empty(ce.BYTE, workspace_shape(B // n, T, Hq, Hkv, hs, backend, device=dev), dev, name="ws_chunk")
+    t["dqkv"].fill_zero()
+    for i in range(n):
+        attention_backward(*(t[k].shard_view(i, n) for k in ("dqkv", "datt", "att", "lse", "qkv")), Hq, Hkv,
+                           backend=backend, workspace=ws)  # fmt: skip
+    _compare(t["dqkv"].numpy(), full["dqkv"], "bf16", "chunked dqkv", factor=0.0 if exact else 1.0)
+    side = dev.new_stream()
+    for k in ("att", "lse", "dqkv"):
+        t[k].fill_zero()
+    dev.synchronize()  # the fills ran on the main stream
+    _run(t, Hq, Hkv, backend, stream=side)
+    side.synchronize()
+    for k in full:
+        _compare(t[k].numpy(), full[k], "bf16", f"side stream {k}", factor=0.0 if exact else 1.0)
+    graph = dev.capture(lambda: _run(t, Hq, Hkv, backend))
+    for k in ("att", "lse", "dqkv"):
+        t[k].fill_zero()
+    graph.launch()
+    dev.synchronize()
+    for k in full:
+        _compare(t[k].numpy(), full[k], "bf16", f"graph replay {k}", factor=0.0 if exact else 1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_cudnn_when_installed():
+    case = (1, 64, 4, 1, 64)
+    got = _on_cuda(case, "bf16", "auto")
+    ref = _reference(case, "bf16")
+    for k, want in zip(("att", "lse", "dqkv"), ref[2:]):
+        _compare(got[k], want, "bf16", k)
+    ws = workspace_shape(1, 64, 4, 1, 64, "auto", device=ce.device("cuda"))
+    assert ws == workspace_shape(1, 64, 4, 1, 64, "cudnn" if HAS_CUDNN else "raw", device=ce.device("cuda"))
+
+
+# ---- CPU emulation of the CUDA kernels -----------------------------------------------------------
+# raw_kernels/attention.cu compiled by g++ with its PTX helpers (ldmatrix, mma.sync, cp.async,
+# ex2) swapped for host emulations that follow the PTX ISA fragment layouts; every CUDA thread is a
+# fiber and warp collectives synchronise them. The real launchers drive it (their `launch` is
+# redirected), so grids, shared-memory sizes, tiles, swizzles, masks and fragment shuffles are all
+# checked against the twin without a GPU. Races are provoked, not proven absent: copies land either
+# at the wait or at issue while warps run at different speeds. Register limits are not checked.
+EMU_HEADER = r"""
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ucontext.h>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+struct Dim3 { unsigned x, y, z; };
+struct Copy { unsigned dst; const void* src; int n; };
+struct Fiber {
+    ucontext_t ctx; std::vector<char> stack; Dim3 tid; bool done;
+    std::vector<std::vector<Copy>> groups; std::vector<Copy> open;
+};
+extern Fiber* g_cur;
+extern Dim3 gridDim, blockIdx, blockDim;
+extern size_t g_smem_size;
+extern unsigned char g_smem[];
+#define threadIdx (g_cur->tid)
+void yield_();
+extern const char* g_error;  // the first failure; the launch then reports it instead of crashing
+extern long g_progress;      // barrier releases and finished threads: no change in a while = deadlock
+extern int g_eager;          // 1: cp.async lands at issue, and the scheduler stalls threads at random
+inline bool fail(const char* what) { if (!g_error) g_error = what; return false; }
+struct Barrier { int arrived = 0; long gen = 0; };
+inline void barrier_wait(Barrier& b, int count) {
+    long gen = b.gen;
+    if (++b.arrived == count) { b.arrived = 0; b.gen++; g_progress++; return; }
+    while (b.gen == gen) yield_();
+}
+struct WarpX { Barrier bar; float f[32]; unsigned addr[32], a[32][4], b[32][2]; float c[32][4]; };
+extern WarpX g_warps[32];
+extern Barrier g_block_bar;
+inline int lane_() { return threadIdx.x & 31; }
+inline WarpX& warp_() { return g_warps[threadIdx.x >> 5]; }
+inline void wbar() { barrier_wait(warp_().bar, 32); }
+inline void __syncthreads() { barrier_wait(g_block_bar, blockDim.x); }
+inline void __syncwarp() { wbar(); }
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+    WarpX& w = warp_(); int l = lane_();
+    w.f[l] = v; wbar(); float r = w.f[l ^ m]; wbar(); return r;
+}
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline int min(int a, int b) { return a < b ? a : b; }
+struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+typedef __nv_bfloat16 bf16;
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};
+    return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) {
+    uint32_t u = (uint32_t)b.x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __bfloat162float(x); }
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+inline float warp_sum(float x) { for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o); return x; }
+struct alignas(16) int4 { int x, y, z, w; };
+inline unsigned long __cvta_generic_to_shared(const void* p) { return (const unsigned char*)p - g_smem; }
+// ---- the PTX helpers, emulated ----
+inline unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+inline void cp_async16(unsigned dst, const void* src, int n) {
+    if (dst % 16 || (uintptr_t)src % 16) fail("misaligned cp.async");
+    if (dst + 16 > g_smem_size) { fail("cp.async past the dynamic shared memory"); return; }
+    if (g_eager) { memset(g_smem + dst, 0, 16); if (n) memcpy(g_smem + dst, src, n); return; }
+    g_cur->open.push_back({dst, src, n});
+}
+inline void cp_async_commit() { g_cur->groups.push_back(g_cur->open); g_cur->open.clear(); }
+template <int N> inline void cp_async_wait() {  // copies land only now, so a missing wait shows
+    auto& gs = g_cur->groups;
+    while ((int)gs.size() > N) {
+        for (auto& c : gs.front()) { memset(g_smem + c.dst, 0, 16); if (c.n) memcpy(g_smem + c.dst, c.src, c.n); }
+        gs.erase(gs.begin());
+    }
+}
+inline uint16_t sm16(unsigned a) { uint16_t v; memcpy(&v, g_smem + a, 2); return v; }
+inline void ldsm(unsigned (&r)[4], unsigned addr, bool trans) {
+    WarpX& w = warp_(); int l = lane_(), g = l >> 2, t = l & 3;
+    w.addr[l] = addr % 16 || addr + 16 > g_smem_size ? fail("bad ldmatrix row address") : addr;
+    wbar();
+    for (int i = 0; i < 4; ++i) {  // thread l: row l/4, columns 2(l%4) and +1; transposed with .trans
+        uint16_t lo = trans ? sm16(w.addr[8 * i + 2 * t] + 2 * g) : sm16(w.addr[8 * i + g] + 4 * t);
+        uint16_t hi = trans ? sm16(w.addr[8 * i + 2 * t + 1] + 2 * g) : sm16(w.addr[8 * i + g] + 4 * t + 2);
+        r[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    wbar();
+}
+inline void ldsm_x4(unsigned (&r)[4], unsigned addr) { ldsm(r, addr, false); }
+inline void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) { ldsm(r, addr, true); }
+inline float half_(unsigned v, int hi) { return __bfloat162float({(uint16_t)(hi ? v >> 16 : v & 0xffff)}); }
+inline void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    WarpX& w = warp_(); int l = lane_();
+    for (int i = 0; i < 4; ++i) { w.a[l][i] = a[i]; w.c[l][i] = c[i]; }
+    w.b[l][0] = b0; w.b[l][1] = b1; wbar();
+    float A[16][16], B[16][8];
+    for (int ln = 0; ln < 32; ++ln) {  // m16n8k16 fragments: g = lane/4, t = lane%4
+        int g = ln >> 2, t = ln & 3;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = half_(w.a[ln][0], h); A[g + 8][2 * t + h] = half_(w.a[ln][1], h);
+            A[g][2 * t + 8 + h] = half_(w.a[ln][2], h); A[g + 8][2 * t + 8 + h] = half_(w.a[ln][3], h);
+            B[2 * t + h][g] = half_(w.b[ln][0], h); B[2 * t + 8 + h][g] = half_(w.b[ln][1], h);
+        }
+    }
+    int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) {
+        int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float acc = w.c[l][i];
+        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+        c[i] = acc;
+    }
+    wbar();
+}
+inline unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return (unsigned)v.x.x | ((unsigned)v.y.x << 16);
+}
+inline float fast_exp2(float x) { return exp2f(x); }
+"""
+
+EMU_MAIN = r"""
+#include "attention_emu.cu"
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+Fiber* g_cur;
+const char* g_error;
+long g_progress;
+int g_eager;
+Dim3 gridDim, blockIdx, blockDim;
+size_t g_smem_size;
+alignas(128) unsigned char g_smem[232448];
+WarpX g_warps[32];
+Barrier g_block_bar;
+static ucontext_t sched_ctx;
+static std::function<void()> g_body;
+void yield_() { swapcontext(&g_cur->ctx, &sched_ctx); }
+static void trampoline() { g_body(); g_cur->done = true; }
+// Call a kernel with its arguments from an array of pointers to them (as cuLaunchKernel takes them).
+template <typename... A, size_t... I> void call_impl(void (*fn)(A...), void** a, std::index_sequence<I...>) {
+    fn(*reinterpret_cast<std::remove_reference_t<A>*>(a[I])...);
+}
+template <typename... A> void call(void (*fn)(A...), void** a) { call_impl(fn, a, std::index_sequence_for<A...>{}); }
+#define K(NAME) {#NAME, [](void** a) { call(NAME, a); }}
+struct Entry { const char* name; void (*call)(void**); };
+static const Entry kernels[] = {
+    K(attention_forward_flash_hs64_bf16), K(attention_forward_flash_hs128_bf16),
+    K(attention_backward_dq_flash_hs64_bf16), K(attention_backward_dq_flash_hs128_bf16),
+    K(attention_backward_dkdv_flash_hs64_bf16), K(attention_backward_dkdv_flash_hs128_bf16),
+    K(attention_forward_simt_f32), K(attention_backward_dot_f32), K(attention_backward_dq_simt_f32),
+    K(attention_backward_dkdv_simt_f32), K(attention_forward_simt_bf16), K(attention_backward_dot_bf16),
+    K(attention_backward_dq_simt_bf16), K(attention_backward_dkdv_simt_bf16),
+};
+extern "C" void emu_set_eager(int on) { g_eager = on; }
+extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned block, size_t smem,
+                          void** args) {
+    const Entry* k = nullptr;
+    for (const Entry& e : kernels) if (std::string(e.name) == name) k = &e;
+    if (!k) return -1;
+    if (smem > sizeof(g_smem) || block > 1024 || block % 32) return -2;
+    g_error = nullptr;
+    gridDim = {gx, gy, gz}; blockDim = {block, 1, 1}; g_smem_size = smem;
+    g_body = [&] { k->call(args); };
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = {x, y, z};
+        memset(g_smem, 0xff, sizeof(g_smem));  // NaN: reading shared memory nobody wrote shows up
+        g_block_bar = Barrier();
+        for (WarpX& w : g_warps) w.bar = Barrier();
+        std::vector<Fiber> f(block);
+        for (unsigned i = 0; i < block; ++i) {
+            f[i].stack.resize(128 * 1024); f[i].tid = {i, 0, 0}; f[i].done = false;
+            getcontext(&f[i].ctx);
+            f[i].ctx.uc_stack.ss_sp = f[i].stack.data(); f[i].ctx.uc_stack.ss_size = f[i].stack.size();
+            f[i].ctx.uc_link = &sched_ctx;
+            makecontext(&f[i].ctx, trampoline, 0);
+        }
+        // Eager mode: warps run at different speeds (rank r of n sits out a pass with odds r / 2n,
+        // ranks rotating with the block), so fast warps get far ahead of slow ones between barriers.
+        unsigned long rng = 88172645463325252ull + x + 7 * y + 131 * z;  // xorshift
+        const unsigned nw = block / 32;
+        for (unsigned left = block, idle = 0; left && !g_error;) {
+            long before = g_progress;
+            for (unsigned i = 0; i < block; ++i) {
+                if (f[i].done) continue;
+                if (g_eager && i % 32 == 0) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; }
+                if (g_eager && rng % (2 * nw) < (i / 32 + x + y) % nw) continue;
+                g_cur = &f[i];
+                swapcontext(&sched_ctx, &f[i].ctx);
+                if (f[i].done) {
+                    left--;
+                    g_progress++;
+                    for (auto& gr : f[i].groups)
+                        if (!gr.empty()) fail("thread exits with cp.async copies never waited for");
+                }
+            }
+            idle = g_progress == before ? idle + 1 : 0;
+            if (left && idle > 64) fail("deadlock: threads wait at barriers that never release");
+        }
+        if (g_error) return -3;
+    }
+    return 0;
+}
+extern "C" const char* emu_error() { return g_error ? g_error : ""; }
+"""
+
+EMU_CASES = [  # (B, T, Hq, Hkv, hs, dtype, eager): flash with tails, GQA and the causal warp skip, copies
+    # landing late (at the wait) and early (at issue, with warps drifting apart); simt fp32 and bf16
+    (2, 17, 4, 1, 128, "bf16", 0), (1, 65, 6, 2, 64, "bf16", 0), (1, 130, 2, 1, 128, "bf16", 0),
+    (1, 130, 2, 1, 64, "bf16", 1), (1, 130, 2, 2, 128, "bf16", 1),
+    (2, 9, 4, 2, 80, "fp32", 0), (1, 12, 3, 1, 40, "bf16", 0),
+]  # fmt: skip
+
+
+class _EmulatedCuda:
+    """A stand-in for a cuda Device whose memory is host memory and whose kernels run in the emulator."""
+
+    kind, index, name, is_cuda, is_cpu = "cuda", 0, "emulated", True, False
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    import ctypes
+    import shutil
+    import subprocess
+
+    from cuengine.kernels._build import kernel_dir
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+    src = (kernel_dir() / "attention.cu").read_text()
+    a = src.index("// ---- PTX helpers")
+    decl = "extern __shared__ __align__(128) unsigned char att_smem[];\n"
+    b = src.index(decl)
+    d = tmp_path_factory.mktemp("attention_emu")
+    (d / "attention_emu.cu").write_text(src[:a] + "#define att_smem g_smem\n" + src[b + len(decl) :])
+    (d / "common.cuh").write_text(EMU_HEADER)
+    (d / "emu.cpp").write_text(EMU_MAIN)
+    cmd = [gxx, "-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "libemu.so"), str(d / "emu.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(d / "libemu.so"))
+    lib.emu_launch.restype = ctypes.c_int
+    lib.emu_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _emulated_launch(lib, family, name, grid, block, args, device, stream=None, shared_mem=0):
+    import ctypes
+
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    vals = []
+    for x in args:
+        if isinstance(x, ce.Tensor):
+            vals.append(ctypes.c_void_p(x.ptr))
+        elif isinstance(x, np.int32):
+            vals.append(ctypes.c_int(int(x)))
+        elif isinstance(x, np.float32):
+            vals.append(ctypes.c_float(float(x)))
+        else:
+            raise TypeError(f"{name}: argument {x!r}")
+    argv = (ctypes.c_void_p * len(vals))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals))
+    rc = lib.emu_launch(name.encode(), gx, gy, gz, int(block), int(shared_mem), argv)
+    assert family == "attention" and rc == 0, f"emulated launch of {name} failed ({rc}): {lib.emu_error().decode()}"
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=str)
+def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
+    B, T, Hq, Hkv, hs, dtype_name, eager = case
+    monkeypatch.setattr(A, "launch", functools.partial(_emulated_launch, emulator))
+    emulator.emu_set_eager(eager)
+    dt = ce.dtype(dtype_name)
+    qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=sum(case[:5]))
+    qkv, datt = qkv.astype(dt.np), datt.astype(dt.np)
+    dev = _EmulatedCuda()
+
+    def tensor(values, dtype, name):
+        """A tensor with wide canary margins on both sides, so that writes out of bounds show."""
+        raw = np.ascontiguousarray(np.asarray(values).astype(ce.dtype(dtype).np)).reshape(-1).view(np.uint8)
+        pad = 4096 + 8 * raw.size  # a full block of rows past T stays inside it
+        storage = np.full(raw.size + 2 * pad, 0xA5, np.uint8)
+        storage[pad : pad + raw.size] = raw
+        return ce.Tensor(dtype, np.shape(values), dev, storage, pad, name)
+
+    t = {
+        "qkv": tensor(qkv, dt, "qkv"),
+        "datt": tensor(datt, dt, "datt"),
+        "att": tensor(np.full((B, T, Hq * hs), np.nan), dt, "att"),
+        "lse": tensor(np.full((B, Hq, T), np.nan), ce.FP32, "lse"),
+        "dqkv": tensor(np.full(qkv.shape, np.nan), dt, "dqkv"),
+        "ws": tensor(np.zeros(workspace_shape(B, T, Hq, Hkv, hs, "raw", dtype=dt, device="cpu")), ce.BYTE, "ws"),
+    }
+    _run(t, Hq, Hkv, "raw")
+    for k, x in t.items():
+        margins = np.concatenate([x.storage[: x.offset], x.storage[x.offset + x.nbytes :]])
+        assert np.all(margins == 0xA5), f"{k}: written out of bounds"
+    q32 = qkv.astype(np.float32)
+    att, lse = attention_forward_numpy(q32, Hq, Hkv)
+    dx = attention_backward_numpy(datt.astype(np.float32), t["att"].numpy().astype(np.float32), t["lse"].numpy(), q32,
+                                  Hq, Hkv)  # fmt: skip
+    _compare(t["att"].numpy(), att.astype(dt.np), dtype_name, "att")
+    _compare(t["lse"].numpy(), lse, dtype_name, "lse")
+    _compare(t["dqkv"].numpy(), dx.astype(dt.np), dtype_name, "dqkv")

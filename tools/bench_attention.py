@@ -1,0 +1,134 @@
+"""Causal attention TFLOP/s, forward and backward: the raw flash kernels against cuDNN SDPA.
+
+At a fixed number of tokens B*T (default 16k), for each T and head size: validate (raw against
+cuDNN), warm up, then time each pass with CUDA events and report the median. Causal FLOPs are half
+of the full 4*B*Hq*T^2*hs for the forward, and 2.5 times that for the backward (which therefore
+counts the forward's recomputation of P but not the raw backend's extra dq pass). The ceiling is
+the measured BF16 matmul rate (747 TFLOP/s on an H200, shared/DESIGN.md); the target is raw >= 60%
+of cuDNN on the same shapes.
+
+    python tools/bench_attention.py
+    python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cuengine as ce  # noqa: E402
+from cuengine import attention as A  # noqa: E402
+
+MATMUL_CEILING = 747.0  # TFLOP/s, BF16 cuBLASLt at 8192^3 on the H200 (shared/DESIGN.md)
+
+
+def timed(dev, fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() on the device's main stream."""
+    for _ in range(warmup):
+        fn()
+    pairs = []
+    for _ in range(iters):
+        start, end = dev.event(timing=True), dev.event(timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    dev.synchronize()
+    return statistics.median(s.elapsed_ms(e) for s, e in pairs)
+
+
+def random_bf16(dev, shape, seed, name):
+    x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return ce.Tensor.from_numpy(x, dev, name=name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="B*T for every row of the table")
+    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", default="16:4", help="n_q_heads:n_kv_heads")
+    ap.add_argument("--backends", nargs="+", default=["raw", "cudnn"], choices=["raw", "cudnn"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    if not ce.cuda_available():
+        print("bench_attention: no CUDA device")
+        return 1
+    backends = [b for b in args.backends if b in A.available_backends()]
+    for b in set(args.backends) - set(backends):
+        print(f"backend {b!r} is not installed here; skipping it")
+    Hq, Hkv = (int(x) for x in args.heads.split(":"))
+    dev = ce.device("cuda")
+    print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
+          f"median of {args.iters} after {args.warmup} warm-up; ceiling {MATMUL_CEILING:.0f} TFLOP/s "
+          f"(BF16 matmul)")  # fmt: skip
+    t_start = time.time()
+    rows = []
+    for hs in args.head_sizes:
+        N = args.tokens
+        qkv_all = random_bf16(dev, (N, (Hq + 2 * Hkv) * hs), 1, "qkv")
+        datt_all = random_bf16(dev, (N, Hq * hs), 2, "datt")
+        att_all = ce.Tensor.empty(ce.BF16, (N, Hq * hs), dev, name="att")
+        dqkv_all = ce.Tensor.empty(ce.BF16, qkv_all.shape, dev, name="dqkv")
+        lse_all = ce.Tensor.empty(ce.FP32, (N * Hq,), dev, name="lse")
+        for T in args.seq:
+            if N % T:
+                print(f"skipping T={T}: it does not divide {N} tokens")
+                continue
+            B = N // T
+            qkv = qkv_all.reshape(B, T, -1)
+            datt = datt_all.reshape(B, T, -1)
+            att = att_all.reshape(B, T, -1)
+            dqkv = dqkv_all.reshape(B, T, -1)
+            lse = lse_all.reshape(B, Hq, T)
+            ws_bytes = max(A.workspace_shape(B, T, Hq, Hkv, hs, b, device=dev)[0] for b in backends)
+            ws = ce.Tensor.empty(ce.BYTE, (ws_bytes,), dev, name="workspace")
+            fwd_flops = 4 * B * Hq * T * T * hs / 2
+            result = {"T": T, "B": B, "hs": hs}
+            outputs = {}
+            for b in backends:
+                fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
+                bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
+                                        workspace=ws)  # fmt: skip
+                fwd()
+                bwd()
+                outputs[b] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
+                ms_f = timed(dev, fwd, args.warmup, args.iters)
+                ms_b = timed(dev, bwd, args.warmup, args.iters)
+                result[b] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
+            if len(outputs) == 2:
+                (a1, d1), (a2, d2) = outputs.values()
+                result["diff"] = (float(np.abs(a1 - a2).max()), float(np.abs(d1 - d2).max()))
+            rows.append(result)
+            line = f"T={T:5d} B={B:3d} hs={hs:3d}"
+            for b in backends:
+                tf_f, tf_b, ms_f, ms_b = result[b]
+                line += f" | {b}: fwd {tf_f:6.1f} TF ({ms_f:.3f} ms) bwd {tf_b:6.1f} TF ({ms_b:.3f} ms)"
+            if "diff" in result:
+                line += f" | max|raw-cudnn| att {result['diff'][0]:.2e} dqkv {result['diff'][1]:.2e}"
+            print(line, flush=True)
+
+    print(f"\n{'T':>5} {'B':>3} {'hs':>3} | " + " | ".join(f"{b + ' fwd':>9} {b + ' bwd':>9}" for b in backends)
+          + (" | fwd raw/cudnn  bwd raw/cudnn" if len(backends) == 2 else ""))  # fmt: skip
+    for r in rows:
+        cells = " | ".join(f"{r[b][0]:9.1f} {r[b][1]:9.1f}" for b in backends)
+        ratio = ""
+        if len(backends) == 2:
+            ratio = f" | {r['raw'][0] / r['cudnn'][0]:13.0%} {r['raw'][1] / r['cudnn'][1]:14.0%}"
+        print(f"{r['T']:>5} {r['B']:>3} {r['hs']:>3} | {cells}{ratio}")
+    print(f"(TFLOP/s; target raw/cudnn >= 60%; {time.time() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Train-step throughput of the Qwen2.5-0.5B / 1.5B shapes: tokens/s, MFU and memory.
+
+Random init, random tokens, B=8, T=1024 by default, CUDA graphs on. Each configuration runs
+`--warmup` steps (the first runs eagerly, the second captures the graphs), then `--steps` timed
+steps; a step is timed between CUDA events recorded at consecutive step starts, so it includes
+the update that train_step leaves running. MFU is against 989 TFLOP/s (H100/H200 dense BF16
+peak) with `LlamaModel.flops_per_token` (6 per matmul parameter + causal attention), the same
+count for FP8. Memory is the engine allocator's device total (nothing is allocated in a step).
+
+When torch and transformers import, the same step runs in HF transformers (Qwen2ForCausalLM from
+the config, bf16 weights, SDPA, fused AdamW), eager and under torch.compile, and the ratio is
+printed. DESIGN.md targets: 0.5B BF16 >= 170k tok/s, FP8 >= 200k; 1.5B BF16 >= 66k, FP8 >= 85k.
+
+    python tools/bench_train.py --preset qwen2.5-0.5b --dtype bf16 fp8 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+PEAK_TFLOPS = 989.0  # dense BF16, H100/H200 SXM
+TARGETS = {("qwen2.5-0.5b", "bf16"): 170e3, ("qwen2.5-0.5b", "fp8"): 200e3,
+           ("qwen2.5-1.5b", "bf16"): 66e3, ("qwen2.5-1.5b", "fp8"): 85e3}  # fmt: skip
+
+
+def tokens(vocab: int, B: int, T: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
+    return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
+
+
+def bench_engine(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int, extra: dict) -> dict:
+    import cuengine as ce
+    from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
+
+    cfg = TransformerConfig.preset(preset)
+    dev = ce.device("cuda")
+    opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra)
+    t0 = time.perf_counter()
+    model = LlamaModel(cfg, opts, device=dev)
+    model.init_weights(42)
+    model.allocate_run_state(B, T)
+    x, y = tokens(cfg.vocab_size, B, T)
+    losses = [model.train_step(x, y, lr=1e-4) for _ in range(warmup)]
+    setup_s = time.perf_counter() - t0
+    events = [dev.event(timing=True) for _ in range(steps + 1)]
+    for i in range(steps):
+        dev.stream.record(events[i])
+        losses.append(model.train_step(x, y, lr=1e-4))
+    dev.stream.record(events[steps])
+    events[steps].synchronize()
+    ms = [events[i].elapsed_ms(events[i + 1]) for i in range(steps)]
+    step_ms = statistics.median(ms)
+    tok_s = B * T / (step_ms / 1e3)
+    mfu = model.flops_per_token(T) * tok_s / (PEAK_TFLOPS * 1e12)
+    rep = model.memory_report()
+    return {"name": f"cuengine {dtype}", "ms": step_ms, "tok_s": tok_s, "mfu": mfu, "mem_gib": rep.device_bytes / 2**30,
+            "loss": losses[-1], "first_loss": losses[0], "setup_s": setup_s, "report": rep}  # fmt: skip
+
+
+def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: bool) -> dict:
+    import torch
+    import transformers
+
+    from cuengine.model import TransformerConfig
+
+    cfg = TransformerConfig.preset(preset)
+    hf_cfg = transformers.Qwen2Config(
+        **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x, y = (torch.from_numpy(a.astype(np.int64)).cuda() for a in tokens(cfg.vocab_size, B, T))
+
+    fwd = torch.compile(model) if compiled else model  # the model compiled; fused AdamW runs as it is
+
+    def fn():
+        logits = fwd(input_ids=x).logits.float()  # HF upcasts logits for the loss too
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup + (2 if compiled else 0)):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    for i in range(steps):
+        ev[i].record()
+        fn()
+    ev[steps].record()
+    torch.cuda.synchronize()
+    step_ms = statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(steps))
+    name = "HF transformers " + ("torch.compile" if compiled else "eager")
+    out = {"name": name, "ms": step_ms, "tok_s": B * T / (step_ms / 1e3), "mfu": float("nan"),
+           "mem_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    p.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lmhead-chunks", type=int, default=1)
+    p.add_argument("--recompute", nargs="*", default=[],
+                   help="recompute flags, e.g. ffn swiglu rmsnorm (TrainOptions.recompute_<name>)")  # fmt: skip
+    p.add_argument("--offload-residual", action="store_true")
+    p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
+    p.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison")
+    p.add_argument("--report", action="store_true", help="print the memory report of each engine run")
+    args = p.parse_args(argv)
+    import cuengine as ce
+
+    if not ce.cuda_available():
+        print("bench_train: no CUDA device; nothing to measure")
+        return 0
+    extra = {f"recompute_{r}": True for r in args.recompute}
+    extra.update(lmhead_chunks=args.lmhead_chunks, offload_residual=args.offload_residual,
+                 opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype)  # fmt: skip
+    try:
+        import torch
+        import transformers  # noqa: F401
+
+        peer = not args.no_peer
+    except ImportError:
+        peer = False
+        print("bench_train: torch/transformers not importable; no peer comparison")
+    rows = []
+    for preset in args.preset:
+        runs = []
+        for dtype in args.dtype:
+            try:
+                r = bench_engine(preset, dtype, args.batch, args.seq, args.steps, args.warmup, extra)
+            except Exception as err:  # report and go on: one failing configuration should not hide the rest
+                print(f"{preset} {dtype}: FAILED: {type(err).__name__}: {err}")
+                continue
+            target = TARGETS.get((preset, dtype))
+            r["target"] = target
+            print(f"{preset} {dtype}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
+                  f"{r['mem_gib']:.2f} GiB, loss {r['first_loss']:.3f} -> {r['loss']:.3f}, setup {r['setup_s']:.0f} s"
+                  + (f", target {target / 1e3:.0f}k" if target else ""), flush=True)  # fmt: skip
+            if args.report:
+                print(r["report"])
+            runs.append(r)
+        if peer:
+            for compiled in (False, True):
+                try:
+                    r = bench_peer(preset, args.batch, args.seq, args.steps, args.warmup, compiled)
+                except Exception as err:
+                    print(f"{preset} peer compiled={compiled}: FAILED: {type(err).__name__}: {err}")
+                    continue
+                print(f"{preset} {r['name']}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
+                      f"{r['mem_gib']:.2f} GiB", flush=True)  # fmt: skip
+                runs.append(r)
+                torch.cuda.empty_cache()
+        rows += [(preset, r) for r in runs]
+    print(f"\n{'shape':<14}{'run':<32}{'ms/step':>9}{'ktok/s':>9}{'MFU %':>7}{'GiB':>8}{'target':>8}")
+    for preset, r in rows:
+        tgt = f"{r['target'] / 1e3:.0f}k" if r.get("target") else ""
+        mfu = "" if np.isnan(r["mfu"]) else f"{100 * r['mfu']:.1f}"
+        print(f"{preset:<14}{r['name']:<32}{r['ms']:>9.2f}{r['tok_s'] / 1e3:>9.1f}{mfu:>7}{r['mem_gib']:>8.2f}{tgt:>8}")
+    for preset in args.preset:
+        mine = [r for p_, r in rows if p_ == preset and r["name"].startswith("cuengine")]
+        peers = [r for p_, r in rows if p_ == preset and r["name"].startswith("HF")]
+        for m in mine:
+            for q in peers:
+                print(f"{preset}: {m['name']} / {q['name']}: {m['tok_s'] / q['tok_s']:.2f}x tokens/s, "
+                      f"{m['mem_gib'] / q['mem_gib']:.2f}x memory")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
