@@ -123,12 +123,13 @@ def available_backends() -> list[str]:
     return ["raw", "cudnn"] if _cudnn() is not None else ["raw"]
 
 
-def _resolve_backend(backend, device, dtype, hs: int) -> str:
+def _resolve_backend(backend, device, dtype, hs: int, T: int) -> str:
     """The backend ("raw" or "cudnn") for this call; ValueError when the request cannot be served."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        cudnn_fits = dtype == BF16 and hs % 8 == 0 and hs <= 128
+        # cuDNN SDPA refuses s_q = s_kv = 1 (seen on the H200, cuDNN 9.19 / frontend 1.16)
+        cudnn_fits = dtype == BF16 and hs % 8 == 0 and hs <= 128 and T != 1
         backend = "cudnn" if device.is_cuda and cudnn_fits and _cudnn() is not None else "raw"
     if backend == "cudnn":
         if _cudnn() is None:
@@ -140,6 +141,9 @@ def _resolve_backend(backend, device, dtype, hs: int) -> str:
             raise ValueError(f"attention backend 'cudnn' takes bf16 qkv, got {dtype}; use backend='raw' for fp32")
         if hs % 8:
             raise ValueError(f"attention backend 'cudnn' needs a head size that is a multiple of 8, got {hs}")
+        if T == 1:
+            raise ValueError("attention backend 'cudnn' does not support T = 1 (cuDNN SDPA refuses s_q = s_kv = 1); "
+                             "use backend='raw' or 'auto'")  # fmt: skip
     elif hs > RAW_MAX_HEAD_SIZE:
         raise ValueError(f"attention backend 'raw' supports head sizes up to {RAW_MAX_HEAD_SIZE}, got {hs}")
     return backend
@@ -170,7 +174,7 @@ def workspace_shape(B: int, T: int, n_q_heads: int, n_kv_heads: int, head_size: 
         if not isinstance(val, (int, np.integer)) or val < least:
             kind = "positive" if least else "non-negative"
             raise ValueError(f"workspace_shape: {name} must be a {kind} int, got {val!r}")
-    resolved = _resolve_backend(backend, dev, _dtype(dtype), head_size)
+    resolved = _resolve_backend(backend, dev, _dtype(dtype), head_size, T)
     if B == 0 or T == 0:
         return (0,)
     args = (resolved, dev, int(B), int(T), int(n_q_heads), int(n_kv_heads), int(head_size))
@@ -256,7 +260,7 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
     _checks.expect(lse, "lse", dtype=FP32, shape=(B, n_q_heads, T))
     dev = _checks.same_device(att, lse, qkv, workspace)
     _check_no_alias({"att": att, "lse": lse}, {"qkv": qkv, "workspace": workspace})
-    resolved = _resolve_backend(backend, dev, qkv.dtype, hs)
+    resolved = _resolve_backend(backend, dev, qkv.dtype, hs, T)
     _check_workspace(workspace, _workspace_bytes("fwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs), dev,
                      "forward")  # fmt: skip
     if B * T == 0:
@@ -307,7 +311,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _checks.expect(lse, "lse", dtype=FP32, shape=(B, n_q_heads, T))
     dev = _checks.same_device(dqkv, datt, att, lse, qkv, workspace)
     _check_no_alias({"dqkv": dqkv, "workspace": workspace}, {"datt": datt, "att": att, "lse": lse, "qkv": qkv})
-    resolved = _resolve_backend(backend, dev, qkv.dtype, hs)
+    resolved = _resolve_backend(backend, dev, qkv.dtype, hs, T)
     _check_workspace(workspace, _workspace_bytes("bwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs), dev,
                      "backward")  # fmt: skip
     if B * T == 0:
