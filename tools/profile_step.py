@@ -1,0 +1,63 @@
+"""Where a train step's GPU time goes: a per-kernel table for one preset.
+
+Uses torch.profiler only as a CUPTI front end (it records every CUDA kernel in the process,
+CuPy's and cuBLASLt's included); the engine itself never imports torch. Skips cleanly without it.
+
+    python3 tools/profile_step.py --preset qwen2.5-0.5b --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=40)
+    args = p.parse_args(argv)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("torch is not installed: nothing to profile with")
+        return 0
+    import numpy as np
+
+    import cuengine as ce
+    from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
+
+    cfg = TransformerConfig.preset(args.preset)
+    dev = ce.device("cuda")
+    opts = TrainOptions(matmul_dtype="e4m3" if args.dtype == "fp8" else None, use_cuda_graphs=False)
+    model = LlamaModel(cfg, opts, device=dev)
+    model.init_weights(42)
+    model.allocate_run_state(args.batch, args.seq)
+    g = np.random.default_rng(0)
+    x = g.integers(0, cfg.vocab_size, (args.batch, args.seq), dtype=np.int32)
+    y = np.roll(x, -1, axis=1)
+    for _ in range(2):
+        model.train_step(x, y, lr=1e-4)
+    dev.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            model.train_step(x, y, lr=1e-4)
+        dev.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    events.sort(key=lambda e: -e.device_time_total)
+    print(f"{args.preset} {args.dtype}: GPU time per step {total / args.steps / 1e3:.2f} ms (kernels only, eager)")
+    print(f"{'kernel':<70}{'calls/step':>11}{'ms/step':>10}{'%':>7}")
+    for e in events[: args.rows]:
+        name = e.key if len(e.key) <= 68 else e.key[:65] + "..."
+        share = 100 * e.device_time_total / total
+        print(f"{name:<70}{e.count / args.steps:>11.0f}{e.device_time_total / args.steps / 1e3:>10.3f}{share:>7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
