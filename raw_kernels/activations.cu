@@ -41,7 +41,10 @@ __device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) 
     }
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// MUFU.EX2 and MUFU.RCP (about 2 ulp each) instead of the IEEE-exact expf and division: the
+// element-wise kernels must stay memory-bound, and bf16 outputs round far above that error.
+// For x < -87, exp(-x) overflows to inf and the quotient is 0, the correct limit.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ float act_value(int act, float x) {
     switch (act) {
@@ -130,6 +133,28 @@ __device__ __forceinline__ unsigned store_gate_up(T* row, int j, int H, const fl
 
 // ---- kernels ------------------------------------------------------------------------------
 
+// Walks the grid-stride items i = row * cols + col of a (rows, cols) grid as (row, col), with one
+// division per thread instead of one per item: a step adds (stride / cols, stride % cols) and carries.
+// Loop while row < rows; no columns means no items.
+struct RowColWalk {
+    long long row = 0, drow = 0;
+    int col = 0, dcol = 0, cols;
+    __device__ __forceinline__ RowColWalk(long long rows, int cols_) : cols(cols_) {
+        if (cols <= 0) {
+            row = rows;
+            return;
+        }
+        const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+        const long long stride = (long long)gridDim.x * blockDim.x;
+        row = start / cols, col = (int)(start % cols);
+        drow = stride / cols, dcol = (int)(stride % cols);
+    }
+    __device__ __forceinline__ void next() {
+        row += drow, col += dcol;
+        if (col >= cols) col -= cols, ++row;
+    }
+};
+
 #define GRID_STRIDE(i, total)                                                             \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)
@@ -170,11 +195,10 @@ __device__ void plain_backward_impl(T* dinp, const T* dout, const T* inp, float*
 template <typename T, bool INTERLEAVED>
 __device__ void gated_forward_impl(T* out, const T* inp, float* abs_max, int act, long long N, int H) {
     constexpr int VN = Pack16<T>::N;
-    const int hv = H / VN;
     unsigned amax = 0;
-    GRID_STRIDE(i, N * hv) {
-        const long long row = i / hv;
-        const int j = (int)(i - row * hv) * VN;
+    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
+        const long long row = w.row;
+        const int j = w.col * VN;
         float g[VN], u[VN];
         load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
         Pack16<T> y;
@@ -191,11 +215,10 @@ template <typename T, bool INTERLEAVED>
 __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
                                     int H) {
     constexpr int VN = Pack16<T>::N;
-    const int hv = H / VN;
     unsigned amax = 0;
-    GRID_STRIDE(i, N * hv) {
-        const long long row = i / hv;
-        const int j = (int)(i - row * hv) * VN;
+    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
+        const long long row = w.row;
+        const int j = w.col * VN;
         float g[VN], u[VN];
         load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
         const Pack16<T> d = Pack16<T>::load(dout + (size_t)row * H + j);
@@ -213,10 +236,9 @@ __device__ void swiglu_forward_quant_impl(fp8e4* out, float* stats, const T* inp
     const float a = stats[STAT_ABS_MAX];
     const float scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
     if (blockIdx.x == 0 && threadIdx.x == 0) stats[STAT_SCALE] = scale, stats[STAT_SCALE_INV] = 1.f / scale;  // abs_max is only read
-    const int hv = H / VN;
-    GRID_STRIDE(i, N * hv) {
-        const long long row = i / hv;
-        const int j = (int)(i - row * hv) * VN;
+    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
+        const long long row = w.row;
+        const int j = w.col * VN;
         float g[VN], u[VN];
         load_gate_up<T, false>(inp + (size_t)row * 2 * H, j, H, g, u);
         Bytes<VN> q;

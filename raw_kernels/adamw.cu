@@ -54,9 +54,8 @@ __device__ __forceinline__ u32 sr_bits(u32 key, long long i) {
 template <typename T> __device__ __forceinline__ T round_store(float x, u32 key, long long i);
 template <> __device__ __forceinline__ float round_store<float>(float x, u32, long long) { return x; }
 template <> __device__ __forceinline__ bf16 round_store<bf16>(float x, u32 key, long long i) {
-    if (!isfinite(x)) return __float2bfloat16_rn(x);
     const u32 b = (__float_as_uint(x) + (sr_bits(key, i) & 0xffffu)) & 0xffff0000u;
-    return __ushort_as_bfloat16((unsigned short)(b >> 16));
+    return isfinite(x) ? __ushort_as_bfloat16((unsigned short)(b >> 16)) : __float2bfloat16_rn(x);
 }
 
 struct AdamParams {
@@ -81,6 +80,9 @@ __device__ __forceinline__ AdamParams adam_params(const float* hp, const float* 
     a.kp = sr_key(seed, ustep, 0u);
     a.km = sr_key(seed, ustep, 1u);
     a.kv = sr_key(seed, ustep, 2u);
+    // Opaque to the optimiser: otherwise it recomputes the keys' hash chains inside the element loop
+    // (rematerialisation), once per stored element.
+    asm("" : "+r"(a.kp), "+r"(a.km), "+r"(a.kv));
     return a;
 }
 

@@ -50,8 +50,16 @@ __device__ __forceinline__ void write_stats(float* stats, const float* amax_src,
     }
 }
 
-template <typename Tq> __device__ __forceinline__ u32 fp8_bits(float x) {
-    return from_float<Tq>(x).__x;
+constexpr int UNROLL = 4;  // 16-byte loads in flight per thread in the grid-stride kernels
+
+// Two values to FP8 in one SATFINITE round-to-nearest-even conversion (the instruction a single
+// conversion issues anyway): `lo` in bits 0-7, `hi` in bits 8-15.
+template <typename Tq> __device__ __forceinline__ u32 fp8x2_bits(float lo, float hi);
+template <> __device__ __forceinline__ u32 fp8x2_bits<fp8e4>(float lo, float hi) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+template <> __device__ __forceinline__ u32 fp8x2_bits<fp8e5>(float lo, float hi) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
 }
 
 // ---- abs_max ----------------------------------------------------------------------------------
@@ -63,7 +71,17 @@ template <typename T, bool VEC> __device__ void abs_max_impl(float* amax, const 
     long long done = 0;
     if (VEC) {
         const long long packs = n / 8;
-        for (long long p = tid; p < packs; p += nthreads) {
+        long long p = tid;
+        for (; p + (UNROLL - 1) * nthreads < packs; p += UNROLL * nthreads) {  // UNROLL loads in flight
+            T v[UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) load8(x + (p + u * nthreads) * 8, v[u]);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) bits = max(bits, __float_as_uint(fabsf(to_float(v[u][k]))));
+        }
+        for (; p < packs; p += nthreads) {
             T v[8];
             load8(x + p * 8, v);
 #pragma unroll
@@ -83,6 +101,18 @@ template <typename T, bool VEC> __device__ void abs_max_impl(float* amax, const 
 }
 
 // ---- quantize -------------------------------------------------------------------------------
+template <typename Tin, typename Tq>
+__device__ __forceinline__ void quantize8(Tq* out, const Tin (&v)[8], float scale) {
+    u32 w[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 lo = fp8x2_bits<Tq>(to_float(v[4 * h]) * scale, to_float(v[4 * h + 1]) * scale);
+        const u32 hi = fp8x2_bits<Tq>(to_float(v[4 * h + 2]) * scale, to_float(v[4 * h + 3]) * scale);
+        w[h] = lo | hi << 16;
+    }
+    *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);  // 8 bytes, little-endian: v[0] first
+}
+
 template <typename Tin, typename Tq, bool VEC>
 __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, const Tin* x, long long n) {
     const float amax = *amax_src;
@@ -93,13 +123,19 @@ __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, cons
     long long done = 0;
     if (VEC) {
         const long long packs = n / 8;
-        for (long long p = tid; p < packs; p += nthreads) {
+        long long p = tid;
+        // UNROLL loads in flight; all of them before the first store, which as a byte store may alias x.
+        for (; p + (UNROLL - 1) * nthreads < packs; p += UNROLL * nthreads) {
+            Tin v[UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) load8(x + (p + u * nthreads) * 8, v[u]);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) quantize8<Tin, Tq>(out + (p + u * nthreads) * 8, v[u], scale);
+        }
+        for (; p < packs; p += nthreads) {
             Tin v[8];
             load8(x + p * 8, v);
-            Vec<Tq, 8> q;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) q.v[k] = from_float<Tq>(to_float(v[k]) * scale);
-            *reinterpret_cast<Vec<Tq, 8>*>(out + p * 8) = q;
+            quantize8<Tin, Tq>(out + p * 8, v, scale);
         }
         done = packs * 8;
     }
@@ -117,7 +153,11 @@ __device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float sc
     constexpr int TN = 32 * RW, TC = 64, EPC = 16 / S;  // EPC: out elements per 16-byte chunk
     __shared__ u32 tile[TC][33];
     const int b = threadIdx.x % 8, a = threadIdx.x / 8;
-    const int n0 = blockIdx.x * TN, c0 = blockIdx.y * TC;
+    // The grid is (row tiles, column tiles); blocks start in order of blockIdx.x first. Consecutive
+    // blocks take consecutive column tiles of one row tile, so the 64-column pieces of each input row
+    // are read at about the same time (whole DRAM pages) rather than a row-tile sweep apart.
+    const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;
+    const int n0 = (int)(linear / gridDim.y) * TN, c0 = (int)(linear % gridDim.y) * TC;
     const int c = c0 + 8 * b;
     u32 words[8];
 #pragma unroll
@@ -144,7 +184,7 @@ __device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float sc
         for (int k = 0; k < 8; ++k) {
             if (!have[k]) continue;
             u32 bits;
-            if constexpr (QUANT) bits = fp8_bits<Tq>(to_float(v[k]) * scale);
+            if constexpr (QUANT) bits = fp8x2_bits<Tq>(to_float(v[k]) * scale, 0.f);
             else bits = (u32)v[k];
             words[k] |= bits << (8 * S * r);
         }
@@ -179,21 +219,36 @@ __device__ void quantize_transpose_impl(Tq* out, float* stats, const float* amax
 }
 
 // ---- bias backward ----------------------------------------------------------------------------
-// Partial sums: block (strip, chunk) sums rows [chunk*BIAS_ROWS, +BIAS_ROWS) of a strip of
-// 32*P columns into scratch[chunk][col]. 8 warps take rows round-robin, lanes take columns.
+// Partial sums: block (strip, chunk) sums rows [chunk*rows, +rows) of a strip of 32*P columns into
+// scratch[chunk][col]. `rows`, a multiple of 8 and a function of (N, OC) that the launcher picks so
+// that the grid is about one wave on an H100/H200, is at least BIAS_ROWS: the chunks fit the scratch.
+// 8 warps take rows round-robin, each keeping BIAS_UNROLL rows' loads in flight and adding them in
+// row order; lanes take columns.
 constexpr int BIAS_ROWS = 128;
+constexpr int BIAS_UNROLL = 4;
 
 template <typename T, int P>
-__device__ void bias_partial_impl(float* scratch, const T* dout, int N, int OC) {
+__device__ void bias_partial_impl(float* scratch, const T* dout, int N, int OC, int rows) {
     __shared__ float red[8][32 * P];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int col = blockIdx.x * 32 * P + lane * P;
-    const int r_end = min(N, (int)(blockIdx.y + 1) * BIAS_ROWS);
+    const int r_end = min(N, (int)(blockIdx.y + 1) * rows);
     float acc[P];
 #pragma unroll
     for (int k = 0; k < P; ++k) acc[k] = 0.f;
     if (col < OC) {
-        for (int r = blockIdx.y * BIAS_ROWS + warp; r < r_end; r += 8) {
+        int r = blockIdx.y * rows + warp;
+        for (; r + 8 * (BIAS_UNROLL - 1) < r_end; r += 8 * BIAS_UNROLL) {
+            Vec<T, P> w[BIAS_UNROLL];
+#pragma unroll
+            for (int u = 0; u < BIAS_UNROLL; ++u)
+                w[u] = *reinterpret_cast<const Vec<T, P>*>(dout + (size_t)(r + 8 * u) * OC + col);
+#pragma unroll
+            for (int u = 0; u < BIAS_UNROLL; ++u)
+#pragma unroll
+                for (int k = 0; k < P; ++k) acc[k] += to_float(w[u].v[k]);
+        }
+        for (; r < r_end; r += 8) {
             const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(dout + (size_t)r * OC + col);
 #pragma unroll
             for (int k = 0; k < P; ++k) acc[k] += to_float(w.v[k]);
@@ -212,11 +267,19 @@ __device__ void bias_partial_impl(float* scratch, const T* dout, int N, int OC) 
     }
 }
 
+// dbias[c] += the chunk partials of column c, added in chunk order; 8 loads in flight.
 template <typename T> __device__ void bias_reduce_impl(T* dbias, const float* scratch, int chunks, int OC) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= OC) return;
     float s = 0.f;
-    for (int i = 0; i < chunks; ++i) s += scratch[(size_t)i * OC + c];
+    for (int i0 = 0; i0 < chunks; i0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = i0 + j < chunks ? scratch[(size_t)(i0 + j) * OC + c] : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (i0 + j < chunks) s += v[j];
+    }
     dbias[c] = from_float<T>(to_float(dbias[c]) + s);
 }
 
@@ -264,14 +327,14 @@ TRANSPOSE_KERNELS(u8, u8)
 TRANSPOSE_KERNELS(u16, u16)
 
 #define BIAS_KERNELS(SUF, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bias_partial_##SUF(float* scratch, const T* dout, int N, \
-                                                                         int OC) {                            \
-        bias_partial_impl<T, 16 / sizeof(T)>(scratch, dout, N, OC);                                           \
+    extern "C" __global__ void __launch_bounds__(256, 4) bias_partial_##SUF(float* scratch, const T* dout,  \
+                                                                            int N, int OC, int rows) {        \
+        bias_partial_impl<T, 16 / sizeof(T)>(scratch, dout, N, OC, rows);                                     \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) bias_partial_##SUF##_scalar(float* scratch,             \
-                                                                                  const T* dout, int N,       \
-                                                                                  int OC) {                   \
-        bias_partial_impl<T, 1>(scratch, dout, N, OC);                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 4) bias_partial_##SUF##_scalar(float* scratch,          \
+                                                                                     const T* dout, int N,    \
+                                                                                     int OC, int rows) {      \
+        bias_partial_impl<T, 1>(scratch, dout, N, OC, rows);                                                  \
     }                                                                                                         \
     extern "C" __global__ void bias_reduce_##SUF(T* dbias, const float* scratch, int chunks, int OC) {        \
         bias_reduce_impl<T>(dbias, scratch, chunks, OC);                                                      \

@@ -11,6 +11,10 @@
 // vector width).
 #include "common.cuh"
 
+template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
+    T v[P];
+};
+
 __device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 // max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
@@ -30,41 +34,82 @@ __device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) 
 
 // ---- kernels ------------------------------------------------------------------------------
 
+// VN consecutive table values as floats: 16-byte (or 8-byte) vector loads when the table is 16-byte
+// aligned (every row then is: hs is a multiple of 2 * VN), scalar loads otherwise.
+template <int VN, typename F> __device__ __forceinline__ void load_table(const F* p, bool vec, float (&out)[VN]) {
+    constexpr int W = VN * (int)sizeof(F) > 16 ? 16 / (int)sizeof(F) : VN;  // elements per access
+    if (vec) {
+#pragma unroll
+        for (int j = 0; j < VN; j += W) {
+            const Vec<F, W> w = *reinterpret_cast<const Vec<F, W>*>(p + j);
+#pragma unroll
+            for (int k = 0; k < W; ++k) out[j + k] = to_float(w.v[k]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < VN; ++k) out[k] = to_float(p[k]);
+    }
+}
+
 // One thread per (row, head, VN-vector of the first half): it handles x1 and the matching x2.
+// The grid-stride index i = rh * hv + jv, rh = row * H + h, row = b * T_len + t, is kept as rh and the
+// digits (t, h, jv), advanced by the stride's digits with carries: no integer division per item.
 template <typename T, typename F>
 __device__ void rope_impl(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,
                           int Hq, int Hkv, int hs, bool inverse, bool copy_v) {
     constexpr int VN = Pack16<T>::N;
     const int half = hs / 2, hv = half / VN, H = Hq + 2 * Hkv;
-    const long long total = rows * H * hv;
     const float sign = inverse ? -1.f : 1.f;  // the inverse rotation is the rotation by -angle
+    const bool vec_table = ((size_t)freqs & 15) == 0;
+    const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long rh_end = rows * H;
+    long long rh = start / hv;
+    const long long srh = stride / hv;
+    int jv = (int)(start - rh * hv);
+    const int sj = (int)(stride - srh * hv);
+    int h = (int)(rh % H);
+    const int sh = (int)(srh % H);
+    int t = (int)((rh / H) % T_len);
+    const int st = (int)((srh / H) % T_len);
     unsigned amax = 0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int j = (int)(i % hv) * VN;
-        const long long rh = i / hv;
-        const int h = (int)(rh % H);
-        const long long row = rh / H;
+    while (rh < rh_end) {
         const bool rotate = h < Hq + Hkv;
-        if (!rotate && !copy_v && !abs_max) continue;
-        const size_t base = (size_t)rh * hs + j;
-        const Pack16<T> x1 = Pack16<T>::load(inp + base), x2 = Pack16<T>::load(inp + base + half);
-        Pack16<T> y1 = x1, y2 = x2;
-        if (rotate) {
-            const F* f = freqs + (size_t)(row % T_len) * hs + j;
-            for (int k = 0; k < VN; ++k) {
-                const float c = to_float(f[k]), s = sign * to_float(f[half + k]);
-                const float a = to_float(x1.v[k]), b = to_float(x2.v[k]);
-                y1.v[k] = from_float<T>(a * c - b * s);
-                y2.v[k] = from_float<T>(b * c + a * s);
+        if (rotate || copy_v || abs_max) {
+            const int j = jv * VN;
+            const size_t base = (size_t)rh * hs + j;
+            const Pack16<T> x1 = Pack16<T>::load(inp + base), x2 = Pack16<T>::load(inp + base + half);
+            Pack16<T> y1 = x1, y2 = x2;
+            if (rotate) {
+                const F* f = freqs + (size_t)t * hs + j;
+                float c[VN], s[VN];
+                load_table<VN>(f, vec_table, c);
+                load_table<VN>(f + half, vec_table, s);
+#pragma unroll
+                for (int k = 0; k < VN; ++k) {
+                    const float a = to_float(x1.v[k]), bb = to_float(x2.v[k]), sk = sign * s[k];
+                    y1.v[k] = from_float<T>(a * c[k] - bb * sk);
+                    y2.v[k] = from_float<T>(bb * c[k] + a * sk);
+                }
             }
+            if (rotate || copy_v) {
+                y1.store(out + base);
+                y2.store(out + base + half);
+            }
+            if (abs_max)
+#pragma unroll
+                for (int k = 0; k < VN; ++k)
+                    amax = max(amax, max(abs_bits(to_float(y1.v[k])), abs_bits(to_float(y2.v[k]))));
         }
-        if (rotate || copy_v) {
-            y1.store(out + base);
-            y2.store(out + base + half);
-        }
-        for (int k = 0; k < VN; ++k)
-            amax = max(amax, max(abs_bits(to_float(y1.v[k])), abs_bits(to_float(y2.v[k]))));
+        jv += sj;  // advance by the stride, digit by digit
+        int carry = jv >= hv;
+        jv -= carry ? hv : 0;
+        rh += srh + carry;
+        h += sh + carry;
+        carry = h >= H;
+        h -= carry ? H : 0;
+        t += st + carry;
+        t -= t >= T_len ? T_len : 0;
     }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }

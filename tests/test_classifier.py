@@ -146,7 +146,18 @@ def test_bad_arguments(override, match):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize(
     "n,v",
-    [(1, 256), (37, 256), (199, 1000), (760, 4099), (1128, 37), (8192, 256), (37, 151936), (3, 50257)],
+    [
+        (1, 256),
+        (37, 256),
+        (199, 1000),
+        (37, 4096),  # the longest rows of the warp-per-row kernels
+        (5, 4104),  # the shortest vectorised rows of the block-per-row kernel
+        (760, 4099),
+        (1128, 37),
+        (8192, 256),
+        (37, 151936),  # the shared-memory cache holds part of a row (fp32 and bf16)
+        (3, 50257),  # ... a whole row
+    ],
 )
 def test_cuda_matches_cpu(dtype, n, v):
     logits, targets, losses0 = make_inputs(n, v, seed=n + v)

@@ -115,9 +115,9 @@ def test_backward_skips_invalid_ids_without_touching_memory(dev):
 
 
 def test_scratch_shape():
-    assert encoder_scratch_shape(1, 1) == (3 + 256,)
-    assert encoder_scratch_shape(8, 1024, 896) == (3 * 8192 + 256 * 4,)  # C does not matter
-    assert encoder_scratch_shape(1, 2049) == (3 * 2049 + 256 * 2,)
+    assert encoder_scratch_shape(1, 1) == (3 + 512,)
+    assert encoder_scratch_shape(8, 1024, 896) == (3 * 8192 + 512 * 4,)  # C does not matter
+    assert encoder_scratch_shape(1, 2049) == (3 * 2049 + 512 * 2,)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -139,11 +139,11 @@ I32, BF = np.int32, ce.BF16.np
         (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t(80)), r"wte: expected shape \(\*, \*\)"),
         (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(7, I32)), "scratch: expected shape"),
         (
-            lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(274)),
+            lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(530)),
             "scratch: expected dtype int32",
         ),
-        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(274, I32)), "dout: expected shape"),
-        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(274, I32)), "C = 12 must"),
+        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(530, I32)), "dout: expected shape"),
+        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(530, I32)), "C = 12 must"),
     ],
 )
 def test_errors(call, match):
@@ -168,7 +168,7 @@ def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [200, 50257, 151936])  # 1, 2 and 3 radix passes
+@pytest.mark.parametrize("v", [200, 50257, 151936, 262144])  # 1, 2, 2 and 3 radix passes of 9 bits
 @pytest.mark.parametrize("skew", ["one_token", "few_tokens", "spread"])
 def test_cuda_deterministic(v, skew):
     """Bitwise-equal dwte across runs, with scratch garbage in between, on heavily repeated tokens."""
@@ -197,3 +197,21 @@ def test_cuda_backward_captures_into_a_graph(cuda):
     graph.launch()
     once = encoder_backward_np(np.zeros_like(dwte), dout, tokens)
     np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(once, dout, tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 520), ("fp32", "bf16", 8)]
+)
+def test_cuda_every_run_length_and_offset(dwte_dtype, dout_dtype, c):
+    """Runs of 1..13 positions, so that runs of at most 4 (a thread per vector) and longer ones (the
+    whole block) start at every offset of a 4-slot sum block; C spans more than one 128-vector block
+    with a partial last one (1040 bf16 = 130 vectors, 520 fp32 = 130) and less than one warp (8)."""
+    r = rng(21)
+    v = 40
+    tokens = np.concatenate([np.full(n, 2 * n + 1) for n in range(1, 14)] + [[-1, v, 0, 0]])
+    tokens = r.permutation(tokens).astype(np.int32)[None]  # positions interleave; runs stay by key
+    dout = r.standard_normal((1, tokens.size, c)).astype(ce.dtype(dout_dtype).np)
+    dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
+    gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=3)
+    np.testing.assert_array_equal(gpu.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))

@@ -108,22 +108,35 @@ def classifier_cases(dev, shrink):
 def fp8_cases(dev, shrink):
     from cuengine.kernels import fp8
 
-    n, c = max(16, 8192 // shrink), 4864  # (B*T, intermediate) of a 0.5B-shape MLP
-    x = tensor(dev, ce.BF16, (n, c), 3.0)
-    amax = ce.Tensor.empty(ce.FP32, (1,), dev).fill_zero()
-    q = ce.Tensor.empty(ce.FP8_E4M3, (n, c), dev)
-    qt = ce.Tensor.empty(ce.FP8_E4M3, (c, n), dev)
-    fp8.abs_max(q.abs_max, x)
-    e = n * c
-    yield "fp8", f"abs_max ({n}, {c}) bf16", 2 * e, lambda: fp8.abs_max(amax, x)
-    yield "fp8", f"quantize ({n}, {c}) bf16->e4m3", 3 * e, lambda: fp8.quantize_with_abs_max(q, x)
-    yield "fp8", f"quant+transpose ({n}, {c}) bf16->e4m3", 3 * e, lambda: fp8.quantize_and_transpose(qt, x)
-    yield "fp8", f"transpose ({n}, {c}) e4m3", 2 * e, lambda: fp8.transpose(qt, q)
-    xt = ce.Tensor.empty(ce.BF16, (c, n), dev)
-    yield "fp8", f"transpose ({n}, {c}) bf16", 4 * e, lambda: fp8.transpose(xt, x)
-    dbias = ce.Tensor.empty(ce.FP32, (c,), dev).fill_zero()
-    scratch = ce.Tensor.empty(ce.FP32, fp8.bias_backward_scratch_shape(n, c), dev)
-    yield "fp8", f"bias_backward ({n}, {c}) bf16", 2 * e, lambda: fp8.bias_backward(dbias, x, scratch)
+    # (B*T, intermediate) of a 0.5B-shape MLP: 8192 rows (80 MB of bf16, where launch and tail
+    # latency are a visible part of ~25 us) and 32768 rows (320 MB), both reported.
+    for rows in (8192, 32768):
+        n, c = max(16, rows // shrink), 4864
+        x = tensor(dev, ce.BF16, (n, c), 3.0)
+        amax = ce.Tensor.empty(ce.FP32, (1,), dev).fill_zero()
+        q = ce.Tensor.empty(ce.FP8_E4M3, (n, c), dev)
+        qt = ce.Tensor.empty(ce.FP8_E4M3, (c, n), dev)
+        fp8.abs_max(q.abs_max, x)
+        e = n * c
+        yield "fp8", f"abs_max ({n}, {c}) bf16", 2 * e, lambda x=x, amax=amax: fp8.abs_max(amax, x)
+        yield "fp8", f"quantize ({n}, {c}) bf16->e4m3", 3 * e, lambda x=x, q=q: fp8.quantize_with_abs_max(q, x)
+        yield (
+            "fp8",
+            f"quant+transpose ({n}, {c}) bf16->e4m3",
+            3 * e,
+            lambda x=x, qt=qt: fp8.quantize_and_transpose(qt, x),
+        )
+        yield "fp8", f"transpose ({n}, {c}) e4m3", 2 * e, lambda q=q, qt=qt: fp8.transpose(qt, q)
+        xt = ce.Tensor.empty(ce.BF16, (c, n), dev)
+        yield "fp8", f"transpose ({n}, {c}) bf16", 4 * e, lambda x=x, xt=xt: fp8.transpose(xt, x)
+        dbias = ce.Tensor.empty(ce.FP32, (c,), dev).fill_zero()
+        scratch = ce.Tensor.empty(ce.FP32, fp8.bias_backward_scratch_shape(n, c), dev)
+        yield (
+            "fp8",
+            f"bias_backward ({n}, {c}) bf16",
+            2 * e,
+            lambda x=x, dbias=dbias, scratch=scratch: fp8.bias_backward(dbias, x, scratch),
+        )
 
 
 def norm_cases(dev, shrink):

@@ -14,6 +14,11 @@ from ..dtypes import BF16, FP32, INT32
 from . import _build
 
 _SUFFIX = {"fp32": "f32", "bf16": "bf16"}
+_WARP_ROW_MAX_V = 4096  # rows up to this length take one warp each
+_WARP_ROWS = 8  # rows (warps) per block of the `_warp` kernels
+# Dynamic shared memory per block that caches a row's head between the forward and backward
+# passes, by compute capability major (the opt-in maximum is 227 KB on sm_90 and sm_100).
+_CACHE_BYTES = {9: 224 * 1024, 10: 224 * 1024}
 
 
 def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0, write_dlogits=True):
@@ -82,8 +87,18 @@ def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float 
     pack = 16 // logits.dtype.itemsize
     vectorised = v % pack == 0 and logits.ptr % 16 == 0
     per_thread = pack if vectorised else 1
-    threads = min(1024, max(32, _build.ceil_div(_build.ceil_div(v, per_thread), 32) * 32))
     name = f"fused_classifier_{_SUFFIX[logits.dtype.name]}" + ("" if vectorised else "_scalar")
+    cache_n, smem = 0, 0
+    if v <= _WARP_ROW_MAX_V:  # a warp per row, _WARP_ROWS rows per block
+        name += "_warp"
+        blocks, threads = _build.ceil_div(n, _WARP_ROWS), 32 * _WARP_ROWS
+    else:
+        blocks = n
+        threads = min(1024, max(32, _build.ceil_div(_build.ceil_div(v, per_thread), 32) * 32))
+        if write_dlogits:
+            budget = _CACHE_BYTES.get(dev.compute_capability[0], 0) // logits.dtype.itemsize
+            cache_n = min(v, budget) // per_thread * per_thread
+            smem = cache_n * logits.dtype.itemsize
     args = (logits, losses, lse, targets, np.float32(d_loss), np.float32(z_loss), np.int32(bool(write_dlogits)),
-            np.int32(v))  # fmt: skip
-    _build.launch("classifier", name, n, threads, args, dev, stream)
+            np.int32(n), np.int32(v), np.int32(cache_n))  # fmt: skip
+    _build.launch("classifier", name, blocks, threads, args, dev, stream, shared_mem=smem)

@@ -18,10 +18,13 @@ FAMILY = "encoder"
 FLOATS = (FP32, BF16, FP16)
 _SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
-_SORT_THREADS = 256  # matches encoder.cu
+_RADIX_BITS = 9  # matches encoder.cu
+_SORT_THREADS = 1 << _RADIX_BITS  # one thread per digit value
 _SORT_TILE = 2048  # SORT_THREADS * SORT_ITEMS
 _SCAN_THREADS = 1024
-_SUM_WARPS = 4  # warps that share one run of equal tokens; the twin mirrors their order
+_PARTIALS = 4  # partial sums per run and channel (PARTIALS in encoder.cu); the twin mirrors their order
+_SUM_SLOTS = 4  # sorted slots per sum block (SUM_SLOTS)
+_SUM_VECS = 128  # 16-byte vectors of channels per sum block (SUM_VECS)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -60,15 +63,15 @@ def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) 
     run = np.cumsum(starts) - 1  # which run each sorted slot belongs to
     first = np.nonzero(starts)[0]
     rank = np.arange(order.size) - first[run]
-    part = np.zeros((_SUM_WARPS, first.size, C), np.float32)
-    lane, step = rank % _SUM_WARPS, rank // _SUM_WARPS
+    part = np.zeros((_PARTIALS, first.size, C), np.float32)
+    lane, step = rank % _PARTIALS, rank // _PARTIALS
     by_step = np.argsort(step, kind="stable")
     bounds = np.r_[0, np.cumsum(np.bincount(step))]
     for s in range(bounds.size - 1):
         idx = by_step[bounds[s] : bounds[s + 1]]  # (lane, run) pairs are distinct within one step
         part[lane[idx], run[idx]] += d[order[idx]]
     total = part[0]
-    for w in range(1, _SUM_WARPS):
+    for w in range(1, _PARTIALS):
         total = total + part[w]
     rows = keys[first]
     out[rows] = (out[rows].astype(np.float32) + total).astype(out.dtype)
@@ -77,13 +80,13 @@ def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) 
 
 # ---- sizes --------------------------------------------------------------------------------
 def _sort_passes(V: int) -> int:
-    return max(1, ceil_div(V.bit_length(), 8))  # keys are 0..V (V marks an invalid id)
+    return max(1, ceil_div(V.bit_length(), _RADIX_BITS))  # keys are 0..V (V marks an invalid id)
 
 
 def encoder_scratch_shape(B: int, T: int, C: int | None = None) -> tuple[int]:
     """Shape of the int32 scratch encoder_backward needs for (B, T) tokens.
 
-    Holds the sorted positions (twice, ping-pong), their keys, and a (256, tiles) digit histogram
+    Holds the sorted positions (twice, ping-pong), their keys, and a (512, tiles) digit histogram
     with tiles = ceil(B*T / 2048). It does not depend on C, which is accepted so that callers can
     size every scratch buffer from (B, T, C).
     """
@@ -141,7 +144,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable: a fixed sequence of 3 * ceil(bits(V) / 8) + 1 kernels, no host sync.
+    Capturable: a fixed sequence of 3 * ceil(bits(V) / 9) + 1 kernels, no host sync.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
     expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
@@ -164,7 +167,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     keys, hist = flat.rows(2 * N, 3 * N), flat.rows(3 * N, 3 * N + _SORT_THREADS * tiles)
     src = None  # the first pass starts from positions 0..N-1
     for p in range(_sort_passes(V)):
-        dst, shift = bufs[p % 2], np.int32(8 * p)
+        dst, shift = bufs[p % 2], np.int32(_RADIX_BITS * p)
         args = (hist, tokens, src, np.int32(N), np.int32(V), shift, np.int32(tiles))
         launch(FAMILY, "encoder_sort_histogram", tiles, _SORT_THREADS, args, dev, stream)
         args = (hist, np.int32(_SORT_THREADS * tiles))
@@ -172,7 +175,8 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         args = (dst, keys, hist, tokens, src, np.int32(N), np.int32(V), shift, np.int32(tiles))
         launch(FAMILY, "encoder_sort_scatter", tiles, _SORT_THREADS, args, dev, stream)
         src = dst
-    chunk = 32 * (16 // dout.dtype.itemsize)  # channels per block
+    chunk = _SUM_VECS * (16 // dout.dtype.itemsize)  # channels per block
     name = f"encoder_backward_sum_{_SUFFIX[dwte.dtype.name]}_{_SUFFIX[dout.dtype.name]}"
     args = (dwte, dout, src, keys, np.int32(N), np.int32(V), np.int32(C))
-    launch(FAMILY, name, (N, ceil_div(C, chunk)), 32 * _SUM_WARPS, args, dev, stream)
+    grid = (ceil_div(N, _SUM_SLOTS), ceil_div(C, chunk))
+    launch(FAMILY, name, grid, _SUM_SLOTS * _SUM_VECS, args, dev, stream)

@@ -19,7 +19,8 @@ from . import _build
 
 _SUFFIX = {"fp32": "f32", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
 _BITS = {1: np.uint8, 2: np.uint16}
-_BIAS_ROWS = 128  # rows per partial sum in bias_backward (BIAS_ROWS in fp8.cu)
+_BIAS_ROWS = 128  # the fewest rows per partial sum in bias_backward (BIAS_ROWS in fp8.cu); sizes scratch
+_BIAS_BLOCKS = 528  # bias_partial blocks to aim for: one wave of 4 per SM (__launch_bounds__(256, 4)) on 132 SMs
 _TILE_C = 64  # columns of inp per transpose tile (TC in fp8.cu)
 
 
@@ -257,11 +258,17 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
     vec = oc % pack == 0 and _aligned(dout)
     cols = 32 * (pack if vec else 1)
     suffix = _SUFFIX[dout.dtype.name]
-    grid = (_build.ceil_div(oc, cols), _build.ceil_div(n, _BIAS_ROWS))
-    if grid[1] > 65535:
+    if _build.ceil_div(n, _BIAS_ROWS) > 65535:
         raise ValueError(f"bias_backward: N = {n} rows exceed the {65535 * _BIAS_ROWS} one launch covers")
+    # Rows per block: about _BIAS_BLOCKS blocks in all (one wave of the vectorised kernel), never
+    # fewer than _BIAS_ROWS rows (so the chunks fit the scratch), a multiple of the kernel's 8 warps;
+    # _BIAS_ROWS (many waves) when the column strips alone fill a wave. A function of (N, OC, dtype)
+    # only, so the partial sums, and dbias's bits, depend neither on the GPU nor on alignment.
+    groups = _BIAS_BLOCKS // _build.ceil_div(oc, 32 * pack)
+    rows = max(_BIAS_ROWS, _build.ceil_div(_build.ceil_div(n, groups), 8) * 8) if groups else _BIAS_ROWS
+    grid = (_build.ceil_div(oc, cols), _build.ceil_div(n, rows))
     name = f"bias_partial_{suffix}" + ("" if vec else "_scalar")
-    _build.launch("fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc)), dev, stream)
+    _build.launch("fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows)), dev, stream)
     reduce = f"bias_reduce_{_SUFFIX[dbias.dtype.name]}"
-    _build.launch("fp8", reduce, _build.ceil_div(oc, 256), 256, (dbias, scratch, np.int32(grid[1]), np.int32(oc)),
+    _build.launch("fp8", reduce, _build.ceil_div(oc, 64), 64, (dbias, scratch, np.int32(grid[1]), np.int32(oc)),
                   dev, stream)  # fmt: skip
