@@ -24,22 +24,6 @@ constexpr float GELU_A = 0.044715f;
 constexpr float OAI_ALPHA = 1.702f;
 constexpr float OAI_LIMIT = 7.f;
 
-__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-// max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
-// order like their bit patterns, so the integer max is exact and order-independent.
-__device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) {
-    __shared__ unsigned s_bits[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    bits = __reduce_max_sync(0xffffffffu, bits);
-    if (lane == 0) s_bits[warp] = bits;
-    __syncthreads();
-    if (warp == 0) {
-        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
-        bits = __reduce_max_sync(0xffffffffu, bits);
-        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
-    }
-}
 
 // MUFU.EX2 and MUFU.RCP (about 2 ulp each) instead of the IEEE-exact expf and division: the
 // element-wise kernels must stay memory-bound, and bf16 outputs round far above that error.

@@ -47,19 +47,11 @@ template <typename T> struct alignas(16) Pack16 {
     T v[N];
     __device__ __forceinline__ static Pack16 load(const T* p) { return *reinterpret_cast<const Pack16*>(p); }
     __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Pack16*>(p) = *this; }
-    // Streaming load: read once, do not keep in L1.
-    __device__ __forceinline__ static Pack16 load_cs(const T* p) {
-        Pack16 r; *reinterpret_cast<int4*>(&r) = __ldcs(reinterpret_cast<const int4*>(p)); return r;
-    }
 };
 
 // ---- reductions ------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 // Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. Deterministic
@@ -73,14 +65,22 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
     x = lane < warps ? scratch[lane] : 0.f;
     return warp_sum(x);
 }
-__device__ __forceinline__ float block_max(float x, float* scratch) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
-    x = warp_max(x);
+
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
+// order like their bit patterns, so the integer max is exact and order-independent.
+__device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) {
+    __shared__ unsigned s_bits[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) s_bits[warp] = bits;
     __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    x = lane < warps ? scratch[lane] : 0.f;
-    return warp_max(x);
+    if (warp == 0) {
+        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
+        bits = __reduce_max_sync(0xffffffffu, bits);
+        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
+    }
 }
 
 // abs-max across the grid. Non-negative floats order like their bit patterns as ints,

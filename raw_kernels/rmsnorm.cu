@@ -17,22 +17,6 @@
 
 constexpr int FWD_WARPS = 8;  // rows per forward block
 
-__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-// max over the block of each thread's |x| bits, then one atomicMax. Non-negative floats (NaN above inf)
-// order like their bit patterns, so the integer max is exact and order-independent.
-__device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) {
-    __shared__ unsigned s_bits[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    bits = __reduce_max_sync(0xffffffffu, bits);
-    if (lane == 0) s_bits[warp] = bits;
-    __syncthreads();
-    if (warp == 0) {
-        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
-        bits = __reduce_max_sync(0xffffffffu, bits);
-        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
-    }
-}
 
 // ---- kernels ------------------------------------------------------------------------------
 
