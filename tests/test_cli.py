@@ -1,0 +1,402 @@
+"""`cuengine train | generate | bench | info` on the cpu device: training on the default corpus,
+exact resumption, bad input (exit 2, one line, nothing written), sampling and the schedule."""
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuengine import cli, data
+
+try:
+    from cuengine.model import LlamaModel, TransformerConfig  # noqa: F401
+
+    MODEL_ERROR = None
+except ImportError as err:
+    MODEL_ERROR = str(err)
+needs_model = pytest.mark.skipif(MODEL_ERROR is not None, reason=f"cuengine.model does not import: {MODEL_ERROR}")
+
+# Small and quick on two cores; the loss must still fall clearly within 20 steps.
+FAST = ["--device", "cpu", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "1", "--sample-tokens", "0"]
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_log(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_llmc(path, tokens, magic=20240520, version=1):
+    header = np.zeros(256, "<i4")
+    header[:3] = magic, version, len(tokens)
+    path.write_bytes(header.tobytes() + np.asarray(tokens, "<u2").tobytes())
+    return path
+
+
+# ---- training -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 20-step run on the default corpus, shared by the tests that read its outputs."""
+    out = tmp_path_factory.mktemp("train") / "run"
+    code = cli.main(["train", *FAST, "--steps", "20", "--warmup", "2", "--eval-every", "10", "--sample-tokens", "16",
+                     "--out", str(out)])  # fmt: skip
+    return code, out
+
+
+@needs_model
+def test_train_default_data_loss_falls(trained):
+    code, out = trained
+    assert code == 0
+    rows = read_log(out / "log.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(v) for v in losses)
+    assert abs(losses[0] - math.log(256)) < 0.5  # starts near uniform over the byte vocabulary
+    assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
+    assert rows[-1]["val_loss"] < losses[0] - 0.5
+    for key in ("lr", "tok_per_s", "memory", "tokens"):
+        assert rows[-1][key] > 0
+    assert "mfu" not in rows[-1]  # MFU is reported on cuda only
+    assert (out / "checkpoint").is_dir() and (out / "model" / "config.json").is_file()
+    assert json.loads((out / "run.json").read_text())["steps"] == 20
+    assert len((out / "sample.txt").read_bytes()) >= 16
+    has_plot = importlib.util.find_spec("matplotlib") is not None  # the optional `plot` extra
+    assert (out / "log.png").is_file() == has_plot
+
+
+@needs_model
+def test_generate_from_trained_model(trained, capsys):
+    _, out = trained
+    argv = ["generate", "--model", out / "model", "--prompt", "def ", "--max-new-tokens", 12, "--device", "cpu"]
+    code, text, err = run_cli(capsys, *argv, "--seed", 3)
+    assert code == 0, err
+    assert text.startswith("def ") and len(text.encode()) > len("def \n")
+    assert run_cli(capsys, *argv, "--seed", 3)[1] == text  # seeded
+    code, greedy, _ = run_cli(capsys, *argv, "--temperature", 0)
+    assert code == 0 and greedy == run_cli(capsys, *argv, "--temperature", 0, "--seed", 9)[1]
+
+
+@needs_model
+def test_generate_tokens_counts_and_window(trained):
+    _, out = trained
+    TransformerConfig, TrainOptions, LlamaModel = cli._model_api()
+    cfg = TransformerConfig.from_pretrained(out / "model")
+    model = LlamaModel(cfg, TrainOptions(model_dtype="fp32"), cli._device("cpu"))
+    model.import_weights(out / "model")
+    model.allocate_run_state(1, 8)
+    prompt = data.ByteTokenizer().encode("import os\nimport sys\n")  # longer than the window: cropped
+    new = cli.generate_tokens(model, prompt, 10, 8, 1.0, 0, seed=0)
+    assert len(new) == 10 and all(0 <= t < 256 for t in new)
+    assert cli.generate_tokens(model, prompt, 10, 8, 1.0, 0, seed=0) == new
+    # Cropping: only the last 8 tokens of the context matter.
+    assert cli.generate_tokens(model, prompt[-8:], 10, 8, 1.0, 0, seed=0) == new
+    limited = cli.generate_tokens(model, prompt, 30, 8, 1.0, 0, seed=1, vocab_limit=100)
+    assert max(limited) < 100
+
+
+@needs_model
+def test_train_from_model_dir_and_its_tokenizer(trained, tmp_path, capsys):
+    _, out = trained
+    (tmp_path / "d.txt").write_text("import sys\n\ndef main(argv):\n    return 0\n" * 40)
+    argv = ["train", *FAST, "--steps", "2", "--data", tmp_path / "d.txt"]
+    code, _, err = run_cli(capsys, *argv, "--model", out / "model", "--out", tmp_path / "ft")
+    assert code == 0, err
+    first = read_log(tmp_path / "ft" / "log.jsonl")[0]["loss"]
+    assert first < math.log(256) - 1.0  # the trained weights were imported, not a fresh init
+    if importlib.util.find_spec("tokenizers") is None:
+        return  # tokenizer.json needs the `tokenizers` package; bytes are used without it
+    from test_data import word_tokenizer
+
+    shutil.copytree(out / "model", tmp_path / "m")
+    word_tokenizer(tmp_path / "m")
+    (tmp_path / "w.txt").write_text("def x return y " * 3000)
+    argv = ["train", *FAST, "--steps", "2", "--data", tmp_path / "w.txt", "--model", tmp_path / "m"]
+    code, _, err = run_cli(capsys, *argv, "--out", tmp_path / "tok")
+    assert code == 0, err
+    assert (tmp_path / "tok" / "model" / "tokenizer.json").is_file()
+    code, text, err = run_cli(capsys, "generate", "--model", tmp_path / "tok" / "model", "--prompt", "def x",
+                              "--max-new-tokens", 5, "--device", "cpu")  # fmt: skip
+    assert code == 0, err
+    words = text.split()
+    assert words[:2] == ["def", "x"] and len(words) == 7 and set(words) <= {"[UNK]", "def", "return", "x", "y"}
+
+
+@needs_model
+def test_resume_continues_the_same_loss_sequence(tmp_path, capsys):
+    common = [*FAST, "--steps", "10", "--warmup", "2", "--eval-every", "5", "--seed", "4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(capsys, "train", *common, "--out", straight)[0] == 0
+    code, out, _ = run_cli(capsys, "train", *common, "--out", split, "--stop-after", "5")
+    assert code == 0 and "--resume" in out
+    assert len(read_log(split / "log.jsonl")) == 5 and not (split / "model").exists()
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", split, "--device", "cpu")
+    assert code == 0, err
+    a, b = read_log(straight / "log.jsonl"), read_log(split / "log.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # bitwise: the floats are logged exactly
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
+    assert [r.get("val_loss") for r in b] == [r.get("val_loss") for r in a]
+    # Resuming with another model is refused before anything changes.
+    before = {p: p.stat().st_mtime_ns for p in split.rglob("*")}
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", split, "--device", "cpu", "--preset", "tiny-llama",
+                           "--steps", "12")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "written for another model config" in err, err
+    assert {p: p.stat().st_mtime_ns for p in split.rglob("*")} == before
+
+
+@needs_model
+def test_resume_after_a_crash_reruns_the_steps_after_the_checkpoint(tmp_path, monkeypatch, capsys):
+    common = [*FAST, "--steps", "6", "--warmup", "1", "--eval-every", "0", "--save-every", "3"]
+    assert run_cli(capsys, "train", *common, "--out", tmp_path / "straight")[0] == 0
+    real_step, calls = cli._step, []
+
+    def crash_on_fifth(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(*args)
+
+    monkeypatch.setattr(cli, "_step", crash_on_fifth)
+    code, _, err = run_cli(capsys, "train", *common, "--out", tmp_path / "crashed")
+    assert code == 130 and "interrupted" in err
+    assert len(read_log(tmp_path / "crashed" / "log.jsonl")) == 4  # step 4 ran after the checkpoint at 3
+    monkeypatch.setattr(cli, "_step", real_step)
+    assert run_cli(capsys, "train", "--resume", "--out", tmp_path / "crashed", "--device", "cpu")[0] == 0
+    a, b = read_log(tmp_path / "straight" / "log.jsonl"), read_log(tmp_path / "crashed" / "log.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+
+
+@needs_model
+def test_train_on_text_npy_and_bin_with_grad_accum(tmp_path, capsys):
+    text = b"the quick brown fox jumps over the lazy dog. " * 200
+    (tmp_path / "t.txt").write_bytes(text)
+    np.save(tmp_path / "t.npy", np.frombuffer(text, np.uint8).astype(np.int32))
+    write_llmc(tmp_path / "t_000.bin", np.frombuffer(text, np.uint8))
+    write_llmc(tmp_path / "t_001.bin", np.frombuffer(text[::-1], np.uint8))
+    logs = {}
+    for name, spec in (("txt", "t.txt"), ("npy", "t.npy"), ("bin", "t_*.bin")):
+        out = tmp_path / f"run_{name}"
+        argv = ["train", *FAST, "--steps", "3", "--grad-accum", "2", "--warmup", "1", "--data", tmp_path / spec]
+        code, _, err = run_cli(capsys, *argv, "--out", out)
+        assert code == 0, err
+        logs[name] = read_log(out / "log.jsonl")
+        assert len(logs[name]) == 3 and logs[name][0]["tokens"] == 2 * 4 * 64
+    # Without --model the vocabulary comes from the data: bytes 256; .npy max id 'z' + 1 padded to
+    # 128; GPT-2 .bin shards 50257 padded to 50304. A fresh model's first loss is near log(V).
+    for name, vocab in (("txt", 256), ("npy", 128), ("bin", 50304)):
+        assert abs(logs[name][0]["loss"] - math.log(vocab)) < 0.3, (name, logs[name][0]["loss"])
+
+
+@needs_model
+def test_engine_flags_reach_the_model_and_keep_the_losses(tmp_path, capsys):
+    common = [*FAST, "--steps", "3", "--warmup", "1"]
+    assert run_cli(capsys, "train", *common, "--out", tmp_path / "base")[0] == 0
+    flags = ["--recompute", "ffn", "att", "--offload-residual", "--cuda-graphs"]
+    assert run_cli(capsys, "train", *common, *flags, "--out", tmp_path / "flags")[0] == 0
+    saved = json.loads((tmp_path / "flags" / "run.json").read_text())
+    assert saved["recompute"] == ["ffn", "att"] and saved["offload_residual"] and saved["cuda_graphs"]
+    base, other = read_log(tmp_path / "base" / "log.jsonl"), read_log(tmp_path / "flags" / "log.jsonl")
+    assert [r["loss"] for r in other] == [r["loss"] for r in base]
+
+
+@needs_model
+def test_bench_minimal(capsys):
+    code, out, err = run_cli(capsys, "bench", "--preset", "tiny", "--batch-size", 2, "--seq-len", 32, "--steps", 2,
+                             "--warmup", 1, "--device", "cpu")  # fmt: skip
+    assert code == 0, err
+    assert "tok/s" in out and "tiny" in out
+
+
+# ---- cuda (the lead runs these on an H200) --------------------------------------------------------
+@pytest.mark.gpu
+def test_train_cuda_default_shape_loss_falls_and_resumes_exactly(tmp_path, capsys):
+    """The default cuda run (the "small" shape, bf16) for a few steps: the loss falls, MFU is
+    logged, and 3 + resume 3 steps give bitwise the losses of 6 straight (seeded stochastic
+    rounding; needs deterministic kernels, attention backward included)."""
+    code, _, err = run_cli(capsys, "train", "--device", "cuda", "--steps", 30, "--eval-every", 15,
+                           "--sample-tokens", 20, "--out", tmp_path / "run")  # fmt: skip
+    assert code == 0, err
+    rows = read_log(tmp_path / "run" / "log.jsonl")
+    assert np.mean([r["loss"] for r in rows[-5:]]) < rows[0]["loss"] - 1.0
+    assert all(0 < r["mfu"] < 1 for r in rows)
+    code, text, err = run_cli(capsys, "generate", "--model", tmp_path / "run" / "model", "--prompt", "import ",
+                              "--max-new-tokens", 20, "--device", "cuda")  # fmt: skip
+    assert code == 0 and text.startswith("import "), err
+    common = ["--device", "cuda", "--steps", 6, "--batch-size", 4, "--seq-len", 256, "--sample-tokens", 0]
+    assert run_cli(capsys, "train", *common, "--out", tmp_path / "a")[0] == 0
+    assert run_cli(capsys, "train", *common, "--out", tmp_path / "b", "--stop-after", 3)[0] == 0
+    assert run_cli(capsys, "train", "--resume", "--out", tmp_path / "b", "--device", "cuda")[0] == 0
+    a, b = read_log(tmp_path / "a" / "log.jsonl"), read_log(tmp_path / "b" / "log.jsonl")
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+
+
+@pytest.mark.gpu
+def test_bench_cuda_uses_the_project_measurement(capsys):
+    code, out, err = run_cli(capsys, "bench", "--preset", "tiny-hs64", "--batch-size", 2, "--seq-len", 128,
+                             "--steps", 3, "--device", "cuda")  # fmt: skip
+    assert code == 0, err
+    assert "tools/bench_train.py" in out and "MFU" in out and "tok/s" in out
+
+
+# ---- bad input: one line on stderr, exit code 2, nothing written ---------------------------------
+def make_bad_files(tmp):
+    """The files the bad-input cases name, made in `tmp`."""
+    write_llmc(tmp / "magic.bin", [1, 2, 3], magic=12345)
+    write_llmc(tmp / "version.bin", [1, 2, 3], version=3)
+    write_llmc(tmp / "big.bin", [1, 2, 60000] * 100)
+    write_llmc(tmp / "v300.bin", [1, 300, 2] * 100)
+    (tmp / "junk.npy").write_bytes(b"\x93NUMPY garbage")
+    (tmp / "empty.txt").write_bytes(b"")
+    np.save(tmp / "ids.npy", np.arange(300, dtype=np.int32) % 256)
+    (tmp / "nocfg").mkdir()
+    (tmp / "badcfg").mkdir()
+    (tmp / "badcfg" / "config.json").write_text("{not json")
+    for name in ("noweights", "badweights"):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(TransformerConfig.preset("tiny").to_hf_dict()))
+    (tmp / "badweights" / "model.safetensors").write_bytes(b"garbage12345678")
+    (tmp / "gpt2").mkdir()
+    (tmp / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+
+
+# Each kind of bad input: extra argv ({tmp} = the folder of make_bad_files) and the expected message.
+BAD_CASES = [
+    pytest.param(["--data", "{tmp}/nope.txt"], "nope.txt: no such file", id="missing data"),
+    pytest.param(["--data", "{tmp}/junk.npy"], "not a readable .npy", id="corrupt npy"),
+    pytest.param(["--data", "{tmp}/empty.txt"], "empty file", id="empty text"),
+    pytest.param(["--data", "{tmp}/magic.bin"], "bad magic 12345", id="bin magic"),
+    pytest.param(["--data", "{tmp}/version.bin"], "version 3, expected 1", id="bin version"),
+    pytest.param(["--data", "{tmp}/big.bin"], "token id 60000 is >= its format's vocab_size 50257", id="bin token"),
+    pytest.param(["--model", "{tmp}/noweights", "--data", "{tmp}/v300.bin"],
+                 "token id 300 is >= the model's vocab_size 256", id="model vocab"),
+    pytest.param(["--val-data", "{tmp}/nope.bin"], "nope.bin: no such file", id="val data"),
+    pytest.param(["--data", "{tmp}/none_*.bin"], "no files match", id="glob"),
+    pytest.param(["--model", "{tmp}/nowhere"], "not a directory", id="model dir"),
+    pytest.param(["--model", "{tmp}/nocfg"], "no config.json", id="model config"),
+    pytest.param(["--model", "{tmp}/badcfg"], "badcfg", id="model json"),
+    pytest.param(["--model", "{tmp}/gpt2"], "unsupported 'architectures'", id="model arch"),
+    pytest.param(["--model", "{tmp}/noweights"], "neither model.safetensors nor", id="no weights"),
+    pytest.param(["--model", "{tmp}/badweights"], "Error while deserializing header", id="bad weights"),
+    pytest.param(["--seq-len", 4096], "--seq-len 4096 is longer than the model allows (max_position_embeddings 256)",
+                 id="seq-len"),
+    pytest.param(["--data", "{tmp}/ids.npy", "--seq-len", 200], "fewer than one window of seq-len 200",
+                 id="seq-len data"),
+    pytest.param(["--steps", 0], "--steps must be an integer >= 1, got 0", id="steps 0"),
+    pytest.param(["--steps", "ten"], "argument --steps: invalid int value: 'ten'", id="steps text"),
+    pytest.param(["--lr", -1], "--lr must be a finite number >= 0.0, got -1.0", id="lr"),
+    pytest.param(["--lr", "nan"], "--lr must be a finite number", id="lr nan"),
+    pytest.param(["--lr", 0], "--lr must be > 0, got 0.0", id="lr zero"),
+    pytest.param(["--lmhead-chunks", 3, "--batch-size", 1, "--seq-len", 64], "lmhead_chunks=3 does not divide",
+                 id="lmhead"),
+    pytest.param(["--batch-size", 0], "--batch-size must be an integer >= 1", id="batch"),
+    pytest.param(["--steps", 5, "--warmup", 5], "--warmup 5 must be below --steps 5", id="warmup"),
+    pytest.param(["--lr", 1e-4, "--min-lr", 1e-3], "--min-lr 0.001 is above --lr 0.0001", id="min-lr"),
+    pytest.param(["--steps", 5, "--stop-after", 9], "--stop-after must be in [1, --steps 5]", id="stop-after"),
+    pytest.param(["--schedule", "step"], "invalid choice: 'step'", id="schedule"),
+    pytest.param(["--matmul-dtype", "e4m3", "--dtype", "fp32"], "matmul_dtype 'e4m3' needs model_dtype 'bf16'",
+                 id="options"),
+    pytest.param(["--resume"], "--resume: no checkpoint to continue", id="resume"),
+    pytest.param(["--device", "tpu"], "unknown device 'tpu'", id="device"),
+    pytest.param(["--out", "{tmp}/empty.txt"], "empty.txt is a file, not a directory", id="out file"),
+]  # fmt: skip
+
+
+@needs_model
+@pytest.mark.parametrize("argv,message", BAD_CASES)
+def test_bad_input_exit_2_one_line_nothing_written(tmp_path, monkeypatch, capsys, argv, message):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    make_bad_files(inputs)
+    argv = [str(a).format(tmp=inputs) for a in argv]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the default --out (runs/<timestamp>) would appear here
+    before = sorted(p.name for p in inputs.iterdir())
+    code, out, err = run_cli(capsys, "train", "--device", "cpu", "--out", work / "run", *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("cuengine train: error: "), err
+    assert message in err, err
+    assert not (work / "run").exists() and list(work.iterdir()) == []
+    assert sorted(p.name for p in inputs.iterdir()) == before
+    code, _, err = run_cli(capsys, "train", "--device", "cpu", *argv)  # default --out
+    assert code == 2 and list(work.iterdir()) == []
+
+
+@needs_model
+def test_out_dir_with_files_is_refused(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("x")
+    code, _, err = run_cli(capsys, "train", "--device", "cpu", "--out", tmp_path)
+    assert code == 2 and "already holds files" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--prompt", "x"], "the following arguments are required: --model"),
+        (["generate", "--model", "/nonexistent/m", "--prompt", "x"], "not a directory"),
+        (["generate", "--model", ".", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["bench", "--preset", "gpt5", "--device", "cpu"], "unknown preset 'gpt5'"),
+        (["bench", "--preset", "tiny", "--seq-len", "9999", "--device", "cpu"], "--seq-len 9999 is longer"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_other_commands_bad_input(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_command_line_process_exit_code(tmp_path):
+    """The real process: `python -m cuengine.cli` exits 2 with one line for bad input."""
+    import subprocess
+    import sys
+
+    import cuengine
+
+    env = dict(os.environ, PYTHONPATH=str(Path(cuengine.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "cuengine.cli", "train", "--device", "cpu", "--steps", "0"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "cuengine train: error: --steps must be an integer >= 1, got 0\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_still_works(capsys):
+    code, out, _ = run_cli(capsys, "info", "--device", "cpu")
+    assert code == 0 and "device: cpu" in out and "numpy:" in out
+
+
+# ---- schedule and sampling ----------------------------------------------------------------------
+def test_lr_schedules():
+    lr = lambda s, kind: cli.lr_at(s, 11, 1.0, 0.1, 2, kind)  # 11 steps, 2 of warm-up, min_lr 0.1
+    assert [lr(s, "cosine") for s in (0, 1, 2)] == [0.5, 1.0, 1.0]  # warm-up reaches lr at its last step
+    assert lr(5, "cosine") == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 3)))
+    assert lr(5, "linear") == pytest.approx(0.1 + 0.9 * (1 - 3 / 9))
+    assert lr(10, "linear") == pytest.approx(0.2) and lr(10, "cosine") > 0.1  # the last step still learns
+    assert lr(7, "constant") == 1.0
+    vals = [lr(s, "cosine") for s in range(2, 11)]
+    assert vals == sorted(vals, reverse=True)
+
+
+def test_sample_next():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert cli.sample_next(logits, 0.0, 0, rng) == 1
+    assert cli.sample_next(logits, 5.0, 1, rng) == 1
+    draws = [cli.sample_next(logits, 1.0, 2, rng) for _ in range(2000)]
+    assert set(draws) == {1, 3}
+    p1 = math.exp(3.0) / (math.exp(3.0) + math.exp(2.9))
+    assert abs(draws.count(1) / 2000 - p1) < 0.04
+    assert set(cli.sample_next(logits, 100.0, 0, rng) for _ in range(300)) == {0, 1, 2, 3}
