@@ -418,7 +418,7 @@ def _step(model, train, B: int, T: int, accum: int, lr: float) -> float:
         model.forward(x)
         model.backward(x, y, micro_step=micro, grad_accum_steps=accum)
     # The per-token losses accumulate over the micro-steps; the model has no public reader yet.
-    loss = model._read_loss() / (B * T * accum)
+    loss = model.loss_sum() / (B * T * accum)
     if not math.isfinite(loss):
         raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
     model.update(lr=lr)

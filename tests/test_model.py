@@ -172,7 +172,7 @@ def test_loss_and_gradients_match_reference(preset, tied, dtype):
     x, y = batch(cfg)
     m.forward(x)
     m.backward(x, y)
-    loss = m._read_loss() / (B * T)
+    loss = m.loss_sum() / (B * T)
     params = {k: v.astype(np.float64) for k, v in m.weights.host_arrays().items()}
     want_loss, want, _ = ref.loss_and_grads(cfg, params, x, y)
     grads = m.gradients()
@@ -199,7 +199,7 @@ def test_fp8_gradients_near_reference(preset, grad_dtype):
     m.forward(x)
     m.backward(x, y)
     want_loss, want, _ = ref.loss_and_grads(cfg, m.weights.host_arrays(), x, y)
-    assert abs(m._read_loss() / (B * T) - want_loss) < 1e-2 * want_loss
+    assert abs(m.loss_sum() / (B * T) - want_loss) < 1e-2 * want_loss
     for k, g in want.items():
         err = np.linalg.norm(m.gradients()[k].numpy().astype(np.float64) - g) / np.linalg.norm(g)
         assert err < 0.2, f"{k}: relative error {err:.2e}"
@@ -226,7 +226,7 @@ def test_gradient_accumulation_matches_reference():
     params = m.weights.host_arrays()
     l1, g1, _ = ref.loss_and_grads(cfg, params, x1, y1)
     l2, g2, _ = ref.loss_and_grads(cfg, params, x2, y2)
-    assert abs(m._read_loss() / (2 * B * T) - (l1 + l2) / 2) < 1e-5
+    assert abs(m.loss_sum() / (2 * B * T) - (l1 + l2) / 2) < 1e-5
     for k, g in m.gradients().items():
         want = (g1[k] + g2[k]) / 2
         assert np.linalg.norm(g.numpy() - want) <= 1e-4 * np.linalg.norm(want), k
@@ -653,7 +653,7 @@ def test_gpu_reference_fp32():
     x, y = batch(cfg)
     m.forward(x)
     m.backward(x, y)
-    loss = m._read_loss() / (B * T)
+    loss = m.loss_sum() / (B * T)
     want_loss, want, _ = ref.loss_and_grads(cfg, m.weights.host_arrays(), x, y)
     assert abs(loss - want_loss) < 1e-4 * want_loss
     for k, g in m.gradients().items():

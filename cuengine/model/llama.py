@@ -447,8 +447,9 @@ class LlamaModel:
         adamw_step(self.weights.tensors, self.grads, self.opt_state, self.rs, self.opts.seed)
         self.weights.requantize()
 
-    def _read_loss(self) -> float:
-        """Sum of the per-token losses; waits for the device (the step's one host sync)."""
+    def loss_sum(self) -> float:
+        """Sum of the per-token losses accumulated since micro-step 0 (after `backward` over grad
+        accumulation); waits for the device, so call it once per step."""
         rs = self.rs
         self.device.copy(rs.losses_host, rs.losses)
         return float(np.sum(rs.losses_host.array(), dtype=np.float64))
@@ -466,7 +467,7 @@ class LlamaModel:
             raise ValueError(f"train_step: lr must be finite and >= 0, got {lr!r}")
         self.forward(inputs)
         self.backward(inputs, targets)
-        loss = self._read_loss() / (rs.B * rs.T)
+        loss = self.loss_sum() / (rs.B * rs.T)
         if not math.isfinite(loss):
             raise FloatingPointError(f"train_step: the loss is {loss} (non-finite); the update was skipped")
         self.update(lr)
@@ -480,7 +481,7 @@ class LlamaModel:
         self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
         rs.losses.fill_zero()
         self._lm_head(1.0 / (rs.B * rs.T), backward=False)
-        loss = self._read_loss() / (rs.B * rs.T)
+        loss = self.loss_sum() / (rs.B * rs.T)
         if not math.isfinite(loss):
             raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
         return loss
