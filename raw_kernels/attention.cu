@@ -619,7 +619,7 @@ __device__ __forceinline__ void simt_backward_dkdv(T_* __restrict__ dqkv, const 
     store_row(dqkv + (long)b * T * ld + c * ld + (long)(Hq + Hkv + kvh) * hs, dv, 1.f, hs, lane);
 }
 
-// ---- entry points: the names cuengine/attention.py launches (NW_FWD matches its _FWD_WARPS) ----
+// ---- entry points: the names cuengine/kernels/attention.py launches (NW_FWD matches its _FWD_WARPS) ----
 #define FLASH_KERNELS(HS, NW_FWD, MIN_BLOCKS_FWD)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW_FWD, MIN_BLOCKS_FWD) attention_forward_flash_hs##HS##_bf16(  \
         bf16* att, float* lse, const bf16* qkv, int T, int Hq, int Hkv, float scale) {                    \
@@ -660,4 +660,4 @@ FLASH_KERNELS(128, 8, 1)
 SIMT_KERNELS(float, f32)
 SIMT_KERNELS(bf16, bf16)
 
-// launchers: cuengine/attention.py (attention_forward, then attention_backward; the cpu twin there)
+// launchers: cuengine/kernels/attention.py (attention_forward, then attention_backward; the cpu twin there)

@@ -8,8 +8,8 @@ import pytest
 from conftest import TOL, rng
 
 import cuengine as ce
-from cuengine import attention as A
-from cuengine.attention import (
+from cuengine.kernels import attention as A
+from cuengine.kernels.attention import (
     attention_backward,
     attention_backward_numpy,
     attention_forward,

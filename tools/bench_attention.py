@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
-from cuengine import attention as A  # noqa: E402
+from cuengine.kernels import attention as A  # noqa: E402
 
 MATMUL_CEILING = 747.0  # TFLOP/s, BF16 cuBLASLt at 8192^3 on the H200 (shared/DESIGN.md)
 

@@ -14,11 +14,11 @@ import math
 
 import numpy as np
 
-from .. import attention, blas
+from .. import blas
 from ..alloc import TensorAllocator
 from ..device import device as _get_device
 from ..dtypes import dtype as _dtype
-from ..kernels import activations, adamw, classifier, encoder, fp8, rmsnorm, rope
+from ..kernels import activations, adamw, attention, classifier, encoder, fp8, rmsnorm, rope
 from . import checkpoint
 from .optimizer import AdamWState, adamw_step, global_norm
 from .options import TrainOptions

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .. import attention
 from ..alloc import DeviceMemoryStack
 from ..dtypes import BF16, BYTE, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import encoder, fp8, norm, rmsnorm, rope
+from ..kernels import attention, encoder, fp8, norm, rmsnorm, rope
 from ..tensor import STAT_ABS_MAX, STATS_SLOTS
 
 # Per-layer FP8 stats slots in the `abs_max` table (cuengine.tensor's STATS_SLOTS layout).

@@ -27,11 +27,11 @@ import math
 
 import numpy as np
 
-from . import _checks
-from .device import device as _get_device
-from .dtypes import BF16, BYTE, FP32
-from .dtypes import dtype as _dtype
-from .kernels._build import ceil_div, launch
+from .. import _checks
+from ..device import device as _get_device
+from ..dtypes import BF16, BYTE, FP32
+from ..dtypes import dtype as _dtype
+from ._build import ceil_div, launch
 
 BACKENDS = ("auto", "raw", "cudnn")
 FLASH_HEAD_SIZES = (64, 128)  # bf16 head sizes with tensor-core kernels in the raw backend
