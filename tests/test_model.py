@@ -152,6 +152,41 @@ def test_options_invalid(kwargs, msg):
         TrainOptions(**kwargs).resolved("bf16")
 
 
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        ({"matmul_dtype": "int4"}, "matmul_dtype must be one of"),
+        ({"model_dtype": "fp16"}, "model_dtype must be one of"),
+        ({"grad_dtype": "int8"}, "grad_dtype must be one of"),
+        ({"grad_dtype": "e5m2"}, "needs FP8 matmuls"),
+        ({"matmul_dtype": "e4m3", "model_dtype": "fp32"}, "needs model_dtype 'bf16'"),
+        ({"matmul_dtype": "e4m3", "grad_dtype": "bf16"}, "grad_dtype must be one of"),
+        ({"model_dtype": "bf16", "matmul_dtype": "fp32"}, "differs from model_dtype"),
+        ({"keep_all_activations": True, "recompute_block": True}, "contradicts"),
+        ({"attn_bwd_chunks": 1.5}, "attn_bwd_chunks must be an int"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"beta1": -0.1}, "beta1"),
+        ({"eps": "1e-8"}, "eps must be a number"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"opt_v_dtype": "fp16"}, "opt_v_dtype"),
+    ],
+)
+def test_options_invalid_at_construction(kwargs, msg):
+    """Whatever can be checked without the config raises when the options are made, not when the
+    model is built."""
+    with pytest.raises(ValueError, match=msg):
+        TrainOptions(**kwargs)
+
+
+def test_options_needing_the_config_are_checked_when_resolved():
+    o = TrainOptions(matmul_dtype="fp32")  # fine for an fp32 model
+    assert o.resolved("fp32").matmul_dtype == "fp32"
+    with pytest.raises(ValueError, match="differs from model_dtype"):
+        o.resolved("bf16")
+    with pytest.raises(ValueError, match="needs model_dtype 'bf16'"):
+        TrainOptions(matmul_dtype="e4m3").resolved("fp32")
+
+
 def test_allocate_checks_chunks():
     cfg = tiny()
     with pytest.raises(ValueError, match="lmhead_chunks=3 does not divide"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 _MODEL_DTYPES = ("bf16", "fp32")
@@ -47,6 +48,9 @@ class TrainOptions:
     z_loss: float = 0.0  # coefficient of the z-loss (lse^2) regulariser
     seed: int = 42  # seeds the optimizer's stochastic-rounding stream
 
+    def __post_init__(self):
+        self.validate()
+
     def resolved(self, config_dtype: str) -> TrainOptions:
         """A copy with every None filled in from `config_dtype`, checked; raises ValueError naming
         the option for an invalid value or combination."""
@@ -54,31 +58,37 @@ class TrainOptions:
         o.model_dtype = o.model_dtype or config_dtype
         o.matmul_dtype = o.matmul_dtype or o.model_dtype
         if o.grad_dtype is None:
-            o.grad_dtype = "e5m2" if o.matmul_dtype == "e4m3" else o.matmul_dtype
+            o.grad_dtype = "e5m2" if o.fp8 else o.matmul_dtype
         o.validate()
         return o
 
     def validate(self) -> None:
+        """Raise ValueError naming the option for an invalid value or combination. A dtype left
+        None (filled in from the config by `resolved`) skips the checks that need it, so a
+        construction checks all it can without the config and `resolved` checks the rest."""
+
         def bad(msg):
             return ValueError(f"TrainOptions: {msg}")
 
-        if self.model_dtype not in _MODEL_DTYPES:
-            raise bad(f"model_dtype must be one of {_MODEL_DTYPES}, got {self.model_dtype!r}")
-        if self.matmul_dtype not in _MATMUL_DTYPES:
-            raise bad(f"matmul_dtype must be one of {_MATMUL_DTYPES}, got {self.matmul_dtype!r}")
-        if self.matmul_dtype == "e4m3":
-            if self.model_dtype != "bf16":
-                raise bad(f"matmul_dtype 'e4m3' needs model_dtype 'bf16', got {self.model_dtype!r}")
-            if self.grad_dtype not in _FP8_GRAD_DTYPES:
-                raise bad(f"grad_dtype must be one of {_FP8_GRAD_DTYPES} with FP8 matmuls, got {self.grad_dtype!r}")
+        model, matmul, grad = self.model_dtype, self.matmul_dtype, self.grad_dtype
+        if model is not None and model not in _MODEL_DTYPES:
+            raise bad(f"model_dtype must be one of {_MODEL_DTYPES}, got {model!r}")
+        if matmul is not None and matmul not in _MATMUL_DTYPES:
+            raise bad(f"matmul_dtype must be one of {_MATMUL_DTYPES}, got {matmul!r}")
+        if grad is not None and grad not in _MATMUL_DTYPES + _FP8_GRAD_DTYPES:
+            raise bad(f"grad_dtype must be one of {_FP8_GRAD_DTYPES} (FP8 matmuls) or None, got {grad!r}")
+        if self.fp8:
+            if model not in (None, "bf16"):
+                raise bad(f"matmul_dtype 'e4m3' needs model_dtype 'bf16', got {model!r}")
+            if grad is not None and grad not in _FP8_GRAD_DTYPES:
+                raise bad(f"grad_dtype must be one of {_FP8_GRAD_DTYPES} with FP8 matmuls, got {grad!r}")
         else:
-            if self.matmul_dtype != self.model_dtype:
-                raise bad(
-                    f"matmul_dtype {self.matmul_dtype!r} differs from model_dtype {self.model_dtype!r}; "
-                    "only 'e4m3' may differ"
-                )
-            if self.grad_dtype != self.matmul_dtype:
-                raise bad(f"grad_dtype {self.grad_dtype!r} needs FP8 matmuls; with {self.matmul_dtype} leave it None")
+            if None not in (matmul, model) and matmul != model:
+                raise bad(f"matmul_dtype {matmul!r} differs from model_dtype {model!r}; only 'e4m3' may differ")
+            # without FP8 matmuls the gradients are in the matmul dtype, which is the model's
+            known = matmul or model
+            if grad is not None and (grad in _FP8_GRAD_DTYPES or (known is not None and grad != known)):
+                raise bad(f"grad_dtype {grad!r} needs FP8 matmuls; with {known or 'the model dtype'} leave it None")
         for name in ("opt_m_dtype", "opt_v_dtype"):
             if getattr(self, name) not in ("fp32", "bf16"):
                 raise bad(f"{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r}")
@@ -90,6 +100,10 @@ class TrainOptions:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if self.attention_backend not in _BACKENDS:
             raise bad(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("grad_clip", "weight_decay", "eps", "z_loss", "beta1", "beta2"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise bad(f"{name} must be a number, got {v!r}")
         for name in ("grad_clip", "weight_decay", "eps", "z_loss"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
