@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .device import Device
 from .device import device as _get_device
@@ -27,9 +29,18 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:>12.2f}"
+
+
 @dataclass
 class MemoryReport:
-    """Bytes and buffer counts by allocator context and by buffer name."""
+    """Bytes and buffer counts by allocator context and by buffer name.
+
+    `str(report)` (and `print(report)`) is the per-context summary, a dozen lines whatever the
+    model size; `report.table(per_buffer=True)` adds one line per named buffer (a 24-layer model
+    has over a thousand), largest first.
+    """
 
     by_context: dict[str, list[int]] = field(default_factory=dict)  # context -> [bytes, count]
     by_name: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (context, name) -> [bytes, count]
@@ -40,17 +51,61 @@ class MemoryReport:
     def total(self) -> int:
         return self.device_bytes + self.pinned_bytes
 
-    def __str__(self) -> str:
-        lines = [f"{'context':<24}{'buffers':>9}{'MiB':>12}"]
+    def table(self, per_buffer: bool = False, top: int | None = None) -> str:
+        """The summary by context; with `per_buffer`, then every (context, buffer) line, largest
+        first, or only the `top` largest and one line for the rest."""
+        lines = [f"{'context':<32}{'buffers':>9}{'MiB':>12}"]
         for ctx, (nbytes, count) in sorted(self.by_context.items(), key=lambda kv: -kv[1][0]):
-            lines.append(f"{ctx:<24}{count:>9}{nbytes / 2**20:>12.2f}")
-        lines.append(f"{'total device':<24}{'':>9}{self.device_bytes / 2**20:>12.2f}")
-        lines.append(f"{'total pinned host':<24}{'':>9}{self.pinned_bytes / 2**20:>12.2f}")
-        lines.append("")
-        lines.append(f"{'context/name':<40}{'buffers':>9}{'MiB':>12}")
-        for (ctx, name), (nbytes, count) in sorted(self.by_name.items(), key=lambda kv: -kv[1][0]):
-            lines.append(f"{ctx + '/' + name:<40}{count:>9}{nbytes / 2**20:>12.2f}")
+            lines.append(f"{ctx:<32}{count:>9}{_mib(nbytes)}")
+        lines.append(f"{'total device':<32}{'':>9}{_mib(self.device_bytes)}")
+        lines.append(f"{'total pinned host':<32}{'':>9}{_mib(self.pinned_bytes)}")
+        if per_buffer:
+            rows = sorted(self.by_name.items(), key=lambda kv: -kv[1][0])
+            shown = rows if top is None else rows[:top]
+            lines += ["", f"{'context':<24}{'buffer':<32}{'buffers':>9}{'MiB':>12}"]
+            for (ctx, name), (nbytes, count) in shown:
+                lines.append(f"{ctx:<24}{name:<32}{count:>9}{_mib(nbytes)}")
+            rest = rows[len(shown) :]
+            if rest:
+                n, b = sum(c for _, (_, c) in rest), sum(nb for _, (nb, _) in rest)
+                lines.append(f"{'':<24}{f'({len(rest)} smaller names)':<32}{n:>9}{_mib(b)}")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+OOM_TABLE_ROWS = 24  # buffer lines in an out-of-memory message (the largest; the rest in one line)
+
+
+def host_available_bytes(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup") -> int:
+    """Host memory this process can still take: MemAvailable (free plus reclaimable cache, what
+    the kernel can give before it kills), capped by the cgroup v2 limit a container runs under.
+    Falls back to free pages where /proc is absent."""
+    avail = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):
+        limit = (Path(cgroup) / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((Path(cgroup) / "memory.current").read_text())
+            avail = min(avail, max(int(limit) - used, 0))
+    return avail
+
+
+def available_bytes(device, kind: str = "device") -> tuple[int, str]:
+    """(bytes that can still be allocated, where that figure comes from) for `kind` "device" or
+    "pinned" memory of `device`: free device memory on cuda (cudaMemGetInfo); host memory (see
+    `host_available_bytes`) for pinned memory and for everything on cpu."""
+    dev = _get_device(device)
+    if dev.is_cuda and kind == "device":
+        return int(dev.memory_info()[0]), f"free memory of {dev.name} (cudaMemGetInfo)"
+    return host_available_bytes(), "available host memory (MemAvailable)"
 
 
 class TensorAllocator:
@@ -68,6 +123,8 @@ class TensorAllocator:
         self._contexts = ["Default"]
         self._records: list[tuple[str, str, str, int]] = []  # (context, name, kind, bytes)
         self._buffers: list = []  # keeps storage alive until free_all
+        self._device_bytes = 0
+        self._budgets: list[dict] = []  # open all_or_nothing blocks, innermost last
 
     @contextlib.contextmanager
     def context(self, name: str):
@@ -77,6 +134,53 @@ class TensorAllocator:
             yield self
         finally:
             self._contexts.pop()
+
+    @contextlib.contextmanager
+    def all_or_nothing(self, what: str, check_fit: bool = True):
+        """Allocate a plan inside the `with` block: if anything in it raises, every buffer
+        allocated in the block is released again, so a failed plan leaves nothing half-allocated.
+
+        With `check_fit`, the block also refuses a plan that cannot fit before memory runs out: the
+        device bytes (and pinned host bytes) it allocates are compared with what `available_bytes`
+        says at entry, and the allocation that would cross it raises MemoryError naming `what`,
+        both figures and the table. This matters most on cpu, where NumPy memory is only taken when
+        first written: without it an oversized plan is not refused but killed by the kernel later.
+        """
+        start = len(self._records)
+        budget = {"what": what, "device": 0, "pinned": 0, "avail": {}}
+        if check_fit:
+            pools = ("device",) if self.device.is_cpu else ("device", "pinned")
+            budget["avail"] = {k: available_bytes(self.device, k) for k in pools}
+        self._budgets.append(budget)
+        try:
+            yield self
+        except BaseException:
+            self._release_from(start)
+            raise
+        finally:
+            self._budgets.pop()
+
+    def _release_from(self, start: int) -> None:
+        for _, _, kind, nbytes in self._records[start:]:
+            if kind == "device":
+                self._device_bytes -= nbytes
+            for b in self._budgets:
+                b[kind] -= nbytes
+        del self._records[start:]
+        del self._buffers[start:]
+
+    def _check_budgets(self, name: str, nbytes: int, kind: str) -> None:
+        # On cpu, device and pinned buffers are both host memory: one pool, "device".
+        pool = "device" if self.device.is_cpu else kind
+        for b in self._budgets:
+            if pool not in b["avail"]:
+                continue
+            planned = nbytes + (b["device"] + b["pinned"] if self.device.is_cpu else b[kind])
+            avail, source = b["avail"][pool]
+            if planned > avail:
+                raise MemoryError(self._oom_message(
+                    name, nbytes, f"{b['what']} does not fit: its buffers so far need {planned / 2**20:.2f} MiB, "
+                    f"more than the {avail / 2**20:.2f} MiB of {source} when it started"))  # fmt: skip
 
     def allocate(self, dtype, name: str, shape, kind: str = "device", stats: bool | None = None) -> Tensor:
         """A new uninitialised tensor.
@@ -88,39 +192,44 @@ class TensorAllocator:
             kind: "device" or "pinned" (page-locked host memory, for async copies).
             stats: attach an FP8 stats slot; defaults to True for fp8 dtypes.
         Raises:
-            MemoryError with the allocator's report when memory runs out.
+            MemoryError naming the request, with the allocator's table (context, buffer, MiB), when
+            memory runs out; the tensor and its stats slot are then both left unallocated.
         """
         dt = _dtype(dtype)
         if kind not in ("device", "pinned"):
             raise ValueError(f"allocate {name!r}: kind must be 'device' or 'pinned', got {kind!r}")
         shape = _normalize_shape(shape)
         nbytes = math.prod(shape) * dt.itemsize
-        storage = self._raw(name, nbytes, kind)
-        t = Tensor(dt, shape, self.device, storage, 0, name, kind)
-        if stats if stats is not None else dt.is_fp8:
-            slot = Tensor(FP32, (STATS_SLOTS,), self.device, self._raw(f"{name}.stats", 4 * STATS_SLOTS, "device"),
-                          0, f"{name}.stats")  # fmt: skip
-            slot.fill_zero()
-            t.stats = slot
+        with self.all_or_nothing(name, check_fit=False):  # the stats slot may fail after the values
+            storage = self._raw(name, nbytes, kind)
+            t = Tensor(dt, shape, self.device, storage, 0, name, kind)
+            if stats if stats is not None else dt.is_fp8:
+                raw = self._raw(f"{name}.stats", 4 * STATS_SLOTS, "device")
+                t.stats = Tensor(FP32, (STATS_SLOTS,), self.device, raw, 0, f"{name}.stats").fill_zero()
         return t
 
     def _raw(self, name: str, nbytes: int, kind: str):
         nbytes = _align(max(nbytes, 1))
-        used = self.report().device_bytes
-        if kind == "device" and self.limit_bytes is not None and used + nbytes > self.limit_bytes:
+        if kind == "device" and self.limit_bytes is not None and self._device_bytes + nbytes > self.limit_bytes:
             raise MemoryError(self._oom_message(name, nbytes, f"over the limit of {self.limit_bytes} bytes"))
+        self._check_budgets(name, nbytes, kind)
         try:
             storage = self.device.raw_buffer(nbytes, pinned=(kind == "pinned"))
         except MemoryError as err:
             raise MemoryError(self._oom_message(name, nbytes, str(err))) from None
         self._buffers.append(storage)
         self._records.append((self._contexts[-1], name, kind, nbytes))
+        if kind == "device":
+            self._device_bytes += nbytes
+        for b in self._budgets:
+            b[kind] += nbytes
         return storage
 
     def _oom_message(self, name, nbytes, why) -> str:
         return (
             f"out of memory allocating {name!r} ({nbytes / 2**20:.2f} MiB) in context "
-            f"{self._contexts[-1]!r}: {why}\n{self.report()}"
+            f"{self._contexts[-1]!r}: {why}\nallocated so far:\n"
+            f"{self.report().table(per_buffer=True, top=OOM_TABLE_ROWS)}"
         )
 
     def report(self) -> MemoryReport:
@@ -144,8 +253,7 @@ class TensorAllocator:
     def free_all(self) -> None:
         """Release every buffer. Tensors handed out before keep their storage alive
         only as long as they are referenced; the report starts again from zero."""
-        self._records.clear()
-        self._buffers.clear()
+        self._release_from(0)
 
 
 class DeviceMemoryStack:

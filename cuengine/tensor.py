@@ -173,17 +173,31 @@ class Tensor:
         """A new standalone tensor holding a copy of `array` (converted to `dtype` if given).
 
         Outside a step this is fine; inside one, take memory from a TensorAllocator instead.
-        FP8 tensors get a stats slot with abs_max and scales computed from the values.
+
+        FP8 follows the engine's per-tensor current scaling, so that every consumer (matmul reads
+        `scale_inv`) sees the values of `array`:
+        - `array` of another dtype is quantized: stored = clamp(array * scale, ±fp8_max) rounded
+          to nearest even, with abs_max = max|array|, scale = fp8_max / abs_max, scale_inv = 1 / scale
+          (what `kernels.fp8.quantize_with_abs_max` writes). `t.numpy()` is then the stored, scaled
+          values; `t.numpy() * t.fp8_stats()[2]` gives back `array` to FP8 precision.
+        - `array` already of the FP8 dtype holds stored values: they are kept bit for bit with unit
+          scales (abs_max = max|array|); `set_fp8_stats` may then give them another scale.
         """
         array = np.asarray(array)
         dt = _dtype(dtype if dtype is not None else array.dtype)
         dev = _get_device(device)
         t = cls.empty(dt, array.shape, dev, name=name, kind=kind)
-        t.copy_from_numpy(array)
-        if dt.is_fp8:
-            amax = float(np.max(np.abs(array.astype(np.float32)))) if array.size else 0.0
-            t.set_fp8_stats(*stats_values(amax, dt))
-        return t
+        if not dt.is_fp8:
+            return t.copy_from_numpy(array)
+        values = array.astype(np.float32)
+        amax = float(np.max(np.abs(values))) if array.size else 0.0
+        if array.dtype == dt.np:
+            t.copy_from_numpy(array)
+            return t.set_fp8_stats(amax, 1.0, 1.0)
+        stats = stats_values(amax, dt)
+        with np.errstate(invalid="ignore", over="ignore"):
+            t.copy_from_numpy(np.clip(values * np.float32(stats[1]), -dt.fp8_max, dt.fp8_max))
+        return t.set_fp8_stats(*stats)
 
     @classmethod
     def empty(cls, dtype, shape, device="cpu", name: str = "tensor", kind: str = "device") -> Tensor:

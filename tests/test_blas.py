@@ -180,9 +180,9 @@ def test_bias_and_accumulate_round_once(dev, dt, big):
 
 def test_fp8_out_saturates_and_reports_amax(dev):
     """An e4m3 out is clipped to ±448 (SATFINITE), and abs_max is max|y| before scaling."""
-    a = np.full((2, 16), 16.0)
+    a = np.full((2, 16), 16.0, ce.FP8_E4M3.np)  # stored FP8 values: from_numpy keeps them as they are
     a[1] = -16.0
-    b = np.full((32, 16), 16.0)
+    b = np.full((32, 16), 16.0, ce.FP8_E4M3.np)
     b[1] = 0.25
     ones = np.array([0.0, 1.0, 1.0], np.float32)
     at, bt = tensor(dev, "a", a, "e4m3", ones), tensor(dev, "b", b, "e4m3", ones)
