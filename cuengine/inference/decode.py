@@ -1,0 +1,92 @@
+"""The decode step: one token for each of b rows, every kernel fused as far as the GEMVs allow.
+
+Per layer (arm "fused": 6 launches, plus the attention's combine pass when it splits the sequence):
+    qkv  = gemv(residual, qkv_w, norm_weight=ln1, bias)        RMSNorm in the prologue   (b, Q)
+    rope_kv_append(qkv, k_cache[l], v_cache[l], positions)     rotate q, k; append k, v
+    att  = decode_attention(qkv, cache[0, lengths))            split-KV, GQA             (b, C)
+    residual = gemv(att, atto_w, residual=residual)            residual add in the epilogue
+    FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
+      "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
+      "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
+      "gemm":  ln = rmsnorm(residual); up = matmul(ln, up_w); act = swiglu(up); residual += matmul(act, down_w)
+then logits = gemv(residual, lm_head, norm_weight=lnf) in fp32, sample_tokens writes the next input
+tokens and advance_positions moves every row on: nothing is read from or written by the host, so
+the step is captured once per (b, arm) as a CUDA graph and replayed.
+
+The rounding points are the training forward's (see the contract in gemv.py), so decode logits
+equal the full forward's. The "gemm" arm adds the down projection with cuBLASLt's accumulate
+(one rounding of residual + product instead of two): equal in fp32, within one bf16 step in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import blas
+from ..kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm, sampling
+
+
+def _gemv(st, out, x, name, **kw) -> None:
+    lin = st.linears[name]
+    gemv.gemv(out, x, lin.w, w_scale=lin.scale, **kw)
+
+
+def ffn(st, i: int, b: int, arm: str) -> None:
+    """residual[:b] += the MLP of layer i on RMSNorm(residual[:b]), through `arm`."""
+    eps, p = st.cfg.rms_norm_eps, f"layers.{i}."
+    ln2 = st.model.weights.block(i)["ln2_w"]
+    res, up, act = st.residual.rows(0, b), st.up.rows(0, b), st.act.rows(0, b)
+    if arm == "gemm":
+        W = st.model.weights
+        ln = st.ln.rows(0, b)
+        rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, ln2, eps)
+        blas.matmul(up, ln, W[p + "up_w"])
+        activations.swiglu_forward(act, up)
+        blas.matmul(res, act, W[p + "down_w"], accumulate=True)
+        return
+    lin = st.linears[p + "up_w"]
+    gemv.gemv_dual(up, res, lin.w, w_scale=lin.scale, norm_weight=ln2, eps=eps)
+    if arm == "fused":
+        _gemv(st, res, up, p + "down_w", residual=res, act="swiglu")
+    else:
+        activations.swiglu_forward(act, up)
+        _gemv(st, res, act, p + "down_w", residual=res)
+
+
+def layer(st, i: int, b: int, arm: str) -> None:
+    """Block i on the b rows of st.residual, appending each row's k and v at its position."""
+    cfg = st.cfg
+    Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+    w = st.model.weights.block(i)
+    res, qkv, att = st.residual.rows(0, b), st.qkv.rows(0, b), st.att.rows(0, b)
+    _gemv(st, qkv, res, f"layers.{i}.qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
+    decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], st.slots.rows(0, b), st.positions.rows(0, b),
+                                    st.freqs, Hq, Hkv)  # fmt: skip
+    shape = decode_attention.decode_attention_scratch_shape(b, Hq, cfg.head_size, st.max_seq)
+    scratch = st.att_scratch.rows(0, math.prod(shape)).reshape(shape)
+    decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv, scratch)
+    _gemv(st, res, att, f"layers.{i}.atto_w", residual=res)
+    ffn(st, i, b, arm)
+
+
+def head_and_sample(st, b: int) -> None:
+    """Final RMSNorm + LM head (fp32 logits) of st.residual[:b], sample into st.tokens[:b], and
+    move every row one position on."""
+    W = st.model.weights
+    _gemv(st, st.logits.rows(0, b), st.residual.rows(0, b), "lm_head", norm_weight=W["lnf_w"],
+          eps=st.cfg.rms_norm_eps)  # fmt: skip
+    sampling.sample_tokens(st.tokens.rows(0, b), st.logits.rows(0, b), st.params)
+    decode_step.advance_positions(st.positions.rows(0, b), st.lengths.rows(0, b))
+
+
+def decode_step_rows(st, b: int, arm: str) -> None:
+    """One decode step of rows 0..b-1 from their input tokens st.tokens[:b]. Enqueued only."""
+    encoder.encoder_forward(st.residual.rows(0, b), st.tokens.rows(0, b), st.model.weights["wte"])
+    for i in range(st.cfg.num_layers):
+        layer(st, i, b, arm)
+    head_and_sample(st, b)
+
+
+def step(st, b: int, arm: str) -> None:
+    """decode_step_rows through the state's graph of (b, arm): captured once, then replayed."""
+    st.run(("decode", b, arm), lambda: decode_step_rows(st, b, arm))

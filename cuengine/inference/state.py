@@ -1,0 +1,245 @@
+"""InferenceState: everything generation needs beside the model's weights, allocated once.
+
+It holds no gradients, no optimizer moments and no training run state, so a model loaded only to
+generate carries the weights plus these contexts in its memory report:
+- "KV cache": k_cache, v_cache (L, max_batch, Hkv, max_seq, hs) in the model dtype;
+- "Decode weights FP8" (weights="fp8" only): a per-row E4M3 copy (N, K) and its fp32 row scales
+  (N,) of every linear layer, the LM head included (`gemv.quantize_rows`);
+- "Decode scratch": the (max_batch, ...) buffers of one decode step, the (max_seq, ...) buffers of
+  a prefill, the RoPE table, the device positions/lengths/tokens and the sampling parameters;
+- "Decode host" (pinned): prompt upload and the ring the sampled tokens come back through.
+The model's own weights are shared, never copied: a model that trains can sample from what it
+trains. Every buffer keeps its address for the state's life, which is what lets each decode step
+be captured once as a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import blas
+from ..dtypes import BF16, BYTE, FP8_E4M3, FP16, FP32, INT32
+from ..dtypes import dtype as _dtype
+from ..kernels import attention, decode_attention, gemv, rope, sampling
+from . import decode
+from .prefill import prefill_prompt
+
+WEIGHTS = ("bf16", "fp8")  # "bf16": the model's own weights (fp32 for an fp32 model); "fp8": per-row E4M3
+FFN_ARMS = ("split", "fused", "gemm")
+LINEARS = ("qkv_w", "atto_w", "up_w", "down_w")
+RING = 16  # steps of sampled tokens in flight between the device and the host
+MAX_BATCH = 64  # the decode kernels' row limit
+
+
+class DecodeLinear:
+    """One linear layer as the decode GEMVs read it: `w` (N, K) in the model dtype (the model's own
+    tensor) or E4M3 with `scale` (N,) fp32, W ≈ w * scale[:, None]."""
+
+    __slots__ = ("w", "scale")
+
+    def __init__(self, w, scale=None):
+        self.w = w
+        self.scale = scale
+
+
+class InferenceState:
+    """The KV cache, decode weights and scratch of one model; see the module docstring.
+
+    Args:
+        model: the LlamaModel whose weights are read (shared).
+        max_batch: sequences decoded together, 1..64.
+        max_seq_len: prompt + new tokens of one sequence, at most max_position_embeddings.
+        weights: "bf16" (the model's weights) or "fp8" (per-row E4M3 copies, requantized from the
+            model's weights at the start of every generation).
+        ffn_arm: "auto" (by batch size and weights, see `choose_ffn_arm`) or one of FFN_ARMS.
+        cuda_graphs: capture each decode step once per (batch size, arm) and replay it.
+    """
+
+    def __init__(self, model, max_batch: int, max_seq_len: int, weights: str = "bf16", ffn_arm: str = "auto",
+                 cuda_graphs: bool = True):  # fmt: skip
+        cfg = model.cfg
+        _check_int("max_batch", max_batch, 1, MAX_BATCH)
+        _check_int("max_seq_len", max_seq_len, 2, cfg.max_position_embeddings,
+                   "max_position_embeddings of the config")  # fmt: skip
+        if weights not in WEIGHTS:
+            raise ValueError(f"allocate_inference_state: weights must be one of {WEIGHTS}, got {weights!r}")
+        check_ffn_arm(ffn_arm, weights)
+        self.model, self.cfg = model, cfg
+        self.device = dev = model.device
+        self.dtype = dt = model.dtype
+        self.max_batch, self.max_seq = int(max_batch), int(max_seq_len)
+        self.weights, self.ffn_arm, self.cuda_graphs = weights, ffn_arm, bool(cuda_graphs)
+        self.graphs: dict = {}
+        self.warm: set = set()
+        self.generation = 0  # bumped by every new generation: a stale stream() generator refuses to run on
+        alloc = model.alloc
+        blas.init(alloc)
+        B, S, L = self.max_batch, self.max_seq, cfg.num_layers
+        C, H, Q, V = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels, cfg.vocab_size
+        Hq, Hkv, hs = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
+
+        with alloc.context("KV cache"):
+            self.k_cache = alloc.allocate(dt, "k_cache", (L, B, Hkv, S, hs))
+            self.v_cache = alloc.allocate(dt, "v_cache", (L, B, Hkv, S, hs))
+
+        W = model.weights
+        names = [f"layers.{i}.{n}" for i in range(L) for n in LINEARS] + ["lm_head"]
+        src = {n: (W.lm_head if n == "lm_head" else W[n]) for n in names}
+        if weights == "fp8":
+            with alloc.context("Decode weights FP8"):
+                self.linears = {n: DecodeLinear(alloc.allocate(FP8_E4M3, f"{n}.w8", t.shape, stats=False),
+                                                alloc.allocate(FP32, f"{n}.w_scale", (t.shape[0],)))
+                                for n, t in src.items()}  # fmt: skip
+        else:
+            self.linears = {n: DecodeLinear(t) for n, t in src.items()}
+        self._sources = src
+
+        with alloc.context("Decode scratch"):
+            a = lambda dtype, name, shape: alloc.allocate(dtype, name, shape)
+            # cos/sin are bounded by 1: fp16 keeps more mantissa than bf16 (the training table)
+            freq_dt = FP16 if dt == BF16 else FP32
+            self.freqs = a(freq_dt, "decode_freqs", (S, hs))
+            self.freqs.copy_from_numpy(rope.rope_freqs(S, hs, cfg.rope_theta, dtype=freq_dt.np))
+            # one decode step, b <= max_batch rows
+            self.tokens = a(INT32, "decode_tokens", (B,))  # the step's input, then the sampled token
+            self.positions = a(INT32, "decode_positions", (B,))  # cache position of the input token
+            self.lengths = a(INT32, "decode_lengths", (B,))  # positions + 1
+            self.slots = a(INT32, "decode_slots", (B,)).copy_from_numpy(np.arange(B, dtype=np.int32))
+            self.residual = a(dt, "decode_residual", (B, C))
+            self.qkv = a(dt, "decode_qkv", (B, Q))
+            self.att = a(dt, "decode_att", (B, C))
+            self.up = a(dt, "decode_up", (B, 2 * H))  # [gate | up]
+            self.act = a(dt, "decode_swiglu", (B, H))  # "split" and "gemm"
+            self.ln = a(dt, "decode_ln2", (B, C))  # "gemm": the normalised FFN input
+            self.rstd = a(FP32, "decode_rstd", (B,))
+            self.logits = a(FP32, "decode_logits", (B, V))
+            att_scratch = math.prod(decode_attention.decode_attention_scratch_shape(B, Hq, hs, S))
+            self.att_scratch = a(FP32, "decode_attention_scratch", (att_scratch,))
+            template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
+            self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
+            # prefill of one prompt, T <= max_seq rows
+            self.p_res = a(dt, "prefill_residual", (S, C))
+            self.p_res_att = a(dt, "prefill_res_att", (S, C))
+            self.p_ln = a(dt, "prefill_ln", (S, C))
+            self.p_rstd = a(FP32, "prefill_rstd", (S,))
+            self.p_qkv = a(dt, "prefill_qkv", (S, Q))
+            self.p_att = a(dt, "prefill_att", (S, C))
+            self.p_lse = a(FP32, "prefill_lse", (Hq * S,))
+            self.p_out = a(dt, "prefill_out", (S, C))  # att_o, then mlp_down
+            self.p_up = a(dt, "prefill_up", (S, 2 * H))
+            self.p_act = a(dt, "prefill_swiglu", (S, H))
+            self.prompt = a(INT32, "prefill_tokens", (B, S))
+            self.p_positions = a(INT32, "prefill_positions", (S,)).copy_from_numpy(np.arange(S, dtype=np.int32))
+            self.p_slots = a(INT32, "prefill_slots", (B, S)).copy_from_numpy(
+                np.repeat(np.arange(B, dtype=np.int32)[:, None], S, axis=1))  # fmt: skip
+            ws = attention.workspace_shape(1, S, Hq, Hkv, hs, backend="raw", dtype=dt, device=dev)[0]
+            self.p_workspace = a(BYTE, "prefill_attention_workspace", (ws,)) if ws else None
+
+        with alloc.context("Decode host"):
+            self.prompt_host = alloc.allocate(INT32, "prompt_host", (B, S), kind="pinned")
+            self.pos_host = alloc.allocate(INT32, "positions_host", (2, B), kind="pinned")
+            self.ring = alloc.allocate(INT32, "token_ring", (RING, B), kind="pinned")
+        self.ring_events = [dev.event() for _ in range(RING)]
+        self.upload_event = dev.event()  # the last copy out of prompt_host / pos_host
+
+    # ---- weights -----------------------------------------------------------------------------
+    def refresh_weights(self) -> None:
+        """Requantize the per-row E4M3 copies from the model's current weights (weights="fp8"),
+        so a model that trained since the last generation samples from what it has become."""
+        if self.weights != "fp8":
+            return
+        for n, lin in self.linears.items():
+            gemv.quantize_rows(lin.w, lin.scale, self._sources[n])
+
+    def bytes_per_token(self) -> int:
+        """Weight bytes one batch-1 decode step reads: the linear layers in their decode form plus
+        the embedding row and norm weights (the bound's numerator: bytes / copy bandwidth)."""
+        total = sum(lin.w.nbytes + (lin.scale.nbytes if lin.scale is not None else 0) for lin in self.linears.values())
+        norms = (2 * self.cfg.num_layers + 1) * self.cfg.hidden_size * self.dtype.itemsize
+        return total + norms + self.cfg.hidden_size * self.dtype.itemsize
+
+    # ---- a generation ------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], params: np.ndarray) -> None:
+        """Upload the prompts, their positions and the sampling parameters (whose step counter
+        restarts, so a seed draws the same numbers), and requantize FP8 weights. Enqueued, except
+        the small synchronous copy of `params`."""
+        b, dev = len(prompts), self.device
+        lens = np.array([len(p) for p in prompts], np.int32)
+        self.upload_event.synchronize()  # the previous copies out of the pinned buffers are done
+        host = self.prompt_host.array()
+        for i, p in enumerate(prompts):
+            host[i, : len(p)] = p
+        pos = self.pos_host.array()
+        pos[0, :b], pos[1, :b] = lens - 1, lens  # as if each prompt's last token were a step's input
+        dev.copy_async(self.prompt.rows(0, b), self.prompt_host.rows(0, b))
+        dev.copy_async(self.positions.rows(0, b), self.pos_host[0].rows(0, b))
+        dev.copy_async(self.lengths.rows(0, b), self.pos_host[1].rows(0, b))
+        self.upload_event.record()
+        self.params.copy_from_numpy(params)
+        self.refresh_weights()
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Prefill every prompt into its cache slot, then the LM head and the sampler on the
+        last rows: st.tokens[:b] holds each prompt's first new token. Enqueued only."""
+        for i, p in enumerate(prompts):
+            prefill_prompt(self, i, len(p))
+        decode.head_and_sample(self, len(prompts))
+
+    # ---- graphs ------------------------------------------------------------------------------
+    def run(self, key, fn) -> None:
+        """Run `fn`, or with cuda_graphs: eagerly the first time (kernels compile and cuBLASLt
+        plans are built outside any capture), captured the second time, then replayed."""
+        if not self.cuda_graphs:
+            fn()
+            return
+        g = self.graphs.get(key)
+        if g is None and key not in self.warm:
+            self.warm.add(key)
+            fn()
+            return
+        if g is None:
+            g = self.graphs[key] = self.device.capture(fn)
+        g.launch()
+
+
+def _check_int(name, value, lo, hi, hi_what=None) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"allocate_inference_state: {name} must be an int, got {value!r}")
+    if not lo <= value <= hi:
+        why = f" ({hi_what})" if hi_what else ""
+        raise ValueError(f"allocate_inference_state: {name}={value} outside [{lo}, {hi}]{why}")
+
+
+# Arm thresholds (see choose_ffn_arm); bench_decode.py --section arms measures where they sit.
+FUSED_MAX_BATCH = 4
+GEMV_MAX_BATCH = 16
+
+
+def choose_ffn_arm(b: int, weights: str) -> str:
+    """The FFN arm for b rows (seed 004's choice, adapted to where our launch gaps sit).
+
+    The seed stages SiLU·mul once (`act_mul`, "split") because the fused down GEMV recomputes it
+    for every output tile; at b <= FUSED_MAX_BATCH that recompute is a few KB of L2 reads per tile
+    and saving a launch is worth more ("fused"). GEMVs re-read each weight tile per group of rows,
+    so beyond GEMV_MAX_BATCH rows cuBLASLt's M = b GEMMs ("gemm") win with bf16 weights; FP8
+    weights have only GEMV arms (weight-only W8A16) and stay on "split".
+    """
+    if b <= FUSED_MAX_BATCH:
+        return "fused"
+    if weights == "fp8" or b <= GEMV_MAX_BATCH:
+        return "split"
+    return "gemm"
+
+
+def check_ffn_arm(arm: str, weights: str) -> None:
+    """ValueError saying why `arm` cannot run with `weights`."""
+    if arm != "auto" and arm not in FFN_ARMS:
+        raise ValueError(f"ffn_arm must be 'auto' or one of {FFN_ARMS}, got {arm!r}")
+    if arm == "gemm" and weights == "fp8":
+        raise ValueError(
+            "ffn_arm='gemm' cannot run with weights='fp8': cuBLASLt's FP8 GEMMs take FP8 activations as well "
+            "(W8A8) and per-tensor scales, while the decode weights are per-row E4M3 for bf16 activations (W8A16); "
+            "use 'split' or 'fused', or weights='bf16'"
+        )

@@ -1,0 +1,340 @@
+"""Inference: prefill + decode against the full training forward, the FFN arms, FP8 decode weights,
+sampling, CUDA graphs, memory, and every documented error of generate / stream.
+
+The reference is `LlamaModel.logits` (the training forward on a run state) on the same weights:
+random and non-trivial (norm weights away from 1, biases away from 0), so a dropped norm weight or
+bias, a wrong position or a wrong cache slot shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+pytest.importorskip("cuengine.kernels.gemv", reason="waiting for the decode kernel launchers")
+pytest.importorskip("cuengine.kernels.decode_attention", reason="waiting for the decode kernel launchers")
+pytest.importorskip("cuengine.kernels.sampling", reason="waiting for the decode kernel launchers")
+
+from cuengine.inference import InferenceMixin, decode
+from cuengine.inference.state import choose_ffn_arm
+from cuengine.kernels import sampling
+from cuengine.model import LlamaModel, TransformerConfig
+
+PRESETS = ["tiny", "tiny-llama"]  # Qwen2-like (tied, qkv bias) and Llama-like (untied, no bias)
+ARMS = ["split", "fused", "gemm"]
+SEQ = 12  # tokens of each teacher-forced sequence
+# bf16 logits: relative L2 error per position. A bf16 forward is itself 1-2% (relative L2) away from
+# the fp32 one on these weights, and any change of rounding order (GEMV vs GEMM accumulation, the
+# bias added after the rounding as cuBLASLt's epilogue does) cascades through the layers to that
+# size, so element-wise bf16 tolerances on the logits cannot hold; a wrong position, slot, bias
+# or norm weight moves the logits by 20% or more.
+BF16_LOGITS = 3e-2
+FP8_TOL = 0.15  # relative L2 error of FP8-weight logits against bf16-weight logits (measured on cpu: up to 0.095)
+
+
+def randomize(m, seed=0):
+    """Weights with O(1) logits: embeddings N(0, 0.25), matrices N(0, 1/fan_in), norm weights
+    U(0.5, 1.5), biases N(0, 0.2)."""
+    r = np.random.default_rng(seed)
+    for name, t in m.weights.tensors.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("ln1_w", "ln2_w", "lnf_w"):
+            v = r.uniform(0.5, 1.5, t.shape)
+        elif leaf == "qkv_b":
+            v = r.normal(0, 0.2, t.shape)
+        elif leaf in ("wte", "lm_head"):
+            v = r.normal(0, 0.25, t.shape)
+        else:
+            v = r.normal(0, 1 / np.sqrt(t.shape[1]), t.shape)
+        t.copy_from_numpy(v.astype(np.float32))
+
+
+def model(preset="tiny", dtype="fp32", device="cpu", seed=0, run_state=None, **changes):
+    cfg = TransformerConfig.preset(preset).replace(dtype=dtype, **changes)
+    m = LlamaModel(cfg, device=device)
+    m.init_weights(1)
+    randomize(m, seed)
+    if run_state:
+        m.allocate_run_state(*run_state)
+    return m
+
+
+def assert_logits_close(got, want, dtype, what):
+    if dtype == "fp32":
+        assert_close(got, want, dtype, what=what)
+        return
+    err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert err.max() < BF16_LOGITS, f"{what}: relative L2 error per position {np.round(err, 4)}"
+
+
+def sequences(V, lens, seed=1):
+    return np.random.default_rng(seed).integers(0, V, (len(lens), SEQ)).astype(np.int32)
+
+
+def decode_logits(m, seqs, lens, arm, weights="bf16", cuda_graphs=True):
+    """Logits (b, SEQ, V) of each row at positions lens[i]-1 .. SEQ-1 (NaN before): prefill the
+    first lens[i] tokens, then decode the rest teacher-forced."""
+    b = len(lens)
+    st = m.allocate_inference_state(max_batch=b + 1, max_seq_len=32, weights=weights, ffn_arm=arm,
+                                    cuda_graphs=cuda_graphs)  # fmt: skip
+    prompts = [list(seqs[i, :n]) for i, n in enumerate(lens)]
+    st.start(prompts, sampling.sampling_params(0.0, 0, 1.0, 0))
+    st.prefill(prompts)
+    out = np.full((b, SEQ, m.cfg.vocab_size), np.nan, np.float32)
+    pos = np.array(lens) - 1
+    for _ in range(SEQ):
+        rows = st.logits.numpy()[:b]
+        for i in range(b):
+            if pos[i] < SEQ:
+                out[i, pos[i]] = rows[i]
+        if np.all(pos >= SEQ - 1):
+            break
+        pos += 1
+        st.tokens.rows(0, b).copy_from_numpy(seqs[np.arange(b), np.minimum(pos, SEQ - 1)])  # teacher forcing
+        decode.step(st, b, arm)
+    return out
+
+
+# ---- decode equals the full forward -----------------------------------------------------------
+@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_logits_match_full_forward(dev, preset, dtype, arm):
+    """Every position of three sequences of different prompt lengths (1, 4 and 7) in one batch."""
+    lens = [4, 1, 7]
+    m = model(preset, dtype, dev, run_state=(len(lens), SEQ))
+    seqs = sequences(m.cfg.vocab_size, lens)
+    want = m.logits(seqs)
+    got = decode_logits(m, seqs, lens, arm)
+    for i, n in enumerate(lens):
+        assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], dtype, f"row {i} (prompt of {n})")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_generation_is_the_argmax_continuation(dev, preset):
+    m = model(preset, "fp32", dev, run_state=(1, 32))
+    prompts = [[5, 17, 200, 3], [9], [1, 2, 3, 4, 5, 6, 7]]
+    new = m.generate(prompts, 8)
+    for p, got in zip(prompts, new):
+        seq = list(p)
+        for _ in range(8):
+            seq.append(int(np.argmax(m.logits(np.array([seq], np.int32))[0, -1])))
+        assert got == seq[len(p) :]
+
+
+def test_auto_allocation_and_a_training_model_share_weights():
+    """generate allocates its state on first use, sized from the request; after allocate_run_state
+    the state reads the model's own weight tensors (no copy) and sees a weight update."""
+    m = model("tiny", run_state=(1, 16))
+    a = m.generate([[1, 2, 3]], 4)
+    st = m.inference_state
+    assert st.max_batch == 8 and st.max_seq == m.cfg.max_position_embeddings  # min(max_pos 256, 2048)
+    assert st.linears["layers.0.qkv_w"].w is m.weights["layers.0.qkv_w"]
+    assert st.linears["lm_head"].w is m.weights["wte"]  # tied
+    randomize(m, seed=7)
+    b = m.generate([[1, 2, 3]], 4)
+    assert b != a
+    fresh = model("tiny", seed=7)
+    assert fresh.generate([[1, 2, 3]], 4) == b
+
+
+# ---- FFN arms and FP8 weights -----------------------------------------------------------------
+def test_choose_ffn_arm():
+    assert [choose_ffn_arm(b, "bf16") for b in (1, 4, 8, 16, 32, 64)] == ["fused"] * 2 + ["split"] * 2 + ["gemm"] * 2
+    assert {choose_ffn_arm(b, "fp8") for b in range(5, 65)} == {"split"}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ffn_arms_agree(dev, dtype):
+    lens = [3, 6]
+    logits = {}
+    for arm in ARMS:
+        m = model("tiny", dtype, dev)
+        logits[arm] = decode_logits(m, sequences(256, lens), lens, arm)
+    for arm in ("fused", "gemm"):
+        assert_logits_close(logits[arm][:, 5:], logits["split"][:, 5:], dtype, arm)
+
+
+@pytest.mark.parametrize("arm", ["split", "fused"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fp8_weights_near_bf16(dev, preset, arm):
+    """Per-row E4M3 weights (3 mantissa bits) move the logits by a few percent; a missing scale,
+    a transposed weight or a stale copy moves them by 100%."""
+    lens = [2, 5]
+    seqs = sequences(256, lens)
+    ref = decode_logits(model(preset, "bf16", dev), seqs, lens, arm)[:, 4:]
+    got = decode_logits(model(preset, "bf16", dev), seqs, lens, arm, weights="fp8")[:, 4:]
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert 0 < err < FP8_TOL, err
+
+
+def test_fp8_copies_follow_the_weights():
+    m = model("tiny", "bf16")
+    m.allocate_inference_state(max_batch=2, max_seq_len=64, weights="fp8")
+    m.generate([[1, 2]], 3)
+    randomize(m, seed=5)
+    fresh = model("tiny", "bf16", seed=5)
+    fresh.allocate_inference_state(max_batch=2, max_seq_len=64, weights="fp8")
+    assert m.generate([[4, 5, 6]], 6) == fresh.generate([[4, 5, 6]], 6)
+
+
+# ---- sampling, stop tokens, stream -------------------------------------------------------------
+def test_same_seed_same_samples(dev):
+    m = model("tiny", "bf16", dev)
+    kw = dict(temperature=1.5, top_k=40, top_p=0.95)
+    a = m.generate([[1, 2, 3], [7]], 12, seed=3, **kw)
+    assert m.generate([[1, 2, 3], [7]], 12, seed=3, **kw) == a
+    assert m.generate([[1, 2, 3], [7]], 12, seed=4, **kw) != a
+    assert len(set(a[0])) > 1  # the step counter advances: each step draws fresh numbers
+
+
+def test_stop_tokens_end_each_row_and_are_included(dev):
+    m = model("tiny", "fp32", dev)
+    prompts = [[1, 2, 3], [40, 41]]
+    full = m.generate(prompts, 10)
+    stop = full[0][2]
+    got = m.generate(prompts, 10, stop_tokens=[stop])
+    for row, new in zip(got, full):
+        want = new[: new.index(stop) + 1] if stop in new else new
+        assert row == want
+    assert got[0][-1] == stop and len(got[0]) <= 3
+
+
+def test_stream_yields_the_generated_tokens_step_by_step(dev):
+    m = model("tiny", "bf16", dev)
+    prompts = [[1, 2, 3], [40, 41, 42, 43]]
+    want = m.generate(prompts, 7, temperature=0.9, seed=11)
+    rows = [[], []]
+    steps = 0
+    for step in m.stream(prompts, 7, temperature=0.9, seed=11):
+        assert [r for r, _ in step] == [0, 1]
+        for r, t in step:
+            rows[r].append(t)
+        steps += 1
+    assert rows == want and steps == 7
+
+
+def test_a_superseded_stream_refuses_to_continue():
+    m = model("tiny")
+    s = m.stream([[1, 2]], 5)
+    next(s)
+    m.generate([[3]], 2)
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(s)
+
+
+# ---- graphs and memory -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("arm", ARMS)
+def test_cuda_graph_equals_eager(cuda, arm, weights):
+    if arm == "gemm" and weights == "fp8":
+        pytest.skip("no gemm arm for fp8 weights")
+    out = []
+    for graphs in (True, False):
+        m = model("tiny-hs64", "bf16", cuda)
+        m.allocate_inference_state(max_batch=4, max_seq_len=64, weights=weights, ffn_arm=arm, cuda_graphs=graphs)
+        out.append(m.generate([[1, 2, 3], [9] * 11, [4]], 10, temperature=0.8, top_p=0.9, seed=2))
+        if graphs:
+            assert m.inference_state.graphs, "no decode step was captured"
+    assert out[0] == out[1]
+
+
+@pytest.mark.gpu
+def test_cuda_decode_equals_cpu_decode():
+    """The decode kernels on the GPU follow their NumPy twins through a whole generation."""
+    lens = [5, 2, 9]
+    seqs = sequences(256, lens)
+    cpu = decode_logits(model("tiny-hs64", "bf16", "cpu"), seqs, lens, "fused")
+    gpu = decode_logits(model("tiny-hs64", "bf16", "cuda"), seqs, lens, "fused")
+    assert_logits_close(gpu[:, 8:], cpu[:, 8:], "bf16", "cuda vs cpu")
+
+
+def test_inference_only_memory(dev):
+    m = model("tiny", "bf16", dev)
+    m.allocate_inference_state(max_batch=3, max_seq_len=40, weights="fp8")
+    m.generate([[1, 2]], 2)
+    ctx = m.memory_report().by_context
+    assert not {"Gradients", "Optimizer", "Activations", "Activation gradients", "Stack"} & set(ctx), ctx
+    assert {"Weights", "KV cache", "Decode weights FP8", "Decode scratch"} <= set(ctx)
+    cfg = m.cfg
+    kv = 2 * cfg.num_layers * 3 * cfg.num_kv_heads * 40 * cfg.head_size * 2
+    assert ctx["KV cache"][0] >= kv
+
+
+# ---- errors ------------------------------------------------------------------------------------
+BAD = [
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[1, 2, 3]), r"for one prompt pass \[prompt\]"),
+    (dict(prompts=[[1], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1, 256]]), r"token id 256, outside the vocabulary \[0, 256\)"),
+    (dict(prompts=[[-1]]), "token id -1, outside the vocabulary"),
+    (dict(prompts=[[1.5]]), "not an int token id"),
+    (dict(prompts=[[1]] * 5), "5 prompts, but the inference state holds max_batch=4"),
+    (dict(prompts=[[1] * 20], max_new_tokens=13), "does not fit the KV cache of max_seq_len=32"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_k=-2), "top_k must be an int >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\)"),
+    (dict(stop_tokens=[999]), "stop_tokens holds token id 999"),
+    (dict(ffn_arm="mega"), "ffn_arm must be 'auto' or one of"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD, ids=[m for _, m in BAD])
+@pytest.mark.parametrize("fn", ["generate", "stream"])
+def test_bad_generate_arguments(fn, kw, match):
+    m = model("tiny")
+    m.allocate_inference_state(max_batch=4, max_seq_len=32)
+    args = dict(prompts=[[1, 2]], max_new_tokens=3) | kw
+    with pytest.raises(ValueError, match=match):
+        getattr(m, fn)(args.pop("prompts"), args.pop("max_new_tokens"), **args)
+    assert m.inference_state.generation == 0  # nothing ran
+
+
+def test_bad_arguments_allocate_nothing():
+    m = model("tiny")
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=256"):
+        m.generate([[1] * 250], 10)
+    with pytest.raises(ValueError, match="65 prompts; decode takes at most 64"):
+        m.generate([[1]] * 65, 1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.generate([[1000]], 1)
+    assert m.inference_state is None
+    assert "KV cache" not in m.memory_report().by_context
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(max_batch=0), r"max_batch=0 outside \[1, 64\]"),
+        (dict(max_batch=65), r"max_batch=65 outside \[1, 64\]"),
+        (dict(max_seq_len=300), r"max_seq_len=300 outside \[2, 256\] \(max_position_embeddings"),
+        (dict(max_batch=2.0), "max_batch must be an int"),
+        (dict(max_seq_len=32, weights="int4"), "weights must be one of"),
+        (dict(max_seq_len=32, ffn_arm="gemv"), "ffn_arm must be 'auto' or one of"),
+        (dict(max_seq_len=32, weights="fp8", ffn_arm="gemm"), "ffn_arm='gemm' cannot run with weights='fp8'"),
+    ],
+)
+def test_bad_allocate_inference_state(kw, match):
+    m = model("tiny")
+    with pytest.raises(ValueError, match=match):
+        m.allocate_inference_state(**kw)
+    assert m.inference_state is None
+
+
+def test_fp8_state_refuses_the_gemm_arm_per_call_and_a_second_allocation():
+    m = model("tiny")
+    m.allocate_inference_state(max_batch=2, max_seq_len=32, weights="fp8")
+    with pytest.raises(ValueError, match="cannot run with weights='fp8'"):
+        m.generate([[1]], 2, ffn_arm="gemm")
+    with pytest.raises(ValueError, match="already allocated"):
+        m.allocate_inference_state()
+
+
+def test_llama_model_has_the_inference_api():
+    assert issubclass(LlamaModel, InferenceMixin)
