@@ -3,8 +3,8 @@
 A generation uploads the prompts once, prefills them (`prefill.prefill_prompt`), then runs one
 decode step per new token (`decode.step`, a replayed CUDA graph). The sampled tokens of each step
 come back through a ring of pinned host rows, one small asynchronous copy per step; the host reads
-a step's tokens only when it is `lag` steps behind the device (generate: a ring's worth; stream:
-one step, so tokens arrive as they are made), so it never stalls the device. No logits row ever
+a step's tokens while up to `lag` - 1 later steps are already enqueued (generate: RING - 1; stream:
+one, so tokens arrive as they are made while the next step runs), so it never stalls the device. No logits row ever
 leaves the device. Stop tokens are checked on the host: a row that stopped keeps decoding
 (harmlessly, inside its cache) until every row has stopped or max_new_tokens is reached.
 """
@@ -100,7 +100,7 @@ class InferenceMixin:
         """
         run = self._prepare("stream", prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
                             ffn_arm)  # fmt: skip
-        return self._run(*run, lag=1)
+        return self._run(*run, lag=2)
 
     # ---- internals ---------------------------------------------------------------------------
     def _prepare(self, what, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, ffn_arm):
@@ -160,9 +160,9 @@ class InferenceMixin:
         running = np.ones(b, bool)
         issued = done = 0
         while done < n_new:
+            if st.generation != gen:
+                raise RuntimeError("this stream was superseded by a later generate/stream call on the same model")
             while issued < n_new and issued - done < lag:
-                if st.generation != gen:
-                    raise RuntimeError("this stream was superseded by a later generate/stream call on the same model")
                 if issued == 0:
                     st.prefill(prompts)
                 else:

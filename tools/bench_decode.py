@@ -1,0 +1,221 @@
+"""Decode benchmarks: per-token time against the weight-bandwidth bound, batch throughput,
+prefill, and HF transformers (static cache + torch.compile) as the peer, all in one run.
+
+Sections (`--section`, any of them; default all):
+- arms:  GB/s of each FFN arm (the decode-GEMV section).
+- token: ms per token at batch 1 for the 0.5B and 1.5B shapes with bf16 and FP8 decode weights,
+         beside the bound = weight bytes read per token / device-to-device copy bandwidth, the
+         copy measured here (known on an H200: 4.27 TB/s); and the kernel launches of one step.
+- batch: tokens/s of decode at batch 1, 8, 32 and 64, and prefill tokens/s of a 1024-token prompt.
+- peer:  HF transformers `generate` with a static cache and torch.compile, same shapes, bf16
+         (skipped when torch or transformers is missing).
+Timing: the decode step is a replayed CUDA graph; CUDA events around `--steps` steps after a
+warm-up (which also captures the graph); median of `--samples` runs, per step.
+
+    python tools/bench_decode.py --section token batch peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import copy_case, time_ms  # noqa: E402
+
+import cuengine as ce  # noqa: E402
+from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
+from cuengine.kernels import sampling  # noqa: E402
+
+PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+PROMPT = 16  # prompt tokens before timed decode steps
+TARGET_BOUND = 1.5  # batch-1 bf16 per-token time target: 1.5 x the bound (0.5B)
+
+
+# ---- shared ---------------------------------------------------------------------------------
+def copy_bandwidth(dev) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), timed like the kernels."""
+    _, _, nbytes, fn = next(copy_case(dev, 1))
+    return nbytes / (time_ms(dev, fn, nbytes, warmup=3, iters=10) / 1e3)
+
+
+def engine(preset: str, max_batch: int, max_seq: int, weights: str):
+    cfg = ce.TransformerConfig.preset(preset)
+    m = ce.LlamaModel(cfg, device="cuda")
+    m.init_weights(0)
+    st = m.allocate_inference_state(max_batch=max_batch, max_seq_len=max_seq, weights=weights)
+    return m, st
+
+
+def prompts(cfg, b: int, T: int, seed: int = 0) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, T)).tolist()
+
+
+def step_ms(st, b: int, steps: int, samples: int) -> float:
+    """Median ms per decode step of b rows (graph replay), from fresh prompts of PROMPT tokens."""
+    dev, arm = st.device, decode_arm(st, b)
+    times = []
+    for s in range(samples + 1):
+        p = prompts(st.cfg, b, PROMPT, seed=s)
+        st.start(p, sampling.sampling_params(0.0, 0, 1.0, 0))
+        st.prefill(p)
+        for _ in range(3):  # eager, capture, replay
+            decode.step(st, b, arm)
+        start, end = dev.event(timing=True), dev.event(timing=True)
+        start.record()
+        for _ in range(steps):
+            decode.step(st, b, arm)
+        end.record()
+        end.synchronize()
+        if s:  # the first sample compiles and captures
+            times.append(start.elapsed_ms(end) / steps)
+    return statistics.median(times)
+
+
+def decode_arm(st, b: int) -> str:
+    return choose_ffn_arm(b, st.weights) if st.ffn_arm == "auto" else st.ffn_arm
+
+
+def launches_per_step(st, b: int) -> int:
+    """Kernel launches (cuBLASLt calls included) of one eager decode step of b rows."""
+    from cuengine import blas
+    from cuengine.kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm
+
+    patched = [(m, "launch") for m in (activations, decode_attention, decode_step, encoder, gemv, rmsnorm, sampling)]
+    patched.append((blas, "matmul"))
+    saved = [getattr(m, name) for m, name in patched]
+    count = [0]
+
+    def counting(fn):
+        def wrapped(*a, **k):
+            count[0] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    for (m, name), fn in zip(patched, saved):
+        setattr(m, name, counting(fn))
+    try:
+        decode.decode_step_rows(st, b, decode_arm(st, b))
+    finally:
+        for (m, name), fn in zip(patched, saved):
+            setattr(m, name, fn)
+    st.device.synchronize()
+    return count[0]
+
+
+# ---- sections -------------------------------------------------------------------------------
+def token_section(args, dev, bw) -> list[str]:
+    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s", "",
+            f"{'shape':<14}{'weights':>8}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
+            f"{'launches':>10}{'per layer':>11}"]  # fmt: skip
+    for preset in args.preset:
+        for weights in ("bf16", "fp8"):
+            m, st = engine(preset, 1, PROMPT + 8 * args.steps, weights)
+            ms = step_ms(st, 1, args.steps, args.samples)
+            nbytes = st.bytes_per_token()
+            bound = nbytes / bw * 1e3
+            n = launches_per_step(st, 1)
+            per_layer = (n - 4) / m.cfg.num_layers  # embedding, LM head, sampler, advance
+            rows.append(f"{preset:<14}{weights:>8}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
+                        f"{nbytes / ms / 1e6:>8.0f}{n:>10}{per_layer:>11.1f}")  # fmt: skip
+            del m, st
+    rows.append(f"target: 0.5B bf16 <= {TARGET_BOUND} x bound; fp8 <= 0.6 x the bf16 time")
+    return rows
+
+
+def batch_section(args, dev, bw) -> list[str]:
+    rows = [f"{'shape':<14}{'weights':>8}{'batch':>7}{'arm':>7}{'ms/step':>9}{'tok/s':>10}"]
+    for preset in args.preset:
+        m, st = engine(preset, max(args.batches), max(1024 + 8, PROMPT + 8 * args.steps), "bf16")
+        for b in args.batches:
+            ms = step_ms(st, b, args.steps, args.samples)
+            rows.append(f"{preset:<14}{'bf16':>8}{b:>7}{decode_arm(st, b):>7}{ms:>9.3f}{b / ms * 1e3:>10.0f}")
+        p = prompts(m.cfg, 1, 1024)
+        params = sampling.sampling_params(0.0, 0, 1.0, 0)
+        times = []
+        for s in range(args.samples + 1):
+            st.start(p, params)
+            start, end = dev.event(timing=True), dev.event(timing=True)
+            start.record()
+            st.prefill(p)
+            end.record()
+            end.synchronize()
+            if s:
+                times.append(start.elapsed_ms(end))
+        ms = statistics.median(times)
+        rows.append(f"{preset:<14}{'bf16':>8}  prefill 1024 tokens: {ms:.2f} ms, {1024 / ms * 1e3:,.0f} tok/s")
+        del m, st
+    return rows
+
+
+def peer_section(args, dev, bw) -> list[str]:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return ["peer: torch/transformers not importable; skipped"]
+    rows = [f"{'shape':<14}{'peer':<36}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"]
+    for preset in args.preset:
+        cfg = ce.TransformerConfig.preset(preset)
+        hf_cfg = transformers.Qwen2Config(
+            **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+        )
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        for b in (1, 8):
+            x = torch.from_numpy(np.array(prompts(cfg, b, PROMPT), np.int64)).cuda()
+
+            def gen(n, x=x, model=model):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            short, long = 16, 16 + args.steps
+            for _ in range(3):  # compile, capture the cudagraphs
+                gen(long)
+            # the difference of two lengths takes prefill and setup out
+            ms = statistics.median((gen(long) - gen(short)) / args.steps * 1e3 for _ in range(args.samples))
+            rows.append(f"{preset:<14}{'HF static cache + torch.compile':<36}{b:>6}{ms:>10.3f}{b / ms * 1e3:>10.0f}")
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = {"token": token_section, "batch": batch_section, "peer": peer_section}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    p.add_argument("--preset", nargs="+", default=list(PRESETS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--steps", type=int, default=64, help="decode steps per timed sample")
+    p.add_argument("--samples", type=int, default=5)
+    args = p.parse_args(argv)
+    if not ce.cuda_available():
+        print("bench_decode: no CUDA device; nothing to measure")
+        return 0
+    dev = ce.device("cuda")
+    bw = copy_bandwidth(dev)
+    for name in args.section:
+        print(f"\n== {name} ==")
+        for line in SECTIONS[name](args, dev, bw):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
