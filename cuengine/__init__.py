@@ -1,6 +1,6 @@
 """cuengine: an LLM training and inference engine on CuPy, with no PyTorch."""
 
-from . import ops
+from . import dist, ops
 from .alloc import DeviceMemoryStack, MemoryReport, TensorAllocator
 from .blas import matmul
 from .device import Device, cuda_available, device
@@ -13,5 +13,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16", "BYTE", "FP8_E4M3", "FP8_E5M2", "FP16", "FP32", "INT32",
     "DType", "Device", "DeviceMemoryStack", "MemoryReport", "Tensor", "TensorAllocator",
-    "LlamaModel", "TrainOptions", "TransformerConfig", "cuda_available", "device", "dtype", "matmul", "ops",
+    "LlamaModel", "TrainOptions", "TransformerConfig", "cuda_available", "device", "dist", "dtype", "matmul", "ops",
 ]  # fmt: skip

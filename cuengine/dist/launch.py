@@ -1,0 +1,170 @@
+"""`launch(fn, nprocs, *args)`: one process per GPU on this host, watched until all are done.
+
+Workers are spawned (never forked: CUDA does not survive a fork) with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and NCCL_NVLS_ENABLE=0,
+all set before the interpreter starts, so nothing in the worker can initialise NCCL without them.
+`fn` calls `cuengine.dist.init()` itself, exactly as under torchrun.
+
+A rank that raises or dies must not leave the others hanging in a collective that will never
+complete (NCCL waits forever on the GPU). The parent watches every worker; after the first
+failure the others get `grace` seconds to exit on their own (the test double and a failed
+rendezvous raise DistError), then are terminated, and `launch` raises WorkerError naming the
+rank that failed first and what happened to each of the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+
+from .rendezvous import DistError, free_port
+
+
+class WorkerError(DistError):
+    """A worker of `launch` failed. `failures` maps each rank that did not return to a description."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _worker(fn, args, conn) -> None:
+    try:
+        result = fn(*args)
+        conn.send(("ok", result))
+    except BaseException as err:  # noqa: B036 (the parent reports it; SystemExit and Ctrl-C included)
+        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+        conn.close()
+        sys.exit(1)
+    conn.close()
+
+
+def _exit_text(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | None = None,
+           grace: float = 10.0) -> list:  # fmt: skip
+    """Run `fn(*args)` in `nprocs` new processes, ranks 0..nprocs-1 of one job on this host.
+
+    Args:
+        fn: a picklable (module-level) function; it calls `cuengine.dist.init()` for its comm.
+        nprocs: the number of processes (one per GPU).
+        args: picklable arguments, the same for every rank.
+        backend: sets CUENGINE_DIST_BACKEND for the workers ("nccl", or "fake" for CPU tests).
+        timeout: sets CUENGINE_DIST_TIMEOUT (rendezvous; collectives of the test double).
+        grace: seconds the other workers get to exit by themselves after the first failure,
+            before they are terminated.
+
+    Returns the list of each rank's return value, in rank order. Raises WorkerError when a
+    worker raises or dies; every worker has exited by then.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch: nprocs must be an int >= 1, got {nprocs!r}")
+    ctx = mp.get_context("spawn")
+    env = {"WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
+    if backend is not None:
+        env["CUENGINE_DIST_BACKEND"] = backend
+    if timeout is not None:
+        env["CUENGINE_DIST_TIMEOUT"] = str(timeout)
+    procs, conns = [], []
+    try:
+        for r in range(nprocs):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(fn, args, send_end), name=f"cuengine-rank{r}", daemon=False)
+            with _environ({**env, "RANK": str(r), "LOCAL_RANK": str(r)}):
+                p.start()
+            send_end.close()
+            procs.append(p)
+            conns.append(recv_end)
+        return _watch(procs, conns, grace)
+    finally:
+        _stop(procs)
+
+
+def _stop(procs) -> list[int]:
+    """Terminate, then kill, every worker still running; the ranks that had to be stopped."""
+    stopped = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stopped:
+        procs[r].terminate()
+    for r in stopped:
+        procs[r].join(5.0)
+        if procs[r].is_alive():
+            procs[r].kill()
+            procs[r].join()
+    return stopped
+
+
+def _watch(procs, conns, grace: float) -> list:
+    n = len(procs)
+    results, failures = [None] * n, {}
+    messages: dict[int, tuple] = {}
+    open_conns = {c: r for r, c in enumerate(conns)}
+    first_failure, first_rank, first_tb = None, None, None
+    while open_conns or any(p.exitcode is None for p in procs):
+        ready = wait(list(open_conns) + [p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+        for c in ready:
+            if c in open_conns:
+                r = open_conns.pop(c)
+                try:
+                    messages[r] = c.recv()
+                except (EOFError, OSError):
+                    pass
+                c.close()
+        for r, p in enumerate(procs):
+            if p.exitcode is None and not p.is_alive():
+                p.join()
+            done = p.exitcode is not None and r not in open_conns.values()
+            if done and r not in failures and messages.get(r, ("",))[0] != "ok":
+                msg = messages.get(r)
+                if msg is not None and msg[0] == "error":
+                    failures[r] = f"raised {msg[1]}"
+                    tb = msg[2]
+                else:
+                    failures[r] = f"died ({_exit_text(p.exitcode)}) without a result"
+                    tb = None
+                if first_failure is None:
+                    first_failure, first_rank, first_tb = time.monotonic(), r, tb
+        if first_failure is not None and time.monotonic() - first_failure > grace:
+            for r in _stop(procs):
+                failures.setdefault(r, f"was stopped by the launcher {grace:.0f} s after rank {first_rank} failed")
+            for c in list(open_conns):
+                c.close()
+            open_conns.clear()
+    for r, msg in messages.items():
+        if msg[0] == "ok":
+            results[r] = msg[1]
+    if failures:
+        lines = [f"rank {first_rank} {failures[first_rank]}"]
+        lines += [f"rank {r} {what}" for r, what in sorted(failures.items()) if r != first_rank]
+        text = "launch: " + "; ".join(lines)
+        if first_tb:
+            text += f"\n--- rank {first_rank} traceback ---\n{first_tb}"
+        raise WorkerError(text, failures)
+    return results

@@ -1,0 +1,109 @@
+"""Worker functions for tests/test_dist.py: module-level, so `ce.dist.launch` can spawn them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import cuengine as ce
+
+COLLECTIVE_DTYPES = ("fp32", "bf16")
+
+
+def rank_input(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
+    """The array rank `rank` contributes (rounded to `dtype`); the parent recomputes it."""
+    x = np.random.default_rng([seed, rank]).standard_normal(n).astype(np.float32)
+    return x.astype(ce.dtype(dtype).np)
+
+
+def collectives(seed: int, n: int) -> dict:
+    """Every collective once per dtype on this rank's comm; returns the results as NumPy arrays."""
+    comm = ce.dist.init()
+    r, world, dev = comm.rank, comm.world_size, comm.device
+    out = {}
+    for dt in COLLECTIVE_DTYPES:
+        t = ce.Tensor.from_numpy(rank_input(seed, r, world * n, dt), dev, dtype=dt)
+        comm.all_reduce(t)
+        out[f"all_reduce.{dt}"] = t.numpy()
+        t = ce.Tensor.from_numpy(rank_input(seed, r, world * n, dt), dev, dtype=dt)
+        comm.all_reduce(t, op="max")
+        out[f"all_reduce_max.{dt}"] = t.numpy()
+        # reduce-scatter into a separate output, and in place into this rank's chunk of the input,
+        # on the communication stream ordered by events
+        inp = ce.Tensor.from_numpy(rank_input(seed, r, world * n, dt), dev, dtype=dt)
+        part = ce.Tensor.empty(dt, (n,), dev)
+        comm.wait_for()
+        comm.reduce_scatter(part, inp, stream=comm.stream)
+        comm.reduce_scatter(inp.rows(r * n, (r + 1) * n), inp, stream=comm.stream)
+        comm.join()
+        out[f"reduce_scatter.{dt}"] = part.numpy()
+        out[f"reduce_scatter_inplace.{dt}"] = inp.rows(r * n, (r + 1) * n).numpy()
+        mine = ce.Tensor.from_numpy(rank_input(seed, r, n, dt), dev, dtype=dt)
+        full = ce.Tensor.empty(dt, (world * n,), dev)
+        comm.all_gather(full, mine)
+        out[f"all_gather.{dt}"] = full.numpy()
+        full2 = ce.Tensor.empty(dt, (world * n,), dev)
+        full2.rows(r * n, (r + 1) * n).copy_from_numpy(rank_input(seed, r, n, dt))
+        comm.all_gather(full2, full2.rows(r * n, (r + 1) * n))
+        out[f"all_gather_inplace.{dt}"] = full2.numpy()
+        t = ce.Tensor.from_numpy(rank_input(seed, r, n, dt), dev, dtype=dt)
+        comm.broadcast(t, root=world - 1)
+        out[f"broadcast.{dt}"] = t.numpy()
+    q = ce.Tensor.from_numpy(rank_input(seed, r, n, "fp32"), dev, dtype="e4m3")
+    q8 = ce.Tensor.empty("e4m3", (world * n,), dev)
+    comm.all_gather(q8, q)
+    out["all_gather.e4m3"] = q8.numpy()
+    out["object"] = comm.broadcast_object({"step": 7, "rank": r} if r == 0 else None)
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def environment() -> dict:
+    comm = ce.dist.init()
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE")
+    env = {k: os.environ.get(k) for k in keys}
+    env["comm"] = (comm.rank, comm.world_size, comm.local_rank, comm.backend)
+    comm.close()
+    return env
+
+
+def fail(victim: int, how: str) -> str:
+    """Rank `victim` raises or dies (`how`: "raise", "exit", "kill") before its first all-reduce;
+    the others wait in that all-reduce and report what they see."""
+    comm = ce.dist.init()
+    t = ce.Tensor.from_numpy(np.ones(4, np.float32), comm.device)
+    comm.barrier()
+    if comm.rank == victim:
+        time.sleep(0.2)  # let the others enter the all-reduce first
+        if how == "raise":
+            raise RuntimeError("worker failed on purpose")
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), 9)
+    comm.all_reduce(t)
+    t.numpy()  # waits for the all-reduce (on NCCL it is only enqueued)
+    return "finished"
+
+
+def hang(victim: int) -> str:
+    """Rank `victim` dies while the others compute forever without a collective (as ranks stuck
+    inside NCCL would): only the launcher can stop them."""
+    comm = ce.dist.init()
+    comm.barrier()
+    if comm.rank == victim:
+        os._exit(5)
+    while True:
+        time.sleep(0.1)
+
+
+def mismatch() -> None:
+    """Rank 0 all-reduces while the others all-gather: every rank must get a clear error."""
+    comm = ce.dist.init()
+    x = ce.Tensor.from_numpy(np.ones(4, np.float32), comm.device)
+    if comm.rank == 0:
+        comm.all_reduce(x)
+    else:
+        comm.all_gather(ce.Tensor.empty("fp32", (4 * comm.world_size,), comm.device), x)

@@ -1,0 +1,462 @@
+"""cuengine.dist: the sharding plan, the NumPy test-double communicator across real processes,
+launch() and its failure handling, sharded checkpoints N -> M, the data-sharding rule; and the
+same collectives on NCCL (gpu marker, two GPUs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import cuengine as ce
+from cuengine import dist
+from cuengine.model.config import TransformerConfig
+from cuengine.model.weights import param_specs
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUENGINE_DIST_BACKEND",
+            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")  # fmt: skip
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+def specs(preset="tiny", **changes):
+    return param_specs(TransformerConfig.preset(preset).replace(**changes))
+
+
+SPEC_CASES = {
+    "qwen2-tied": dict(preset="tiny"),
+    "llama-untied": dict(preset="tiny-llama"),
+    "odd-sizes": dict(
+        preset="tiny-llama", hidden_size=40, head_size=10, intermediate_size=72, vocab_size=251, num_layers=3
+    ),
+}
+
+
+# ---- the plan --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", SPEC_CASES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_plan_owns_every_element_exactly_once(case, world):
+    plan = dist.ShardPlan(specs(**SPEC_CASES[case]), world)
+    count = {n: np.zeros(s.numel, np.int32) for n, s in plan.params.items()}
+    shard_seen = [np.zeros(plan.shard_size, np.int32) for _ in range(world)]
+    for r in range(world):
+        for p in plan.pieces(r):
+            count[p.name][p.lo : p.hi] += 1
+            shard_seen[r][p.shard_offset : p.shard_offset + p.numel] += 1
+    for name, c in count.items():
+        assert c.min() == 1 and c.max() == 1, f"{name}: elements owned {c.min()}..{c.max()} times"
+    assert all(s.max() <= 1 for s in shard_seen), "two pieces overlap in a shard buffer"
+    assert sum(int(s.sum()) for s in shard_seen) == sum(s.numel for s in plan.params.values())
+
+
+@pytest.mark.parametrize("case", SPEC_CASES)
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_plan_alignment_and_equal_shards(case, world):
+    plan = dist.ShardPlan(specs(**SPEC_CASES[case]), world)
+    assert plan.total == world * plan.shard_size
+    for s in plan.params.values():
+        assert s.offset % 16 == 0, s
+    for b in plan.buckets:
+        assert b.shard % 16 == 0 and b.size == world * b.shard
+        assert b.shard_offset % 16 == 0
+        for p in b.params:  # inside its bucket, no overlap
+            assert b.start <= p.offset and p.offset + p.numel <= b.stop
+    for r in range(world):
+        for p in plan.pieces(r):
+            assert p.shard_offset % 16 == 0 and (p.lo % 16 == 0 or p.lo == 0), p
+    offs = sorted((s.offset, s.offset + s.numel) for s in plan.params.values())
+    assert all(a[1] <= b[0] for a, b in zip(offs, offs[1:])), "parameters overlap in the flat buffer"
+
+
+@pytest.mark.parametrize("case", SPEC_CASES)
+def test_plan_buckets_are_embedding_layers_head(case):
+    sp = specs(**SPEC_CASES[case])
+    cfg = TransformerConfig.preset(SPEC_CASES[case]["preset"])
+    plan = dist.ShardPlan(sp, 3)
+    L = SPEC_CASES[case].get("num_layers", cfg.num_layers)
+    assert [b.name for b in plan.buckets] == ["embedding"] + [f"layers.{i}" for i in range(L)] + ["head"]
+    for name, _, _ in sp:
+        b = plan.bucket_of(name)
+        assert name in {p.name for p in b.params}
+        if name.startswith("layers."):
+            assert b.name == "layers." + name.split(".")[1]
+    assert {p.name for p in plan.bucket("head").params} == ({"lnf_w"} if "lm_head" not in plan.params
+                                                           else {"lnf_w", "lm_head"})  # fmt: skip
+    # the buckets tile the flat buffer in order, and the shard buffer in the same order
+    assert plan.buckets[0].start == 0 and plan.buckets[-1].stop == plan.total
+    for a, b in zip(plan.buckets, plan.buckets[1:]):
+        assert a.stop == b.start and a.shard_offset + a.shard == b.shard_offset
+    # pieces of one bucket are the pieces of all, restricted to it
+    allp = plan.pieces(1)
+    for b in plan.buckets:
+        assert plan.pieces(1, b.name) == [p for p in allp if plan.bucket_of(p.name) is b]
+
+
+def test_plan_flatten_shard_unshard_roundtrip():
+    plan = dist.ShardPlan(specs("tiny-llama", hidden_size=40, head_size=10, intermediate_size=72, vocab_size=251), 3)
+    rng = np.random.default_rng(0)
+    full = {n: rng.standard_normal(s.shape).astype(np.float32) for n, s in plan.params.items()}
+    flat = plan.flatten(full)
+    shards = [plan.shard(flat, r) for r in range(3)]
+    for r, sh in enumerate(shards):
+        assert sh.shape == (plan.shard_size,)
+        for p in plan.pieces(r):
+            np.testing.assert_array_equal(sh[p.shard_offset : p.shard_offset + p.numel],
+                                          full[p.name].reshape(-1)[p.lo : p.hi])  # fmt: skip
+    np.testing.assert_array_equal(plan.unshard(shards), flat)
+    for n, a in plan.unflatten(flat).items():
+        np.testing.assert_array_equal(a, full[n])
+    pad = np.ones(plan.total, bool)
+    for s in plan.params.values():
+        pad[s.offset : s.offset + s.numel] = False
+    assert not flat[pad].any(), "padding must be zero"
+
+
+def test_plan_manifest_and_errors():
+    plan = dist.ShardPlan(specs(), 2)
+    assert dist.ShardPlan.from_manifest(plan.to_manifest()) == plan
+    m = plan.to_manifest()
+    m["offsets"]["wte"] = 8
+    with pytest.raises(ValueError, match="saved layout differs"):
+        dist.ShardPlan.from_manifest(m)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        dist.ShardPlan(specs(), 0)
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        plan.pieces(2)
+    with pytest.raises(ValueError, match="expected 2 shards"):
+        plan.unshard([np.zeros(plan.shard_size, np.float32)])
+    with pytest.raises(ValueError, match="'wte' has shape"):
+        plan.flatten({n: np.zeros((1,), np.float32) for n in plan.params})
+
+
+# ---- init and the world of one ---------------------------------------------------------------
+def test_init_without_environment_is_a_world_of_one(clean_env):
+    comm = dist.init(device="cpu")
+    assert isinstance(comm, dist.SoloComm)
+    assert (comm.rank, comm.world_size, comm.local_rank) == (0, 1, 0)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    x = ce.Tensor.from_numpy(np.arange(8, dtype=np.float32), "cpu")
+    comm.all_reduce(x)
+    np.testing.assert_array_equal(x.numpy(), np.arange(8))
+    out = ce.Tensor.empty("fp32", (8,), "cpu")
+    comm.reduce_scatter(out, x)
+    np.testing.assert_array_equal(out.numpy(), np.arange(8))
+    comm.all_gather(out, x)
+    np.testing.assert_array_equal(out.numpy(), np.arange(8))
+    assert comm.broadcast_object({"a": 1}) == {"a": 1}
+    comm.barrier()
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("RANK", "0")
+    assert isinstance(dist.init(device="cpu"), dist.SoloComm)
+
+
+def test_init_environment_errors(clean_env):
+    clean_env.setenv("RANK", "1")
+    with pytest.raises(dist.DistError, match="WORLD_SIZE is unset"):
+        dist.init()
+    clean_env.setenv("WORLD_SIZE", "two")
+    with pytest.raises(dist.DistError, match="WORLD_SIZE='two' is not an integer"):
+        dist.init()
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("RANK", "2")
+    with pytest.raises(dist.DistError, match="not a valid place"):
+        dist.init()
+    clean_env.setenv("RANK", "1")
+    with pytest.raises(dist.DistError, match="MASTER_ADDR is unset"):
+        dist.init(backend="fake")
+    with pytest.raises(ValueError, match="backend must be 'nccl' or 'fake'"):
+        dist.init(backend="gloo")
+
+
+def test_collective_argument_errors(clean_env):
+    comm = dist.init(device="cpu")
+    x = ce.Tensor.from_numpy(np.zeros(8, np.float32), "cpu", name="x")
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.all_reduce(x, op="prod")
+    with pytest.raises(ValueError, match=r"all_reduce: tensor: expected dtype .* got tensor 'q' e4m3"):
+        comm.all_reduce(ce.Tensor.empty("e4m3", (8,), "cpu", name="q"))
+    with pytest.raises(ValueError, match=r"'x' \(8,\) has 8 elements, expected world_size 1 x 4"):
+        comm.reduce_scatter(ce.Tensor.empty("fp32", (4,), "cpu", name="o"), x)
+    with pytest.raises(ValueError, match="'o' is bf16 but 'x' is fp32"):
+        comm.all_gather(x, ce.Tensor.empty("bf16", (8,), "cpu", name="o"))
+    with pytest.raises(ValueError, match="root 1 outside"):
+        comm.broadcast_object(1, root=1)
+
+
+def test_rendezvous_timeout_names_the_address(clean_env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        clean_env.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistError, match=f"rank 1 could not reach rank 0 at 127.0.0.1:{port} within 1 s"):
+        dist.init(backend="fake", timeout=1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_rendezvous_rank0_waits_for_missing_ranks(clean_env):
+    for k, v in dict(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port())).items():
+        clean_env.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistError, match=r"rank 0 waited 1 s for ranks \[1, 2\] of 3 to connect"):
+        dist.init(backend="fake", timeout=1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def _port():
+    return dist.rendezvous.free_port()
+
+
+def test_init_under_mpi_reads_mpi4py(clean_env):
+    class FakeMPIComm:
+        def __init__(self, rank, size):
+            self.rank, self.size = rank, size
+
+        def Get_rank(self):
+            return self.rank
+
+        def Get_size(self):
+            return self.size
+
+        def Split_type(self, kind):
+            return FakeMPIComm(0, self.size)
+
+    class FakeMPI:
+        COMM_TYPE_SHARED = 1
+        COMM_WORLD = FakeMPIComm(0, 1)
+
+    mod = type(sys)("mpi4py")
+    mod.MPI = FakeMPI
+    clean_env.setitem(sys.modules, "mpi4py", mod)
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert isinstance(dist.init(device="cpu"), dist.SoloComm)
+    FakeMPI.COMM_WORLD = FakeMPIComm(1, 2)
+    with pytest.raises(dist.DistError, match="not MPI"):
+        dist.init(backend="fake")
+
+
+# ---- the test double across processes, and launch() -------------------------------------------
+def expected_collectives(seed, n, world):
+    exp = {}
+    for dt in dist_worker.COLLECTIVE_DTYPES:
+        npdt = ce.dtype(dt).np
+        ins = [dist_worker.rank_input(seed, r, world * n, dt).astype(np.float64) for r in range(world)]
+        total = np.sum(ins, axis=0)
+        exp[f"all_reduce.{dt}"] = [total] * world
+        exp[f"all_reduce_max.{dt}"] = [np.max(ins, axis=0)] * world
+        exp[f"reduce_scatter.{dt}"] = [total[r * n : (r + 1) * n] for r in range(world)]
+        exp[f"reduce_scatter_inplace.{dt}"] = exp[f"reduce_scatter.{dt}"]
+        gathered = np.concatenate([dist_worker.rank_input(seed, r, n, dt) for r in range(world)]).astype(npdt)
+        exp[f"all_gather.{dt}"] = [gathered] * world
+        exp[f"all_gather_inplace.{dt}"] = [gathered] * world
+        exp[f"broadcast.{dt}"] = [dist_worker.rank_input(seed, world - 1, n, dt)] * world
+    q = [ce.Tensor.from_numpy(dist_worker.rank_input(seed, r, n, "fp32"), "cpu", dtype="e4m3").numpy()
+         for r in range(world)]  # fmt: skip
+    exp["all_gather.e4m3"] = [np.concatenate(q)] * world
+    return exp
+
+
+def check_collectives(results, seed, n, world):
+    exp = expected_collectives(seed, n, world)
+    assert len(results) == world
+    for r, got in enumerate(results):
+        assert got["object"] == {"step": 7, "rank": 0}
+        for key, want in exp.items():
+            dt = key.split(".")[1]
+            if dt == "e4m3":
+                np.testing.assert_array_equal(got[key].view(np.uint8), want[r].view(np.uint8), err_msg=key)
+            else:
+                assert_close(got[key], want[r], dt, what=f"rank {r} {key}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fake_collectives_match_numpy(world):
+    results = dist.launch(dist_worker.collectives, world, 5, 37, backend="fake", timeout=60)
+    check_collectives(results, 5, 37, world)
+
+
+def test_fake_collectives_round_bf16_once():
+    """The double's bf16 sum: fp32 in rank order, one rounding (not NCCL's rounding)."""
+    results = dist.launch(dist_worker.collectives, 3, 1, 64, backend="fake", timeout=60)
+    ins = [dist_worker.rank_input(1, r, 3 * 64, "bf16").astype(np.float32) for r in range(3)]
+    want = ((ins[0] + ins[1]) + ins[2]).astype(ce.dtype("bf16").np)
+    np.testing.assert_array_equal(results[2]["all_reduce.bf16"].view(np.uint16), want.view(np.uint16))
+
+
+def test_launch_sets_the_environment_and_returns_per_rank_results():
+    envs = dist.launch(dist_worker.environment, 3, backend="fake", timeout=60)
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1
+    for r, e in enumerate(envs):
+        assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(r), "3", str(r))
+        assert e["MASTER_ADDR"] == "127.0.0.1" and e["NCCL_NVLS_ENABLE"] == "0"
+        assert e["comm"] == (r, 3, r, "fake")
+
+
+def test_launch_argument_errors():
+    with pytest.raises(ValueError, match="nprocs must be an int >= 1"):
+        dist.launch(dist_worker.environment, 0)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+def test_a_failing_worker_stops_the_others_with_a_clear_error(how):
+    t0 = time.monotonic()
+    with pytest.raises(dist.WorkerError) as info:
+        dist.launch(dist_worker.fail, 3, 1, how, backend="fake", timeout=60, grace=20)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    first = {"raise": "rank 1 raised RuntimeError: worker failed on purpose",
+             "exit": "rank 1 died (exit code 3) without a result",
+             "kill": "rank 1 died (killed by SIGKILL) without a result"}[how]  # fmt: skip
+    assert str(err).startswith("launch: " + first), str(err)
+    if how == "raise":
+        assert "Traceback" in str(err) and "worker failed on purpose" in str(err)
+    # the others noticed through the communicator and exited on their own, well within the grace
+    for r in (0, 2):
+        assert "DistError" in err.failures[r] and "rank 1 disconnected" in err.failures[r], err.failures[r]
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+def test_launcher_stops_workers_that_cannot_notice():
+    t0 = time.monotonic()
+    with pytest.raises(dist.WorkerError, match="rank 1 died \\(exit code 5\\)") as info:
+        dist.launch(dist_worker.hang, 3, 1, backend="fake", timeout=60, grace=1.0)
+    assert time.monotonic() - t0 < 20
+    assert info.value.failures[0] == info.value.failures[2] == "was stopped by the launcher 1 s after rank 1 failed"
+
+
+def test_mismatched_collectives_raise_on_every_rank():
+    with pytest.raises(dist.WorkerError) as info:
+        dist.launch(dist_worker.mismatch, 2, backend="fake", timeout=60)
+    for r in (0, 1):
+        msg = info.value.failures[r]
+        assert "ranks disagree at collective #2" in msg, msg
+        assert "rank 0 called all_reduce" in msg and "rank 1 called all_gather" in msg
+
+
+# ---- sharded checkpoints N -> M ----------------------------------------------------------------
+@pytest.mark.parametrize("n_from,n_to", [(1, 2), (2, 1), (2, 3), (3, 2), (4, 4), (3, 1)])
+def test_checkpoint_reshards_n_to_m(tmp_path, n_from, n_to):
+    sp = specs("tiny-llama", hidden_size=40, head_size=10, intermediate_size=72, vocab_size=251, num_layers=3)
+    old, new = dist.ShardPlan(sp, n_from), dist.ShardPlan(sp, n_to)
+    rng = np.random.default_rng(n_from * 10 + n_to)
+    full = {k: {n: rng.standard_normal(s.shape).astype(dt) for n, s in old.params.items()}
+            for k, dt in (("m", np.float32), ("v", ce.dtype("bf16").np))}  # fmt: skip
+    for r in range(n_from):
+        dist.save_shard(tmp_path, old, r, {k: old.shard(old.flatten(f), r) for k, f in full.items()})
+    dist.write_manifest(tmp_path, old, full)
+    loaded = [dist.load_shard(tmp_path, new, r) for r in range(n_to)]
+    for k, f in full.items():
+        assert loaded[0][k].dtype == f["wte"].dtype
+        np.testing.assert_array_equal(new.unshard([s[k] for s in loaded]), new.flatten(f))
+        for r in range(n_to):
+            np.testing.assert_array_equal(loaded[r][k], dist.shard_of(new, r, f))
+    gathered = dist.load_full(tmp_path)
+    for k, f in full.items():
+        for n, a in f.items():
+            np.testing.assert_array_equal(gathered[k][n], a)
+
+
+def test_checkpoint_errors(tmp_path):
+    sp = specs()
+    plan = dist.ShardPlan(sp, 2)
+    with pytest.raises(ValueError, match="holds no shards.json"):
+        dist.load_shard(tmp_path, plan, 0)
+    with pytest.raises(ValueError, match=r"'m' has shape \(3,\), expected"):
+        dist.save_shard(tmp_path, plan, 0, {"m": np.zeros(3, np.float32)})
+    dist.save_shard(tmp_path, plan, 0, {"m": np.zeros(plan.shard_size, np.float32)})
+    dist.write_manifest(tmp_path, plan, ["m"])
+    with pytest.raises(ValueError, match="lacks optimizer.rank00001-of-00002.safetensors"):
+        dist.load_shard(tmp_path, plan, 0)
+    dist.save_shard(tmp_path, plan, 1, {"m": np.zeros(plan.shard_size, np.float32)})
+    other = dist.ShardPlan(specs("tiny-llama"), 2)
+    with pytest.raises(ValueError, match="other parameters"):
+        dist.load_shard(tmp_path, other, 0)
+
+
+# ---- data sharding -------------------------------------------------------------------------------
+def test_rank_batches_split_the_global_batch_and_resume():
+    from cuengine.data import TokenSource
+
+    tokens = np.arange(5000, dtype=np.int32) % 251
+
+    def source():
+        return TokenSource([tokens], "t", seed=3)
+
+    single, ranks = source(), [source() for _ in range(3)]
+    for step in range(4):
+        x, y = single.batch(6, 16)
+        parts = [dist.rank_batch(ranks[r], 2, 16, r, 3) for r in range(3)]
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), x)
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), y)
+        rows = {tuple(row) for p in parts for row in p[0]}
+        assert len(rows) == 6, "ranks must read distinct windows"
+        if step == 1:
+            state = ranks[0].state()
+            assert all(s.state() == state for s in ranks)
+    # resume on 2 ranks (B=3 each: the same global batch) from the state after step 1
+    resumed = [source() for _ in range(2)]
+    for s in resumed:
+        s.load_state(state)
+    replay = source()
+    replay.load_state(state)
+    for _ in range(2):
+        x, _ = replay.batch(6, 16)
+        np.testing.assert_array_equal(np.concatenate([dist.rank_batch(resumed[r], 3, 16, r, 2)[0]
+                                                      for r in range(2)]), x)  # fmt: skip
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        dist.rank_batch(single, 2, 16, 2, 2)
+
+
+# ---- NCCL on two GPUs ------------------------------------------------------------------------------
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_collectives_match_numpy():
+    results = dist.launch(dist_worker.collectives, 2, 5, 1000, backend="nccl", timeout=120)
+    check_collectives(results, 5, 1000, 2)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_launch_environment():
+    envs = dist.launch(dist_worker.environment, 2, backend="nccl", timeout=120)
+    assert [e["comm"] for e in envs] == [(0, 2, 0, "nccl"), (1, 2, 1, "nccl")]
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_dead_worker_does_not_hang_the_other():
+    """Rank 0 waits inside an NCCL all-reduce that rank 1 never joins: the launcher stops it."""
+    t0 = time.monotonic()
+    with pytest.raises(dist.WorkerError, match="rank 1 died \\(exit code 3\\)") as info:
+        dist.launch(dist_worker.fail, 2, 1, "exit", backend="nccl", timeout=120, grace=3.0)
+    assert time.monotonic() - t0 < 60
+    assert "stopped by the launcher" in info.value.failures[0]
