@@ -18,54 +18,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
-PEAK_TFLOPS = 989.0  # dense BF16, H100/H200 SXM
 TARGETS = {("qwen2.5-0.5b", "bf16"): 170e3, ("qwen2.5-0.5b", "fp8"): 200e3,
            ("qwen2.5-1.5b", "bf16"): 66e3, ("qwen2.5-1.5b", "fp8"): 85e3}  # fmt: skip
 
 
-def tokens(vocab: int, B: int, T: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    seq = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
-    return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
-
-
 def bench_engine(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int, extra: dict) -> dict:
+    """`cuengine.bench_train.bench_train_step` (the measurement `cuengine bench` makes) on cuda with graphs."""
     import cuengine as ce
-    from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
+    from cuengine.bench_train import bench_train_step
+    from cuengine.model import TrainOptions, TransformerConfig
 
-    cfg = TransformerConfig.preset(preset)
-    dev = ce.device("cuda")
     opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra)
-    t0 = time.perf_counter()
-    model = LlamaModel(cfg, opts, device=dev)
-    model.init_weights(42)
-    model.allocate_run_state(B, T)
-    x, y = tokens(cfg.vocab_size, B, T)
-    losses = [model.train_step(x, y, lr=1e-4) for _ in range(warmup)]
-    setup_s = time.perf_counter() - t0
-    events = [dev.event(timing=True) for _ in range(steps + 1)]
-    for i in range(steps):
-        dev.stream.record(events[i])
-        losses.append(model.train_step(x, y, lr=1e-4))
-    dev.stream.record(events[steps])
-    events[steps].synchronize()
-    ms = [events[i].elapsed_ms(events[i + 1]) for i in range(steps)]
-    step_ms = statistics.median(ms)
-    tok_s = B * T / (step_ms / 1e3)
-    mfu = model.flops_per_token(T) * tok_s / (PEAK_TFLOPS * 1e12)
-    rep = model.memory_report()
-    return {"name": f"cuengine {dtype}", "ms": step_ms, "tok_s": tok_s, "mfu": mfu, "mem_gib": rep.device_bytes / 2**30,
-            "loss": losses[-1], "first_loss": losses[0], "setup_s": setup_s, "report": rep}  # fmt: skip
+    r = bench_train_step(TransformerConfig.preset(preset), opts, ce.device("cuda"), B, T, steps, warmup)
+    return dict(r, name=f"cuengine {dtype}")
 
 
 def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: bool) -> dict:
     import torch
     import transformers
 
+    from cuengine.bench_train import random_batch
     from cuengine.model import TransformerConfig
 
     cfg = TransformerConfig.preset(preset)
@@ -76,7 +51,7 @@ def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: b
     model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x, y = (torch.from_numpy(a.astype(np.int64)).cuda() for a in tokens(cfg.vocab_size, B, T))
+    x, y = (torch.from_numpy(a.astype(np.int64)).cuda() for a in random_batch(cfg.vocab_size, B, T))
 
     fwd = torch.compile(model) if compiled else model  # the model compiled; fused AdamW runs as it is
 

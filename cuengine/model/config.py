@@ -180,9 +180,10 @@ class TransformerConfig:
     # ---- presets -----------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> TransformerConfig:
-        """A named shape: "qwen2.5-0.5b", "qwen2.5-1.5b", or the test sizes "tiny" (Qwen2-like:
-        tied, qkv bias), "tiny-llama" (untied, no bias) and "tiny-hs64" (head size 64, for the
-        raw attention kernel on GPU). Tiny presets use a byte vocabulary (256)."""
+        """A named shape: "qwen2.5-0.5b", "qwen2.5-1.5b"; "small" (25M parameters at vocab 256,
+        Qwen2-like, `cuengine train`'s default on a GPU); or the test sizes "tiny" (Qwen2-like:
+        tied, qkv bias; the default on cpu), "tiny-llama" (untied, no bias) and "tiny-hs64" (head
+        size 64, for the raw attention kernel on GPU). Small and tiny presets use a byte vocabulary (256)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**PRESETS[name])
@@ -201,6 +202,19 @@ PRESETS = {
     ),
     "tiny": dict(_TINY, architecture="Qwen2ForCausalLM", qkv_bias=True, tied_embeddings=True),
     "tiny-llama": dict(_TINY, architecture="LlamaForCausalLM", qkv_bias=False, tied_embeddings=False),
+    "small": dict(
+        _TINY,
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        tied_embeddings=True,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_size=64,
+        max_position_embeddings=1024,
+    ),
     "tiny-hs64": dict(
         _TINY,
         hidden_size=256,

@@ -1,0 +1,116 @@
+"""What the `cuengine` commands share: the one-line error types, and the checks that turn bad
+input (a device, a model directory, its weights or tokenizer, a number) into a UsageError."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+RECOMPUTE = ("rmsnorm", "qkv", "att", "ffn", "swiglu", "block")
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit code 2, nothing written."""
+
+
+class Unavailable(RuntimeError):
+    """A part of the engine this command needs does not import: one line on stderr, exit code 1."""
+
+
+def open_device(name):
+    import cuengine as ce
+
+    try:
+        return ce.device(name)
+    except (ValueError, RuntimeError) as err:
+        raise UsageError(str(err)) from None
+
+
+def model_api():
+    """(TransformerConfig, TrainOptions, LlamaModel), or Unavailable naming what failed to import."""
+    try:
+        from .model import LlamaModel, TrainOptions, TransformerConfig
+    except ImportError as err:
+        raise Unavailable(f"the model does not import in this build ({err})") from None
+    return TransformerConfig, TrainOptions, LlamaModel
+
+
+def load_config(model_dir, preset):
+    """The model's config from a HF directory, or a named preset."""
+    TransformerConfig = model_api()[0]
+    if model_dir is not None:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise UsageError(f"--model {model_dir}: not a directory")
+        try:
+            return TransformerConfig.from_pretrained(path)
+        except (OSError, ValueError) as err:  # missing/unreadable config.json, bad JSON, unsupported field
+            raise UsageError(f"--model {model_dir}: {err}") from None
+    try:
+        return TransformerConfig.preset(preset)
+    except ValueError as err:
+        raise UsageError(f"--preset: {err}") from None
+
+
+def model_tokenizer(model_dir):
+    from . import data
+
+    try:
+        return data.load_tokenizer(model_dir)
+    except data.DataError as err:
+        raise UsageError(str(err)) from None
+
+
+def check_numbers(args, spec):
+    """`spec`: {name: (minimum, integer?)}; None values are skipped (filled in later)."""
+    for name, (lo, integer) in spec.items():
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if integer and (not isinstance(v, int) or v < lo):
+            raise UsageError(f"{flag} must be an integer >= {lo}, got {v}")
+        if not integer and (not math.isfinite(v) or v < lo):
+            raise UsageError(f"{flag} must be a finite number >= {lo}, got {v}")
+
+
+def human(n: float) -> str:
+    for unit in ("", "k", "M", "G"):
+        if abs(n) < 1000:
+            return f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+def read_weights(model, model_dir) -> None:
+    """Load a model directory's safetensors; a missing, corrupt or misshapen file is bad input."""
+    from safetensors import SafetensorError
+
+    try:
+        model.import_weights(model_dir, allow_cast=True)  # e.g. bf16 files into an fp32 run on cpu
+    except (OSError, ValueError, SafetensorError) as err:
+        raise UsageError(f"--model {model_dir}: {err}") from None
+
+
+def token_stream(model_dir, cfg, dtype, dev):
+    """A model read from `model_dir`, and its token stream: the inference engine's `model.stream`,
+    or the logits sampler while the model has none."""
+    _, TrainOptions, LlamaModel = model_api()
+    model = LlamaModel(cfg, TrainOptions(model_dtype=dtype), dev)
+    read_weights(model, model_dir)
+    if hasattr(model, "stream"):
+        return model.stream
+    from .model import sampling
+
+    return lambda *a, **kw: sampling.stream(model, *a, **kw)
+
+
+def engine_flags(p, dtype_default: str) -> None:
+    """--dtype, --matmul-dtype, --grad-dtype, --recompute (train and bench)."""
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help=f"weights/activations dtype ({dtype_default})")
+    p.add_argument("--matmul-dtype", choices=("bf16", "fp32", "e4m3"),
+                   help="block matmul operands; e4m3 = FP8 (default: the model dtype)")  # fmt: skip
+    p.add_argument("--grad-dtype", choices=("e4m3", "e5m2"),
+                   help="FP8 dtype of the activation gradients (default: e5m2 with --matmul-dtype e4m3)")  # fmt: skip
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=[], metavar="PART",
+                   help=f"recompute these activations in backward: {', '.join(RECOMPUTE)} (default: none)")  # fmt: skip

@@ -1,0 +1,62 @@
+"""Train-step throughput of one model shape: the measurement behind `cuengine bench` and
+tools/bench_train.py, kept in the package so an installed wheel (which has no tools/) measures the
+same way.
+
+Random init, random tokens. `warmup` untimed steps first (on cuda with graphs: the first runs
+eagerly, the second captures). On cuda a step is timed between events recorded at consecutive
+step starts, so it includes the update that train_step leaves running; on cpu each step is timed
+on the host clock. MFU is against the H200 dense BF16 peak with `LlamaModel.flops_per_token`
+(6 per matmul parameter + causal attention), the same count for FP8.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .train import H200_BF16_DENSE_FLOPS
+
+
+def random_batch(vocab: int, B: int, T: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) int32 (B, T): uniform random ids, targets shifted by one."""
+    seq = np.random.default_rng(seed).integers(0, vocab, (B, T + 1)).astype(np.int32)
+    return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
+
+
+def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int) -> dict:
+    """Time `steps` train steps of a fresh model. Returns {"ms": median step, "tok_s", "mfu"
+    (NaN on cpu), "mem_gib" (the allocator's device total), "params", "first_loss", "loss",
+    "setup_s" (build, init and warm-up), "report" (the MemoryReport)}."""
+    from .model import LlamaModel
+
+    t0 = time.perf_counter()
+    model = LlamaModel(cfg, opts, device=device)
+    model.init_weights(42)
+    model.allocate_run_state(B, T)
+    x, y = random_batch(cfg.vocab_size, B, T)
+    losses = [model.train_step(x, y, lr=1e-4) for _ in range(warmup)]
+    device.synchronize()
+    setup_s = time.perf_counter() - t0
+    if device.is_cuda:
+        events = [device.event(timing=True) for _ in range(steps + 1)]
+        for i in range(steps):
+            device.stream.record(events[i])
+            losses.append(model.train_step(x, y, lr=1e-4))
+        device.stream.record(events[steps])
+        events[steps].synchronize()
+        ms = [events[i].elapsed_ms(events[i + 1]) for i in range(steps)]
+    else:
+        ms = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            losses.append(model.train_step(x, y, lr=1e-4))
+            ms.append(1e3 * (time.perf_counter() - t))
+    step_ms = statistics.median(ms)
+    tok_s = B * T / (step_ms / 1e3)
+    mfu = model.flops_per_token(T) * tok_s / H200_BF16_DENSE_FLOPS if device.is_cuda else float("nan")
+    rep = model.memory_report()
+    return {"ms": step_ms, "tok_s": tok_s, "mfu": mfu, "mem_gib": rep.device_bytes / 2**30,
+            "params": model.num_parameters(), "first_loss": losses[0], "loss": losses[-1], "setup_s": setup_s,
+            "report": rep}  # fmt: skip

@@ -1,0 +1,207 @@
+"""The training loop, callable from Python without the command line.
+
+`Trainer` steps a `LlamaModel` (with its run state allocated) over a token source: learning rate
+from a schedule (any `step -> lr` callable; `Schedule` is the usual warm-up and decay), gradient
+accumulation, a non-finite loss stops the run before the update, validation and checkpoints at a
+cadence (steps and wall time), and hooks that see one record per step. `cuengine train` is argument
+parsing, a progress line and a JSON-lines log around it.
+
+    trainer = Trainer(model, ce.data.TokenSource([tokens], "mine"), batch_size=8, seq_len=128,
+                      steps=200, lr=Schedule(200, lr=1e-3, warmup=20))
+    trainer.run()
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+H200_BF16_DENSE_FLOPS = 989e12  # MFU denominator: H100/H200 SXM dense BF16 peak
+
+
+def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int, schedule: str) -> float:
+    """Learning rate of 0-based `step` of `total`: linear warm-up over `warmup` steps, then
+    `schedule` ("cosine", "linear" or "constant") from `lr` towards `min_lr`, which it would reach
+    one step after the last (as llm.c does: the last step still learns)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    frac = (step - warmup) / max(total - warmup, 1)
+    if schedule == "linear":
+        return min_lr + (lr - min_lr) * (1.0 - frac)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """`lr_at` as a callable: `Schedule(...)(step)` is the learning rate of 0-based `step`."""
+
+    steps: int
+    lr: float
+    min_lr: float = 0.0
+    warmup: int = 0
+    kind: str = "cosine"  # "cosine", "linear" or "constant"
+
+    def __post_init__(self):
+        if self.kind not in ("cosine", "linear", "constant"):
+            raise ValueError(f"Schedule.kind must be 'cosine', 'linear' or 'constant', got {self.kind!r}")
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, self.steps, self.lr, self.min_lr, self.warmup, self.kind)
+
+
+def optimizer_step(model, source, B: int, T: int, accum: int, lr: float) -> float:
+    """One optimizer step over `accum` micro-batches of `source`; the mean loss. Raises
+    FloatingPointError (before the update) on a non-finite loss."""
+    if accum == 1:
+        return model.train_step(*source.batch(B, T), lr=lr)
+    for micro in range(accum):
+        x, y = source.batch(B, T)
+        model.forward(x)
+        model.backward(x, y, micro_step=micro, grad_accum_steps=accum)
+    loss = model.loss_sum() / (B * T * accum)  # the per-token losses accumulate over the micro-steps
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
+    model.update(lr=lr)
+    return loss
+
+
+def evaluate(model, source, B: int, T: int, batches: int) -> float:
+    """Mean loss over the first `batches` batches of `source` (the same batches every time)."""
+    source.reset()
+    return float(np.mean([model.validate(*source.batch(B, T)) for _ in range(batches)]))
+
+
+def memory_bytes(dev) -> int:
+    """Device memory in use on cuda; peak resident memory of this process on cpu."""
+    if dev.is_cuda:
+        free, total = dev.memory_info()
+        return total - free
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Train `model` on `source` (anything with `batch(B, T) -> (inputs, targets)`; `state()` and
+    `load_state()` too when checkpointing, as `cuengine.data.TokenSource` has).
+
+    Args:
+        lr: a `step -> lr` callable of the 0-based step (e.g. a `Schedule`), or a constant.
+        steps: the step the run ends at (a schedule's length, usually).
+        val, eval_every, eval_batches: validation every `eval_every` steps (0: never) and at the
+            last step, over `eval_batches` batches of `val`.
+        checkpoint_dir: where checkpoints go (None: none). One is written every `save_every` steps
+            (0: off), when `save_seconds` of wall time passed since the last (0: off), at the step
+            `run` stops at, and when a stop is requested (`request_stop`, or Ctrl-C under `run`
+            with `handle_sigint`).
+        checkpoint_extra: JSON-able dict stored in every checkpoint beside the step and the data state.
+        hooks: callables `hook(record)` run after each step; the record holds "step", "loss", "lr",
+            "tokens", "tok_per_s", "ms", "memory", on cuda "mfu", and "val_loss" after a validation.
+            The gradients of the step are still readable in a hook (`model.gradients()`).
+    """
+
+    def __init__(self, model, source, *, batch_size: int, seq_len: int, steps: int,
+                 lr: Callable[[int], float] | float, grad_accum: int = 1, val=None, eval_every: int = 0,
+                 eval_batches: int = 1, checkpoint_dir=None, save_every: int = 0, save_seconds: float = 0.0,
+                 checkpoint_extra: dict | None = None, hooks=()):  # fmt: skip
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("grad_accum", grad_accum),
+                        ("eval_batches", eval_batches)):  # fmt: skip
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Trainer: {name} must be an integer >= 1, got {v!r}")
+        if eval_every < 0 or save_every < 0 or save_seconds < 0:
+            raise ValueError("Trainer: eval_every, save_every and save_seconds must be >= 0")
+        self.model, self.source, self.val = model, source, val
+        self.B, self.T, self.accum, self.steps = batch_size, seq_len, grad_accum, steps
+        self.lr = lr if callable(lr) else (lambda step, c=float(lr): c)
+        self.eval_every, self.eval_batches = eval_every, eval_batches
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.save_every, self.save_seconds = save_every, save_seconds
+        self.checkpoint_extra = dict(checkpoint_extra or {})
+        self.hooks = list(hooks)
+        self.step = 0  # optimizer steps done
+        self.stop_requested = False
+        self.last_saved = None  # the step of the last checkpoint this trainer wrote or resumed from
+
+    def resume(self, checkpoint_dir=None) -> dict:
+        """Restore a checkpoint (default: `checkpoint_dir`): weights, optimizer, step and the
+        source's position. Returns the `checkpoint_extra` it was saved with. Checks first: a
+        checkpoint of another model raises ValueError and changes nothing."""
+        path = Path(checkpoint_dir) if checkpoint_dir is not None else self.checkpoint_dir
+        extra = self.model.load_checkpoint(path)
+        self.source.load_state(extra["data"])
+        self.step = self.last_saved = int(extra["step"])
+        return {k: v for k, v in extra.items() if k not in ("step", "data")}
+
+    def request_stop(self) -> None:
+        """End `run` after the current step, with a checkpoint when there is a `checkpoint_dir`."""
+        self.stop_requested = True
+
+    def save(self) -> None:
+        extra = dict(self.checkpoint_extra, step=self.step, data=self.source.state())
+        self.model.save_checkpoint(self.checkpoint_dir, extra=extra)
+        self.last_saved = self.step
+
+    def run(self, stop: int | None = None, handle_sigint: bool = False) -> int:
+        """Train from the current step up to `stop` (default: `steps`); returns the step reached.
+
+        With `handle_sigint` (main thread only), a first Ctrl-C asks for a stop: the current step
+        finishes and a checkpoint is written; a second one interrupts at once.
+        """
+        stop = self.steps if stop is None else stop
+        if handle_sigint and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+
+            def on_sigint(signum, frame):
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                self.request_stop()
+
+            signal.signal(signal.SIGINT, on_sigint)
+            try:
+                return self._run(stop)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        return self._run(stop)
+
+    def _run(self, stop: int) -> int:
+        model, dev = self.model, self.model.device
+        tokens_per_step = self.B * self.T * self.accum
+        flops_tok = model.flops_per_token(self.T) if dev.is_cuda else None
+        saved_at = time.monotonic()
+        self.stop_requested = False
+        while self.step < stop and not self.stop_requested:
+            lr = self.lr(self.step)
+            t0 = time.perf_counter()
+            try:
+                loss = optimizer_step(model, self.source, self.B, self.T, self.accum, lr)
+            except FloatingPointError as err:
+                raise FloatingPointError(f"step {self.step + 1}: {err}") from None
+            dt = time.perf_counter() - t0
+            self.step += 1
+            rec = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * tokens_per_step,
+                   "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3, "memory": memory_bytes(dev)}  # fmt: skip
+            if flops_tok is not None:
+                rec["mfu"] = flops_tok * rec["tok_per_s"] / H200_BF16_DENSE_FLOPS
+            if self.val is not None and (
+                (self.eval_every and self.step % self.eval_every == 0) or self.step == self.steps
+            ):
+                rec["val_loss"] = evaluate(model, self.val, self.B, self.T, self.eval_batches)
+            for hook in self.hooks:
+                hook(rec)
+            if self.checkpoint_dir is not None and (
+                (self.save_every and self.step % self.save_every == 0)
+                or (self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
+                or self.step == stop
+                or self.stop_requested
+            ):
+                self.save()
+                saved_at = time.monotonic()
+        return self.step
