@@ -6,6 +6,7 @@ the recompute / offload / chunking / graph options must reproduce the baseline b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,10 @@ import pytest
 import reference_model as ref
 
 import cuengine as ce
+from cuengine.alloc import DeviceMemoryStack
 from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
+from cuengine.model.blocks import RECORDING, Blocks
+from cuengine.model.records import QuantTensor
 from cuengine.model.weights import hf_shapes
 
 B, T = 2, 16
@@ -276,7 +280,7 @@ def test_update_is_adamw_with_clipping():
     _, G, _ = ref.loss_and_grads(cfg, p0, x, y)
     m.train_step(x, y, lr=1e-2)
     norm = math.sqrt(sum(float(np.sum(g * g)) for g in G.values()))
-    assert abs(float(m.rs.norm_result.numpy()[0]) - norm) < 1e-4 * norm
+    assert abs(float(m.opt_state.norm_result.numpy()[0]) - norm) < 1e-4 * norm
     scale = min(1.0, 0.5 / norm)
     p1 = m.weights.host_arrays()
     for k, g in G.items():
@@ -309,7 +313,7 @@ def run_steps(cfg, steps=3, device="cpu", **opts):
     for s in range(steps):
         x, y = batch(cfg, seed=10 + s)
         losses.append(m.train_step(x, y, lr=1e-3))
-        norms.append(m.rs.norm_result.numpy()[0])
+        norms.append(m.opt_state.norm_result.numpy()[0])
     return m, losses, norms
 
 
@@ -360,14 +364,47 @@ def test_lmhead_chunks_change_only_the_head_gradient_summation(baseline_bf16):
 @pytest.mark.parametrize("opts", [{}, {"recompute_ffn": True}, {"matmul_dtype": "e4m3", "recompute_block": True},
                                   {"lmhead_chunks": 4, "attn_bwd_chunks": 2}])  # fmt: skip
 def test_stack_is_sized_exactly_by_simulation(opts):
-    """The simulated step and the real one make the same stack allocations: the real stack
-    reaches exactly the simulated size (a larger need would have raised MemoryError)."""
+    """The recorded step and the real one make the same stack allocations: the real stack
+    reaches exactly the recorded size (a larger need would have raised MemoryError)."""
     cfg = tiny("tiny")
     m = make(cfg, **opts)
     m.train_step(*batch(cfg), lr=1e-3)
     m.validate(*batch(cfg))
     assert m.rs.stack.high_water_mark == m.rs.stack.capacity > 0
     assert m.rs.stack.used == 0
+
+
+def records_tensors(m):
+    """Every tensor of the per-layer records (value and quant halves), with the weights and grads."""
+    out = [*m.weights.tensors.values(), *m.weights.fp8.values(), *m.grads.values()]
+    for rec in (*m.rs.acts, *m.rs.dacts):
+        for f in dataclasses.fields(rec):
+            v = getattr(rec, f.name)
+            for t in (v.value, v.quant) if isinstance(v, QuantTensor) else (v,):
+                if t is not None and not t.is_simulated:
+                    out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "recompute_ffn": True}])
+def test_stack_recording_runs_the_step_code_without_launching(opts):
+    """The sizing pass runs the real block and LM-head code with no-op launches: it writes no
+    buffer, allocates nothing but from its stack, and reaches the size of the real stack."""
+    cfg = tiny("tiny")
+    m = make(cfg, **opts)
+    m.train_step(*batch(cfg), lr=1e-3)
+    tensors = records_tensors(m)
+    before = [t.numpy().tobytes() for t in tensors]
+    report = str(m.memory_report())
+    rs, real = m.rs, m.rs.stack
+    rs.stack = DeviceMemoryStack.simulate()
+    m._step_temporaries(Blocks(m.cfg, m.opts, m.weights, rs, m._blocks.grads, RECORDING))
+    recorded, rs.stack = rs.stack, real
+    assert recorded.max_utilization() == real.capacity and recorded.used == 0
+    names = [n for n, _ in recorded.high_mark_contents]
+    assert ("mlp_up" in names) == bool(opts.get("recompute_ffn")), names
+    assert str(m.memory_report()) == report
+    assert [t.numpy().tobytes() for t in tensors] == before
 
 
 def test_cuda_graphs_are_captured_and_replayed():

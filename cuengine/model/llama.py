@@ -2,10 +2,8 @@
 
 A step is forward → LM head + loss → backward → AdamW, all enqueued on the device's main stream
 with buffers from the allocator or the stack, so any part can be captured into a CUDA graph.
-Blocks read like the seed's `_forward_block`, `_recompute_block` and `_backward_block`; the
-matmuls go through `_qmm_forward` / `_qmm_backward` (the seed's forward_qmm / backward_qmm), which
-switch between plain BF16/FP32 GEMMs and FP8 GEMMs (E4M3 weights and activations, E5M2 or E4M3
-gradients, transposed copies for the TN-only weight-gradient GEMMs).
+This file holds the step's outer loops (embedding, residual stream, the RMSNorms between blocks,
+graphs, the optimizer step); the blocks, their FP8 matmuls and the LM head are `blocks.Blocks`.
 """
 
 from __future__ import annotations
@@ -18,9 +16,10 @@ from .. import blas
 from ..alloc import TensorAllocator
 from ..device import device as _get_device
 from ..dtypes import dtype as _dtype
-from ..kernels import activations, adamw, attention, classifier, encoder, fp8, rmsnorm, rope
+from ..kernels import encoder, rmsnorm
 from . import checkpoint
-from .optimizer import AdamWState, adamw_step, global_norm
+from .blocks import RECORDING, Blocks
+from .optimizer import AdamWState
 from .options import TrainOptions
 from .run_state import RunState
 from .weights import ModelWeights, hf_views
@@ -45,6 +44,7 @@ class LlamaModel:
         self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8)
         self.rs: RunState | None = None
         self.grads: dict | None = None
+        self._blocks: Blocks | None = None
         self.opt_state: AdamWState | None = None
         self.step = 0
         self._graphs: dict = {}
@@ -87,7 +87,8 @@ class LlamaModel:
     # ---- run state ---------------------------------------------------------------------------
     def allocate_run_state(self, B: int, T: int) -> None:
         """Allocate every buffer a step of batch (B, T) needs: activations, gradients, optimizer
-        state, scratch and the stack (sized by simulating a step). Call once, before stepping."""
+        state, scratch and the stack (sized by running a block and the LM head against a simulated
+        stack). Call once, before stepping."""
         o, cfg = self.opts, self.cfg
         if B < 1 or T < 1:
             raise ValueError(f"allocate_run_state: B and T must be >= 1, got B={B}, T={T}")
@@ -106,10 +107,24 @@ class LlamaModel:
         self.rs = RunState(cfg, o, B, T, self.alloc)
         with self.alloc.context("Gradients"):
             self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
-        self._block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
-                              if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
+        block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
+                        if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
         self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
-        self.rs.size_stack()
+        self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)
+        recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
+        self.rs.size_stack(lambda: self._step_temporaries(recording))
+
+    def _step_temporaries(self, blocks: Blocks) -> None:
+        """Everything in a step that takes stack memory: a block's forward and backward (every
+        block allocates alike) and the LM head; with RECORDING kernels, this sizes the stack."""
+        rs = self.rs
+        blocks.forward(0, rs.encoded)
+        blocks.backward(0, rs.encoded)
+        blocks.lm_head(1.0, d_head=self._head_grad)
+
+    @property
+    def _head_grad(self):
+        return self.grads["wte" if self.cfg.tied_embeddings else "lm_head"]
 
     def memory_report(self):
         """The allocator's MemoryReport: bytes per context and per named buffer."""
@@ -169,52 +184,6 @@ class LlamaModel:
         """Capture forward and backward whole; offload's side-stream copies need per-block graphs."""
         return not self.opts.offload_residual
 
-    # ---- matmuls (the seed's forward_qmm / backward_qmm) --------------------------------------
-    def _qmm_forward(self, out, inp, inp_q, wname, bias=None, reuse_quant=False) -> None:
-        """out (N, OC) = inp (N, C) · Wᵀ (+ bias). FP8: quantize inp with its stored abs-max
-        (unless `reuse_quant`: its FP8 copy is already valid) and use the E4M3 weight copy."""
-        if not self.rs.fp8:
-            blas.matmul(out, inp, self.weights[wname], bias)
-            return
-        if not reuse_quant:
-            fp8.quantize_with_abs_max(inp_q, inp)
-        blas.matmul(out, inp_q, self.weights.fp8[wname], bias)
-
-    def _qmm_backward(self, dinp, dweight, dbias, dout, dout_q, inp, inp_q, wname, reuse_inp) -> None:
-        """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
-
-        FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
-        both GEMMs are TN, so W, dout and inp are transposed into stack temporaries first
-        (inp from its stored FP8 copy when `reuse_inp`, else quantized and transposed at once).
-        """
-        rs = self.rs
-        if dbias is not None:
-            fp8.bias_backward(dbias, dout, rs.bias_scratch)
-        if not rs.fp8:
-            blas.matmul(dinp, dout, self.weights[wname], trans_b=False)
-            blas.matmul(dweight, dout, inp, trans_a=True, trans_b=False, accumulate=True)
-            return
-        stack = rs.stack
-        N, OC = dout.nelem // dout.shape[-1], dout.shape[-1]
-        C = inp.shape[-1]
-        fp8.quantize_with_abs_max(dout_q, dout)
-        w8 = self.weights.fp8[wname]  # (OC, C)
-        with stack.temporary(rs.mm_dtype, (C, OC), "weight_tp") as w_tp:
-            w_tp = w_tp.with_stats(w8.stats)
-            fp8.transpose(w_tp, w8)
-            blas.matmul(dinp, dout_q, w_tp)  # (N, OC) · (C, OC)ᵀ
-        act_raw = stack.allocate(rs.mm_dtype, (C, N), "act_tp")
-        grad_raw = stack.allocate(rs.grad_dtype, (OC, N), "grad_tp")
-        act_tp, grad_tp = act_raw.with_stats(inp_q.stats), grad_raw.with_stats(dout_q.stats)
-        if reuse_inp:
-            fp8.transpose(act_tp, inp_q)
-        else:
-            fp8.quantize_and_transpose(act_tp, inp)
-        fp8.transpose(grad_tp, dout_q)
-        blas.matmul(dweight, grad_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
-        stack.free(grad_raw)
-        stack.free(act_raw)
-
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, inputs) -> None:
         """Run the forward pass of `inputs` (int32 (B, T)) up to the final RMSNorm (`lnf`).
@@ -232,24 +201,21 @@ class LlamaModel:
         L, eps = cfg.num_layers, cfg.rms_norm_eps
         res = rs.residuals
         encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
-        if rs.fp8:
+        if self.opts.fp8:
             rs.abs_maxes.fill_zero()
         for i in range(L):
             a, w = rs.acts[i], W.block(i)
-            amax = a.ln1_q.abs_max if rs.fp8 else None
             if i == 0:
                 residual = rs.encoded
-                rmsnorm.rmsnorm_forward(a.ln1, a.ln1_rstd, residual, w["ln1_w"], eps, abs_max=amax)
+                rmsnorm.rmsnorm_forward(a.ln1.value, a.ln1_rstd, residual, w["ln1_w"], eps, abs_max=a.ln1.abs_max)
             else:
                 p = rs.acts[i - 1]
                 residual = res.get(i - 1)
                 # res_ffn[i-1] = res_att[i-1] + mlp_down[i-1] (mlp_down lives in lnf)
-                rmsnorm.fused_residual_rmsnorm_forward(residual, a.ln1, a.ln1_rstd, p.res_att, rs.lnf, w["ln1_w"],
-                                                       eps, abs_max=amax)  # fmt: skip
+                rmsnorm.fused_residual_rmsnorm_forward(residual, a.ln1.value, a.ln1_rstd, p.res_att, rs.lnf,
+                                                       w["ln1_w"], eps, abs_max=a.ln1.abs_max)  # fmt: skip
                 res.mark_ready(i - 1)
-            mlp_up = rs.acquire_mlp_up(i)
-            self._graph(("forward", i), lambda i=i, r=residual, u=mlp_up: self._forward_block(i, r, u))
-            rs.release_mlp_up(i, mlp_up)
+            self._graph(("forward", i), lambda i=i, r=residual: self._blocks.forward(i, r))
             if i > 0:
                 res.put(i - 1)
         last = rs.acts[L - 1]
@@ -257,79 +223,6 @@ class LlamaModel:
                                                W["lnf_w"], eps)  # fmt: skip
         res.mark_ready(L - 1)
         res.put(L - 1)
-
-    def _forward_block(self, i: int, residual, mlp_up) -> None:
-        rs, cfg, o = self.rs, self.cfg, self.opts
-        a, w, q8 = rs.acts[i], self.weights.block(i), rs.fp8
-        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        att_o = mlp_down = rs.lnf  # (B, T, C): never needed in backward
-        self._qmm_forward(a.qkv, a.ln1, getattr(a, "ln1_q", None), f"layers.{i}.qkv_w", w.get("qkv_b"))
-        rope.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # (B, T, Q) in place
-        attention.attention_forward(a.att, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
-                                    workspace=rs.att_workspace)  # fmt: skip
-        if q8:
-            fp8.abs_max(a.att_q.abs_max, a.att)
-        self._qmm_forward(att_o, a.att, getattr(a, "att_q", None), f"layers.{i}.atto_w")
-        rmsnorm.fused_residual_rmsnorm_forward(a.res_att, a.ln2, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
-                                               abs_max=a.ln2_q.abs_max if q8 else None)  # fmt: skip
-        self._qmm_forward(mlp_up, a.ln2, getattr(a, "ln2_q", None), f"layers.{i}.up_w")  # (B, T, 2H)
-        activations.swiglu_forward(a.swiglu, mlp_up, abs_max=a.swiglu_q.abs_max if q8 else None)  # (B, T, H)
-        self._qmm_forward(mlp_down, a.swiglu, getattr(a, "swiglu_q", None), f"layers.{i}.down_w")
-
-    def _recompute_block(self, i: int, residual, mlp_up) -> None:
-        """Recompute what the recompute flags dropped, exactly as forward computed it (same
-        kernels, same stored abs-maxes), so results stay bitwise equal to the baseline."""
-        rs, cfg, o = self.rs, self.cfg, self.opts
-        a, w = rs.acts[i], self.weights.block(i)
-        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        if o.rc_ln1:
-            rmsnorm.rmsnorm_forward(a.ln1, a.ln1_rstd, residual, w["ln1_w"], eps)
-        if o.rc_qkv:
-            self._qmm_forward(a.qkv, a.ln1, getattr(a, "ln1_q", None), f"layers.{i}.qkv_w", w.get("qkv_b"),
-                              reuse_quant=not o.rc_ln1)  # fmt: skip
-            rope.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)
-        if o.rc_att:
-            attention.attention_forward(a.att, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
-                                        workspace=rs.att_workspace)  # fmt: skip
-            if o.recompute_block:
-                self._qmm_forward(rs.lnf, a.att, getattr(a, "att_q", None), f"layers.{i}.atto_w")
-        if o.rc_ln2:
-            if o.recompute_block:
-                rmsnorm.fused_residual_rmsnorm_forward(a.res_att, a.ln2, a.ln2_rstd, residual, rs.lnf, w["ln2_w"], eps)
-            else:
-                rmsnorm.rmsnorm_forward(a.ln2, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
-        if o.rc_mlp_up:
-            self._qmm_forward(mlp_up, a.ln2, getattr(a, "ln2_q", None), f"layers.{i}.up_w")
-        if o.rc_swiglu:
-            if rs.fp8:  # backward only reads the FP8 copy: write it directly, with the stored abs-max
-                activations.swiglu_forward_quant(a.swiglu_q, mlp_up)
-            else:
-                activations.swiglu_forward(a.swiglu, mlp_up)
-
-    # ---- LM head -----------------------------------------------------------------------------
-    def _lm_head(self, d_loss: float, backward: bool, logits_out=None) -> None:
-        """Logits, loss and (with `backward`) dlogits → d_lm_head and d_lnf, in lmhead_chunks
-        chunks of rows through one stack buffer of (B*T/chunks, V) logits."""
-        rs, cfg = self.rs, self.cfg
-        N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
-        n = rs.lmhead_rows()
-        head = self.weights.lm_head
-        lnf, d_lnf = rs.lnf.reshape(N, C), rs.d_lnf.reshape(N, C)
-        targets = rs.targets.reshape(N)
-        d_head = self.grads["wte" if cfg.tied_embeddings else "lm_head"] if backward else None
-        with rs.stack.temporary(self.dtype, (n, V), "lmhead_logits") as out:
-            for c in range(self.opts.lmhead_chunks):
-                rows = slice(c * n, (c + 1) * n)
-                x = lnf[rows]
-                blas.matmul(out, x, head)  # (n, V)
-                if logits_out is not None:
-                    logits_out[rows] = out.numpy().astype(np.float32)
-                    continue
-                classifier.fused_classifier(out, rs.losses[rows], rs.head_lse[rows], targets[rows], d_loss,
-                                            self.opts.z_loss, write_dlogits=backward)  # fmt: skip
-                if backward:
-                    blas.matmul(d_head, out, x, trans_a=True, trans_b=False, accumulate=True)  # (V, C)
-                    blas.matmul(d_lnf[rows], out, head, trans_b=False)  # (n, C)
 
     # ---- backward ----------------------------------------------------------------------------
     def backward(self, inputs, targets, micro_step: int = 0, grad_accum_steps: int = 1) -> None:
@@ -356,12 +249,11 @@ class LlamaModel:
             for g in G.values():
                 g.fill_zero()
             rs.losses.fill_zero()
-        self._lm_head(1.0 / (rs.B * rs.T * grad_accum_steps), backward=True)
-        top = rs.dacts[L - 1]
-        top.d_res_ffn.fill_zero()
-        rmsnorm.rmsnorm_backward(top.d_res_ffn, G["lnf_w"], rs.rms_scratch, top.d_res_ffn, rs.d_lnf, res.get(L - 1),
-                                 W["lnf_w"], rs.lnf_rstd,
-                                 abs_max=top.d_res_ffn_q.abs_max if rs.fp8 else None)  # fmt: skip
+        self._blocks.lm_head(1.0 / (rs.B * rs.T * grad_accum_steps), d_head=self._head_grad)
+        top = rs.dacts[L - 1].d_res_ffn
+        top.value.fill_zero()
+        rmsnorm.rmsnorm_backward(top.value, G["lnf_w"], rs.rms_scratch, top.value, rs.d_lnf, res.get(L - 1),
+                                 W["lnf_w"], rs.lnf_rstd, abs_max=top.abs_max)  # fmt: skip
         res.release(L - 1)
         # res_ffn[L-2] is still in its device buffer from forward (only res_ffn[L-1] came after
         # it, into the other buffer), so the first fetch is for L-3, issued in the loop.
@@ -370,81 +262,33 @@ class LlamaModel:
                 res.fetch(i - 2)
             a, g, w = rs.acts[i], rs.dacts[i], W.block(i)
             residual = rs.encoded if i == 0 else res.get(i - 1)
-            mlp_up = rs.acquire_mlp_up(i)
-
-            def block(i=i, r=residual, u=mlp_up):
-                self._recompute_block(i, r, u)
-                self._backward_block(i, u)
-
-            self._graph(("backward", i), block)
-            rs.release_mlp_up(i, mlp_up)
+            self._graph(("backward", i), lambda i=i, r=residual: self._blocks.backward(i, r))
             dg = G[f"layers.{i}.ln1_w"]
             if i > 0:
-                prev = rs.dacts[i - 1]
-                rmsnorm.rmsnorm_backward(prev.d_res_ffn, dg, rs.rms_scratch, g.d_res_att, g.d_ln1, residual, w["ln1_w"],
-                                         a.ln1_rstd, abs_max=prev.d_res_ffn_q.abs_max if rs.fp8 else None)  # fmt: skip
+                prev = rs.dacts[i - 1].d_res_ffn
+                rmsnorm.rmsnorm_backward(prev.value, dg, rs.rms_scratch, g.d_res_att.value, g.d_ln1, residual,
+                                         w["ln1_w"], a.ln1_rstd, abs_max=prev.abs_max)  # fmt: skip
                 res.release(i - 1)
             else:
-                rmsnorm.rmsnorm_backward(rs.d_emb, dg, rs.rms_scratch, g.d_res_att, g.d_ln1, rs.encoded, w["ln1_w"],
-                                         a.ln1_rstd)  # fmt: skip
+                rmsnorm.rmsnorm_backward(rs.d_emb, dg, rs.rms_scratch, g.d_res_att.value, g.d_ln1, rs.encoded,
+                                         w["ln1_w"], a.ln1_rstd)  # fmt: skip
         encoder.encoder_backward(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
-
-    def _backward_block(self, i: int, mlp_up) -> None:
-        rs, cfg, o = self.rs, self.cfg, self.opts
-        a, g, w = rs.acts[i], rs.dacts[i], self.weights.block(i)
-        G = self._block_grads[i]
-        B, T, H, Q = rs.B, rs.T, cfg.intermediate_size, cfg.qkv_channels
-        Hq, Hkv, q8 = cfg.num_q_heads, cfg.num_kv_heads, rs.fp8
-        p = f"layers.{i}."
-        # MLP down: the gradient of the block output is d_res_ffn
-        with rs.stack.temporary(self.dtype, (B, T, H), "d_swiglu") as d_swiglu:
-            self._qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, getattr(g, "d_res_ffn_q", None), a.swiglu,
-                               getattr(a, "swiglu_q", None), p + "down_w", reuse_inp=True)  # fmt: skip
-            d_mlp_up = mlp_up  # in place: mlp_up is not needed after this
-            activations.swiglu_backward(d_mlp_up, d_swiglu, mlp_up,
-                                        abs_max=g.d_mlp_up_amax if q8 else None)  # fmt: skip
-        # MLP up
-        d_up_q = d_up_raw = None
-        if q8:
-            d_up_raw = rs.stack.allocate(rs.grad_dtype, (B, T, 2 * H), "d_mlp_up_q")
-            d_up_q = d_up_raw.with_stats(g.d_mlp_up_stats)
-        self._qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, d_up_q, a.ln2, getattr(a, "ln2_q", None), p + "up_w",
-                           reuse_inp=not o.recompute_rmsnorm)  # fmt: skip
-        if q8:
-            rs.stack.free(d_up_raw)
-        # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
-        rmsnorm.rmsnorm_backward(g.d_res_att, G["ln2_w"], rs.rms_scratch, g.d_res_ffn, g.d_ln2, a.res_att, w["ln2_w"],
-                                 a.ln2_rstd, abs_max=g.d_res_att_q.abs_max if q8 else None)  # fmt: skip
-        # attention output projection
-        self._qmm_backward(g.d_att_y, G["atto_w"], None, g.d_res_att, getattr(g, "d_res_att_q", None), a.att,
-                           getattr(a, "att_q", None), p + "atto_w", reuse_inp=False)  # fmt: skip
-        with rs.stack.temporary(self.dtype, (B, T, Q), "d_qkv") as d_qkv:
-            k = o.attn_bwd_chunks
-            for c in range(k):
-                attention.attention_backward(d_qkv.shard_view(c, k), g.d_att_y.shard_view(c, k),
-                                             a.att.shard_view(c, k), a.lse.shard_view(c, k), a.qkv.shard_view(c, k),
-                                             Hq, Hkv, backend=o.attention_backend,
-                                             workspace=rs.att_workspace)  # fmt: skip
-            rope.rope_backward(d_qkv, d_qkv, rs.freqs, Hq, Hkv, abs_max=g.d_qkv_q.abs_max if q8 else None)
-            self._qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, getattr(g, "d_qkv_q", None), a.ln1,
-                               getattr(a, "ln1_q", None), p + "qkv_w",
-                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
 
     # ---- update ------------------------------------------------------------------------------
     def update(self, lr: float, step: int | None = None) -> None:
         """Global norm, clipping and one AdamW step at learning rate `lr` (`step` defaults to
         the next step number; it drives the bias correction). Enqueued only: no host sync."""
-        rs, o = self._need_rs("update"), self.opts
+        o = self.opts
+        self._need_rs("update")
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
         self.step = self.step + 1 if step is None else int(step)
-        hp = adamw.make_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
-        self._upload(rs.hparams_host, rs.hparams, rs.hparams_event, hp)
+        self.opt_state.set_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
         self._graph(("update",), self._update)
 
     def _update(self) -> None:
-        global_norm(self.rs, self.grads, self.opts.grad_clip)
-        adamw_step(self.weights.tensors, self.grads, self.opt_state, self.rs, self.opts.seed)
+        self.opt_state.global_norm(self.grads, self.opts.grad_clip)
+        self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
         self.weights.requantize()
 
     def loss_sum(self) -> float:
@@ -480,7 +324,7 @@ class LlamaModel:
         self.forward(inputs)
         self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
         rs.losses.fill_zero()
-        self._lm_head(1.0 / (rs.B * rs.T), backward=False)
+        self._blocks.lm_head(1.0 / (rs.B * rs.T))
         loss = self.loss_sum() / (rs.B * rs.T)
         if not math.isfinite(loss):
             raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
@@ -500,7 +344,7 @@ class LlamaModel:
         padded[:b, :t] = inputs
         self.forward(padded)
         out = np.empty((rs.B * rs.T, self.cfg.vocab_size), np.float32)
-        self._lm_head(0.0, backward=False, logits_out=out)
+        self._blocks.lm_head(0.0, logits_out=out)
         return out.reshape(rs.B, rs.T, -1)[:b, :t]
 
     # ---- gradients and checkpoints -----------------------------------------------------------

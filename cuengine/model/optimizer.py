@@ -3,19 +3,23 @@
 Everything stays on the device: the norm is reduced into fixed partial slots (the same order
 every step, so the same bits), `global_norm_finish` turns it into [norm, clip scale], and each
 `adamw_update` reads the clip scale and the hyper-parameters from device memory. The host only
-refreshes the hyper-parameters with one small host→device copy before the step.
+refreshes the hyper-parameters with one small host→device copy before the step, so the norm and
+the update can be captured into a CUDA graph and replayed with new hyper-parameters.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import FP32
 from ..dtypes import dtype as _dtype
 from ..kernels import adamw, norm
 
 
 class AdamWState:
-    """First and second moments for every parameter (context "Optimizer").
+    """AdamW's buffers: first and second moments for every parameter, the hyper-parameters on
+    device (with their pinned staging copy), the norm's partial sums and [norm, clip scale]; all
+    in context "Optimizer". Only the moments are state a checkpoint keeps (`host_arrays`).
 
     Args:
         specs: [(name, shape, decays)] from `weights.param_specs`.
@@ -25,11 +29,17 @@ class AdamWState:
 
     def __init__(self, specs, alloc, m_dtype="fp32", v_dtype="fp32"):
         self.specs = specs
+        self.device = alloc.device
         self.m, self.v = {}, {}
         with alloc.context("Optimizer"):
             for name, shape, _ in specs:
                 self.m[name] = alloc.allocate(_dtype(m_dtype), f"m.{name}", shape)
                 self.v[name] = alloc.allocate(_dtype(v_dtype), f"v.{name}", shape)
+            self.hparams = alloc.allocate(FP32, "hparams", (8,))  # adamw.make_hparams layout
+            self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
+            self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
+            self.norm_result = alloc.allocate(FP32, "norm_result", (2,))  # [‖g‖, clip scale]
+        self.hparams_event = self.device.event()  # the last copy out of hparams_host
         self.zero()
 
     def zero(self) -> None:
@@ -43,22 +53,29 @@ class AdamWState:
             out[f"v.{name}"] = self.v[name].numpy()
         return out
 
+    def set_hparams(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+        """Enqueue the copy of the next update's hyper-parameters to the device (no host sync,
+        except waiting for the previous copy out of the pinned staging buffer)."""
+        self.hparams_event.synchronize()
+        self.hparams_host.array()[...] = adamw.make_hparams(lr, beta1, beta2, eps, weight_decay, step)
+        self.device.copy_async(self.hparams, self.hparams_host)
+        self.device.stream.record(self.hparams_event)
 
-def global_norm(rs, grads: dict, max_norm: float, stream=None) -> None:
-    """rs.norm_result = [‖g‖, clip scale] over all gradients, in a fixed order (deterministic).
-    `max_norm` 0 disables clipping (the scale stays 1)."""
-    rs.norm_partials.fill_zero(stream)
-    for g in grads.values():
-        norm.global_norm_squared(rs.norm_partials, g, stream=stream)
-    norm.global_norm_finish(rs.norm_result, rs.norm_partials, float(max_norm), stream=stream)
+    def global_norm(self, grads: dict, max_norm: float, stream=None) -> None:
+        """norm_result = [‖g‖, clip scale] over all gradients, in a fixed order (deterministic).
+        `max_norm` 0 disables clipping (the scale stays 1)."""
+        self.norm_partials.fill_zero(stream)
+        for g in grads.values():
+            norm.global_norm_squared(self.norm_partials, g, stream=stream)
+        norm.global_norm_finish(self.norm_result, self.norm_partials, float(max_norm), stream=stream)
 
-
-def adamw_step(weights, grads: dict, state: AdamWState, rs, seed: int, stream=None) -> None:
-    """One AdamW update of every parameter, reading rs.hparams and the clip scale on device.
-    Norm weights and biases take no weight decay. `seed` drives bf16 stochastic rounding: each
-    tensor gets a fixed seed derived from it (the step in hparams varies the draws), so the
-    update can be captured into a graph and a resumed run rounds exactly as the original."""
-    scale = rs.norm_result.rows(1, 2)  # (1,) clip scale
-    for i, (name, _, decays) in enumerate(state.specs):
-        adamw.adamw_update(weights[name], grads[name], state.m[name], state.v[name], rs.hparams, scale, decays,
-                           (seed + 7919 * i) & 0x7FFFFFFF, stream=stream)  # fmt: skip
+    def update(self, weights, grads: dict, seed: int, stream=None) -> None:
+        """One AdamW update of every parameter, reading the hyper-parameters and the clip scale
+        on device. Norm weights and biases take no weight decay. `seed` drives bf16 stochastic
+        rounding: each tensor gets a fixed seed derived from it (the step in hparams varies the
+        draws), so the update can be captured into a graph and a resumed run rounds exactly as
+        the original."""
+        scale = self.norm_result.rows(1, 2)  # (1,) clip scale
+        for i, (name, _, decays) in enumerate(self.specs):
+            adamw.adamw_update(weights[name], grads[name], self.m[name], self.v[name], self.hparams, scale, decays,
+                               (seed + 7919 * i) & 0x7FFFFFFF, stream=stream)  # fmt: skip

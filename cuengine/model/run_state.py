@@ -8,20 +8,21 @@ It follows the seed's RunStateBuilder (LLMQ `llama_run_state.cpp`):
 - Activation gradients live in one set of buffers that every layer reuses ("alias layer 0").
 - FP8: one quantized copy per activation, with per-layer abs-max/scale slots (`abs_max` table),
   so a shared quant buffer still keeps each layer's scales.
+- Per-layer buffers are typed records (`records.LayerActivations`, `records.LayerGradients`).
 - Step temporaries (recomputed mlp_up, d_swiglu, d_qkv, FP8 transposes, LM-head logits) come
-  from a DeviceMemoryStack sized by simulating a step (`simulate_stack`).
+  from a DeviceMemoryStack sized by running the step's own code against a simulated stack
+  (`size_stack`).
 - Optional residual offload to pinned host memory, double-buffered on a side stream.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from ..alloc import DeviceMemoryStack
 from ..dtypes import BF16, BYTE, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import attention, encoder, fp8, norm, rmsnorm, rope
-from ..tensor import STAT_ABS_MAX, STATS_SLOTS
+from ..kernels import attention, encoder, fp8, rmsnorm, rope
+from ..tensor import STATS_SLOTS, Tensor
+from .records import LayerActivations, LayerGradients, QuantTensor
 
 # Per-layer FP8 stats slots in the `abs_max` table (cuengine.tensor's STATS_SLOTS layout).
 STAT_SLOTS = ("ln1_q", "att_q", "ln2_q", "swiglu_q", "d_res_ffn_q", "d_res_att_q", "d_mlp_up_q", "d_qkv_q")
@@ -93,8 +94,9 @@ class ResidualStore:
 class RunState:
     """Buffers for training a model of config `cfg` with options `opts` on batches (B, T).
 
-    Everything is allocated here from `alloc` (contexts "Activations", "Activation gradients",
-    "Scratch", "Inputs"); the step temporaries live on `self.stack`, sized by `simulate_stack`.
+    Everything is allocated here from `alloc` (contexts "Inputs", "FP8 stats", "Activations",
+    "Activation gradients", "Scratch"); the step temporaries live on `self.stack` ("Stack"),
+    allocated by `size_stack`.
     """
 
     def __init__(self, cfg, opts, B: int, T: int, alloc):
@@ -102,9 +104,6 @@ class RunState:
         self.alloc = alloc
         self.device = dev = alloc.device
         self.dtype = dt = _dtype(opts.model_dtype)
-        self.fp8 = opts.fp8
-        self.mm_dtype = _dtype(opts.matmul_dtype)
-        self.grad_dtype = _dtype(opts.grad_dtype)
         C, Q, L = cfg.hidden_size, cfg.qkv_channels, cfg.num_layers
         N = B * T
 
@@ -114,11 +113,14 @@ class RunState:
             self.inputs_host = alloc.allocate(INT32, "inputs_host", (B, T), kind="pinned")
             self.targets_host = alloc.allocate(INT32, "targets_host", (B, T), kind="pinned")
             self.losses_host = alloc.allocate(FP32, "losses_host", (N,), kind="pinned")
-            self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
         self.inputs_event = dev.event()  # the last copy out of inputs_host
         self.targets_event = dev.event()
-        self.hparams_event = dev.event()
 
+        self.abs_maxes = None
+        if opts.fp8:
+            with alloc.context("FP8 stats"):
+                # one Tensor stats slot (STATS_SLOTS floats, 16-byte lanes) per quantised tensor
+                self.abs_maxes = alloc.allocate(FP32, "abs_max", (L, len(STAT_SLOTS), STATS_SLOTS))
         with alloc.context("Activations"):
             self.encoded = alloc.allocate(dt, "encoded", (B, T, C))
             # cos/sin are bounded by 1: fp16 keeps more mantissa than bf16 for the same bytes.
@@ -137,18 +139,10 @@ class RunState:
             self.d_lnf = alloc.allocate(dt, "d_lnf", (B, T, C))
             self.d_emb = alloc.allocate(dt, "d_emb", (B, T, C))
             self.dacts = self._backward_buffers()
-        if self.fp8:
-            with alloc.context("FP8 stats"):
-                # one Tensor stats slot (STATS_SLOTS floats, 16-byte lanes) per quantised tensor
-                self.abs_maxes = alloc.allocate(FP32, "abs_max", (L, len(STAT_SLOTS), STATS_SLOTS))
-            self._attach_stats()
         with alloc.context("Scratch"):
             self.rms_scratch = alloc.allocate(FP32, "rms_scratch", rmsnorm.rmsnorm_scratch_shape(N, C))
             self.bias_scratch = alloc.allocate(FP32, "bias_scratch", fp8.bias_backward_scratch_shape(N, Q))
             self.enc_scratch = alloc.allocate(INT32, "enc_scratch", encoder.encoder_scratch_shape(B, T, C))
-            self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
-            self.norm_result = alloc.allocate(FP32, "norm_result", (2,))  # [norm, clip scale]
-            self.hparams = alloc.allocate(FP32, "hparams", (8,))
             # forward runs on the whole batch, backward on attn_bwd_chunks shards: size for both
             ws = max(attention.workspace_shape(b, T, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size,
                                                backend=opts.attention_backend, dtype=dt, device=dev)[0]
@@ -156,141 +150,92 @@ class RunState:
             self.att_workspace = alloc.allocate(BYTE, "attention_workspace", (ws,))
         self.stack = None
 
+    def _stats(self, t: Tensor | None, layer: int, name: str) -> Tensor | None:
+        """The quant buffer `t` with layer `layer`'s stats slot for `name` (one of STAT_SLOTS)."""
+        return None if t is None else t.with_stats(self.abs_maxes[layer][STAT_SLOTS.index(name)])
+
     # ---- the seed's allocate_or_reuse ---------------------------------------------------------
-    def _forward_buffers(self) -> list[SimpleNamespace]:
+    def _forward_buffers(self) -> list[LayerActivations]:
         cfg, o, B, T, dt, alloc = self.cfg, self.opts, self.B, self.T, self.dtype, self.alloc
         C, H, Q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels
-        shared: dict[str, object] = {"ln2": self.lnf}
+        mm = _dtype(o.matmul_dtype)
+        keep = o.keep_all_activations
+        shared: dict[str, Tensor] = {"ln2": self.lnf}
 
-        def reuse(flag, key, dtype, name, shape):
-            if flag and not o.keep_all_activations:
-                if key not in shared:
-                    shared[key] = alloc.allocate(dtype, name, shape)
-                return shared[key]
-            return alloc.allocate(dtype, name, shape)
+        def buffer(share, key, dtype, name, shape):
+            if not share:
+                return alloc.allocate(dtype, name, shape, stats=False)
+            if key not in shared:
+                shared[key] = alloc.allocate(dtype, name, shape, stats=False)
+            return shared[key]
 
-        quant = self.fp8
+        def act(share, key, i, shape, quant_share=None):
+            """Activation `key` of layer i, and with FP8 matmuls its e4m3 copy (shared across layers
+            when `quant_share`), which is all backward reads when the value itself is shared."""
+            value = buffer(share and not keep, key, dt, f"{key}.{i}", shape)
+            if quant_share is None:
+                return value
+            q = buffer(quant_share, key + "_q", mm, f"{key}_q.{i}", shape) if o.fp8 else None
+            return QuantTensor(value, self._stats(q, i, key + "_q"))
+
         layers = []
         for i in range(cfg.num_layers):
-            a = SimpleNamespace()
-            a.ln1_rstd = alloc.allocate(FP32, f"ln1_rstd.{i}", (B, T))
-            a.ln2_rstd = alloc.allocate(FP32, f"ln2_rstd.{i}", (B, T))
-            a.ln1 = reuse(o.rc_ln1 or quant, "ln1", dt, f"ln1.{i}", (B, T, C))
-            a.ln2 = reuse(o.rc_ln2 or quant, "ln2", dt, f"ln2.{i}", (B, T, C))
-            a.qkv = reuse(o.rc_qkv, "qkv", dt, f"qkv.{i}", (B, T, Q))
-            a.lse = alloc.allocate(FP32, f"lse.{i}", (B, cfg.num_q_heads, T))
-            a.att = reuse(o.rc_att, "att", dt, f"att.{i}", (B, T, C))
-            a.res_att = reuse(o.recompute_block, "res_att", dt, f"res_att.{i}", (B, T, C))
-            a.swiglu = reuse(o.rc_swiglu or quant, "swiglu", dt, f"swiglu.{i}", (B, T, H))
-            # With recompute_ffn mlp_up is recomputed onto the stack in backward (acquire_mlp_up).
-            a.mlp_up = None if o.rc_mlp_up else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H))
-            if quant:
-                mq = self.mm_dtype
-                first = layers[0] if layers else None
-
-                def q(name, shape, keep_first, first=first, i=i, mq=mq):
-                    if first is not None and keep_first:
-                        return getattr(first, name)
-                    return alloc.allocate(mq, f"{name}.{i}", shape, stats=False)
-
-                a.ln1_q = q("ln1_q", (B, T, C), o.recompute_rmsnorm)
-                a.ln2_q = q("ln2_q", (B, T, C), o.recompute_rmsnorm)
-                a.att_q = q("att_q", (B, T, C), True)  # backward re-quantizes att from its value
-                a.swiglu_q = q("swiglu_q", (B, T, H), o.rc_swiglu)
+            a = LayerActivations(
+                ln1_rstd=alloc.allocate(FP32, f"ln1_rstd.{i}", (B, T)),
+                ln2_rstd=alloc.allocate(FP32, f"ln2_rstd.{i}", (B, T)),
+                ln1=act(o.rc_ln1 or o.fp8, "ln1", i, (B, T, C), quant_share=o.recompute_rmsnorm),
+                ln2=act(o.rc_ln2 or o.fp8, "ln2", i, (B, T, C), quant_share=o.recompute_rmsnorm),
+                qkv=act(o.rc_qkv, "qkv", i, (B, T, Q)),
+                lse=alloc.allocate(FP32, f"lse.{i}", (B, cfg.num_q_heads, T)),
+                att=act(o.rc_att, "att", i, (B, T, C), quant_share=True),  # backward re-quantizes att
+                res_att=act(o.recompute_block, "res_att", i, (B, T, C)),
+                swiglu=act(o.rc_swiglu or o.fp8, "swiglu", i, (B, T, H), quant_share=o.rc_swiglu),
+                # recomputed onto the stack in backward
+                mlp_up=None if o.rc_mlp_up else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H)),
+            )
             layers.append(a)
         return layers
 
-    def _backward_buffers(self) -> list[SimpleNamespace]:
+    def _backward_buffers(self) -> list[LayerGradients]:
         cfg, o, B, T, dt, alloc = self.cfg, self.opts, self.B, self.T, self.dtype, self.alloc
-        C, Q = cfg.hidden_size, cfg.qkv_channels
+        C, H, Q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels
+        gd = _dtype(o.grad_dtype)
+        keep = o.keep_all_activations
         layers = []
         for i in range(cfg.num_layers):
-            if layers and not o.keep_all_activations:
-                layers.append(SimpleNamespace(**vars(layers[0])))
-                continue
-            g = SimpleNamespace()
-            g.d_res_ffn = alloc.allocate(dt, f"d_res_ffn.{i}", (B, T, C))
-            keep = o.keep_all_activations
-            g.d_res_att = alloc.allocate(dt, f"d_res_att.{i}", (B, T, C)) if keep else g.d_res_ffn
-            g.d_ln2 = alloc.allocate(dt, f"d_ln2.{i}", (B, T, C)) if keep else self.d_lnf
-            g.d_att_y = alloc.allocate(dt, f"d_att_y.{i}", (B, T, C)) if keep else self.d_lnf
-            g.d_ln1 = alloc.allocate(dt, f"d_ln1.{i}", (B, T, C)) if keep else self.d_lnf
-            if self.fp8:
-                gd = self.grad_dtype
-                g.d_res_ffn_q = alloc.allocate(gd, f"d_res_ffn_q.{i}", (B, T, C), stats=False)
-                g.d_res_att_q = (
-                    alloc.allocate(gd, f"d_res_att_q.{i}", (B, T, C), stats=False) if keep else g.d_res_ffn_q
-                )
-                g.d_qkv_q = alloc.allocate(gd, f"d_qkv_q.{i}", (B, T, Q), stats=False)
-            layers.append(g)
+            if i == 0 or keep:  # else every layer reuses layer 0's buffers, with its own stats slots
+                d_res_ffn = alloc.allocate(dt, f"d_res_ffn.{i}", (B, T, C))
+                d_res_att = alloc.allocate(dt, f"d_res_att.{i}", (B, T, C)) if keep else d_res_ffn
+                d_ln2 = alloc.allocate(dt, f"d_ln2.{i}", (B, T, C)) if keep else self.d_lnf
+                d_att_y = alloc.allocate(dt, f"d_att_y.{i}", (B, T, C)) if keep else self.d_lnf
+                d_ln1 = alloc.allocate(dt, f"d_ln1.{i}", (B, T, C)) if keep else self.d_lnf
+                d_res_ffn_q = d_res_att_q = d_qkv_q = d_mlp_up_q = None
+                if o.fp8:
+                    d_res_ffn_q = alloc.allocate(gd, f"d_res_ffn_q.{i}", (B, T, C), stats=False)
+                    d_res_att_q = (
+                        alloc.allocate(gd, f"d_res_att_q.{i}", (B, T, C), stats=False) if keep else d_res_ffn_q
+                    )
+                    d_qkv_q = alloc.allocate(gd, f"d_qkv_q.{i}", (B, T, Q), stats=False)
+                    d_mlp_up_q = Tensor(gd, (B, T, 2 * H), self.device, None, 0, "d_mlp_up_q")  # no memory
+            layers.append(LayerGradients(
+                d_res_ffn=QuantTensor(d_res_ffn, self._stats(d_res_ffn_q, i, "d_res_ffn_q")),
+                d_res_att=QuantTensor(d_res_att, self._stats(d_res_att_q, i, "d_res_att_q")),
+                d_ln2=d_ln2,
+                d_att_y=d_att_y,
+                d_ln1=d_ln1,
+                d_qkv_q=self._stats(d_qkv_q, i, "d_qkv_q"),
+                d_mlp_up_q=self._stats(d_mlp_up_q, i, "d_mlp_up_q"),
+            ))  # fmt: skip
         return layers
 
-    def _attach_stats(self) -> None:
-        """Give each layer's quant views their own stats slots (shared storage, per-layer scales)."""
-        for i, (a, g) in enumerate(zip(self.acts, self.dacts)):
-            slot = {name: self.abs_maxes[i][k] for k, name in enumerate(STAT_SLOTS)}
-            for name in ("ln1_q", "att_q", "ln2_q", "swiglu_q"):
-                setattr(a, name, getattr(a, name).with_stats(slot[name]))
-            for name in ("d_res_ffn_q", "d_res_att_q", "d_qkv_q"):
-                setattr(g, name, getattr(g, name).with_stats(slot[name]))
-            # d_mlp_up's FP8 copy is a stack temporary: keep its slot, and the abs-max view swiglu_backward fills
-            g.d_mlp_up_stats = slot["d_mlp_up_q"]
-            g.d_mlp_up_amax = g.d_mlp_up_stats.rows(STAT_ABS_MAX, STAT_ABS_MAX + 1)
-
     # ---- step temporaries ---------------------------------------------------------------------
-    def acquire_mlp_up(self, layer: int):
-        a = self.acts[layer]
-        if a.mlp_up is not None:
-            return a.mlp_up
-        return self.stack.allocate(self.dtype, (self.B, self.T, 2 * self.cfg.intermediate_size), "mlp_up")
-
-    def release_mlp_up(self, layer: int, t) -> None:
-        if self.acts[layer].mlp_up is None:
-            self.stack.free(t)
-
-    def lmhead_rows(self) -> int:
-        return self.B * self.T // self.opts.lmhead_chunks
-
-    def size_stack(self) -> None:
-        """Allocate the stack exactly as large as a simulated step needs (context "Stack")."""
-        sim = DeviceMemoryStack.simulate(self.device)
-        simulate_stack(self, sim)
+    def size_stack(self, step) -> None:
+        """Allocate the stack (context "Stack") exactly as large as `step()` needs: it runs the
+        step's own code against a simulated stack, with launches that do nothing."""
+        sim = self.stack = DeviceMemoryStack.simulate(self.device)
+        try:
+            step()
+        finally:
+            self.stack = None
         with self.alloc.context("Stack"):
             self.stack = DeviceMemoryStack.sized_from(sim, self.alloc, name="stack")
-
-
-def qmm_backward_temporaries(rs, stack, rows: int, C: int, OC: int) -> None:
-    """The stack use of one FP8 backward matmul (`LlamaModel._qmm_backward`), for simulation."""
-    if not rs.fp8:
-        return
-    stack.free(stack.allocate(rs.mm_dtype, (C, OC), "weight_tp"))
-    act = stack.allocate(rs.mm_dtype, (C, rows), "act_tp")
-    stack.free(stack.allocate(rs.grad_dtype, (OC, rows), "grad_tp"))
-    stack.free(act)
-
-
-def simulate_stack(rs, stack) -> None:
-    """Run the stack allocations of one step, in the order `LlamaModel` makes them.
-
-    Forward needs no temporaries; backward of a block holds mlp_up (recompute_ffn) while it
-    allocates d_swiglu, the FP8 d_mlp_up copy, d_qkv and the FP8 transposes; the LM head holds
-    one chunk of logits. Keep this in step with llama.py.
-    """
-    cfg, B, T = rs.cfg, rs.B, rs.T
-    C, H, Q, N = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels, B * T
-    if rs.acts[0].mlp_up is None:
-        mlp_up = stack.allocate(rs.dtype, (B, T, 2 * H), "mlp_up")
-    d_swiglu = stack.allocate(rs.dtype, (B, T, H), "d_swiglu")
-    qmm_backward_temporaries(rs, stack, N, H, C)
-    stack.free(d_swiglu)
-    if rs.fp8:
-        d_up_q = stack.allocate(rs.grad_dtype, (B, T, 2 * H), "d_mlp_up_q")
-        qmm_backward_temporaries(rs, stack, N, C, 2 * H)
-        stack.free(d_up_q)
-    qmm_backward_temporaries(rs, stack, N, C, C)
-    d_qkv = stack.allocate(rs.dtype, (B, T, Q), "d_qkv")
-    qmm_backward_temporaries(rs, stack, N, C, Q)
-    stack.free(d_qkv)
-    if rs.acts[0].mlp_up is None:
-        stack.free(mlp_up)
-    stack.free(stack.allocate(rs.dtype, (rs.lmhead_rows(), cfg.vocab_size), "lmhead_logits"))

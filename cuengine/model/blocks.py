@@ -1,0 +1,268 @@
+"""The code of a step's decoder blocks and LM head, over a run state's buffers (seed 001).
+
+`Blocks` holds the seed's `_forward_block`, `_recompute_block` and `_backward_block`, and the
+matmuls they go through, `qmm_forward` / `qmm_backward` (the seed's forward_qmm / backward_qmm).
+Those switch between plain BF16/FP32 GEMMs and FP8 GEMMs (E4M3 weights and activations, E5M2 or
+E4M3 gradients, transposed copies for the TN-only weight-gradient GEMMs) by the operand: a
+`QuantTensor` with a quant copy takes the FP8 path.
+
+Every launch goes through a `Kernels` table. `RECORDING` has the same launchers, each doing
+nothing, so the real code run against a simulated stack measures the stack a step needs
+(`RunState.size_stack`): there is no second description of the step to keep in step with this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import blas
+from ..kernels import activations, attention, classifier, fp8, rmsnorm, rope
+from .records import LayerActivations, LayerGradients, QuantTensor
+
+
+def _no_launch(*args, **kwargs) -> None:
+    """A launch on a recording pass: nothing runs and no memory is touched."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The launchers that block and LM-head code calls; `Kernels.recording()` makes them no-ops."""
+
+    matmul: Callable = blas.matmul
+    rmsnorm_forward: Callable = rmsnorm.rmsnorm_forward
+    fused_residual_rmsnorm_forward: Callable = rmsnorm.fused_residual_rmsnorm_forward
+    rmsnorm_backward: Callable = rmsnorm.rmsnorm_backward
+    rope_forward: Callable = rope.rope_forward
+    rope_backward: Callable = rope.rope_backward
+    attention_forward: Callable = attention.attention_forward
+    attention_backward: Callable = attention.attention_backward
+    swiglu_forward: Callable = activations.swiglu_forward
+    swiglu_forward_quant: Callable = activations.swiglu_forward_quant
+    swiglu_backward: Callable = activations.swiglu_backward
+    abs_max: Callable = fp8.abs_max
+    quantize_with_abs_max: Callable = fp8.quantize_with_abs_max
+    quantize_and_transpose: Callable = fp8.quantize_and_transpose
+    transpose: Callable = fp8.transpose
+    bias_backward: Callable = fp8.bias_backward
+    fused_classifier: Callable = classifier.fused_classifier
+
+    @classmethod
+    def recording(cls) -> Kernels:
+        return cls(**{f.name: _no_launch for f in dataclasses.fields(cls)})
+
+
+LIVE = Kernels()
+RECORDING = Kernels.recording()
+
+
+class Blocks:
+    """Forward, recompute and backward of the decoder blocks, and the LM head.
+
+    Args:
+        cfg: TransformerConfig.
+        opts: resolved TrainOptions (recompute flags, chunks, attention backend).
+        weights: ModelWeights, with its FP8 copies when opts.fp8.
+        rs: the RunState: its per-layer records and the shared buffers (stack, RoPE table,
+            attention workspace, scratch, lnf) the code uses.
+        grads: per block, {short name ("qkv_w", ...): parameter gradient}; None for forward only.
+        kernels: LIVE, or RECORDING to run the code without launching anything.
+    """
+
+    def __init__(self, cfg, opts, weights, rs, grads: list[dict] | None = None, kernels: Kernels = LIVE):
+        self.cfg, self.opts, self.weights, self.rs = cfg, opts, weights, rs
+        self.grads = grads
+        self.k = kernels
+
+    # ---- matmuls (the seed's forward_qmm / backward_qmm) --------------------------------------
+    def qmm_forward(self, out, inp: QuantTensor, wname: str, bias=None, reuse_quant: bool = False) -> None:
+        """out (N, OC) = inp (N, C) · Wᵀ (+ bias). FP8: quantize inp with its stored abs-max
+        (unless `reuse_quant`: its FP8 copy is already valid) and use the E4M3 weight copy."""
+        k = self.k
+        if inp.quant is None:
+            k.matmul(out, inp.value, self.weights[wname], bias)
+            return
+        if not reuse_quant:
+            k.quantize_with_abs_max(inp.quant, inp.value)
+        k.matmul(out, inp.quant, self.weights.fp8[wname], bias)
+
+    def qmm_backward(self, dinp, dweight, dbias, dout: QuantTensor, inp: QuantTensor, wname: str,
+                     reuse_inp: bool) -> None:  # fmt: skip
+        """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
+
+        FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
+        both GEMMs are TN, so W, dout and inp are transposed into stack temporaries first
+        (inp from its stored FP8 copy when `reuse_inp`, else quantized and transposed at once).
+        """
+        k, stack = self.k, self.rs.stack
+        if dbias is not None:
+            k.bias_backward(dbias, dout.value, self.rs.bias_scratch)
+        if dout.quant is None:
+            k.matmul(dinp, dout.value, self.weights[wname], trans_b=False)
+            k.matmul(dweight, dout.value, inp.value, trans_a=True, trans_b=False, accumulate=True)
+            return
+        OC, C = dout.value.shape[-1], inp.value.shape[-1]
+        N = dout.value.nelem // OC
+        k.quantize_with_abs_max(dout.quant, dout.value)
+        w8 = self.weights.fp8[wname]  # (OC, C)
+        with stack.temporary(w8.dtype, (C, OC), "weight_tp") as w_tp:
+            w_tp = w_tp.with_stats(w8.stats)
+            k.transpose(w_tp, w8)
+            k.matmul(dinp, dout.quant, w_tp)  # (N, OC) · (C, OC)ᵀ
+        act_raw = stack.allocate(inp.quant.dtype, (C, N), "act_tp")
+        grad_raw = stack.allocate(dout.quant.dtype, (OC, N), "grad_tp")
+        act_tp, grad_tp = act_raw.with_stats(inp.quant.stats), grad_raw.with_stats(dout.quant.stats)
+        if reuse_inp:
+            k.transpose(act_tp, inp.quant)
+        else:
+            k.quantize_and_transpose(act_tp, inp.value)
+        k.transpose(grad_tp, dout.quant)
+        k.matmul(dweight, grad_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
+        stack.free(grad_raw)
+        stack.free(act_raw)
+
+    @contextlib.contextmanager
+    def _quant_on_stack(self, t: QuantTensor):
+        """`t` with memory from the stack for its quant copy, which has only a layout and a stats slot."""
+        if t.quant is None:
+            yield t
+            return
+        with self.rs.stack.temporary(t.quant.dtype, t.quant.shape, t.quant.name) as raw:
+            yield QuantTensor(t.value, raw.with_stats(t.quant.stats))
+
+    @contextlib.contextmanager
+    def _mlp_up(self, a: LayerActivations):
+        """The layer's mlp_up buffer, or under recompute_ffn/block a stack temporary."""
+        if not self.opts.rc_mlp_up:
+            yield a.mlp_up
+            return
+        rs = self.rs
+        with rs.stack.temporary(rs.dtype, (rs.B, rs.T, 2 * self.cfg.intermediate_size), "mlp_up") as t:
+            yield t
+
+    # ---- one block ---------------------------------------------------------------------------
+    def forward(self, i: int, residual) -> None:
+        """Block i's forward from its input `residual` (B, T, C) and its ln1 (already computed)."""
+        a = self.rs.acts[i]
+        with self._mlp_up(a) as mlp_up:
+            self.forward_block(i, a, residual, mlp_up)
+
+    def backward(self, i: int, residual) -> None:
+        """Block i's recompute and backward, from d_res_ffn to d_res_att and d_ln1."""
+        a, g = self.rs.acts[i], self.rs.dacts[i]
+        with self._mlp_up(a) as mlp_up:
+            self.recompute_block(i, a, residual, mlp_up)
+            self.backward_block(i, a, g, mlp_up)
+
+    def forward_block(self, i: int, a: LayerActivations, residual, mlp_up) -> None:
+        """Block i on the activations record `a`; its output is res_att + mlp_down, with mlp_down
+        left in rs.lnf for the next fused residual RMSNorm."""
+        k, rs, cfg, o = self.k, self.rs, self.cfg, self.opts
+        w, p = self.weights.block(i), f"layers.{i}."
+        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        att_o = mlp_down = rs.lnf  # (B, T, C): never needed in backward
+        self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"))  # (B, T, Q)
+        k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # in place
+        k.attention_forward(a.att.value, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
+                            workspace=rs.att_workspace)  # fmt: skip
+        if a.att.quant is not None:  # the attention kernels record no abs-max
+            k.abs_max(a.att.abs_max, a.att.value)
+        self.qmm_forward(att_o, a.att, p + "atto_w")
+        k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
+                                         abs_max=a.ln2.abs_max)  # fmt: skip
+        self.qmm_forward(mlp_up, a.ln2, p + "up_w")  # (B, T, 2H)
+        k.swiglu_forward(a.swiglu.value, mlp_up, abs_max=a.swiglu.abs_max)  # (B, T, H)
+        self.qmm_forward(mlp_down, a.swiglu, p + "down_w")
+
+    def recompute_block(self, i: int, a: LayerActivations, residual, mlp_up) -> None:
+        """Recompute what the recompute flags dropped, exactly as forward computed it (same
+        kernels, same stored abs-maxes), so results stay bitwise equal to the baseline."""
+        k, rs, cfg, o = self.k, self.rs, self.cfg, self.opts
+        w, p = self.weights.block(i), f"layers.{i}."
+        Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        if o.rc_ln1:
+            k.rmsnorm_forward(a.ln1.value, a.ln1_rstd, residual, w["ln1_w"], eps)
+        if o.rc_qkv:
+            self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=not o.rc_ln1)
+            k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)
+        if o.rc_att:
+            k.attention_forward(a.att.value, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
+                                workspace=rs.att_workspace)  # fmt: skip
+            if o.recompute_block:
+                self.qmm_forward(rs.lnf, a.att, p + "atto_w")
+        if o.rc_ln2:
+            if o.recompute_block:
+                k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, rs.lnf, w["ln2_w"], eps)
+            else:
+                k.rmsnorm_forward(a.ln2.value, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
+        if o.rc_mlp_up:
+            self.qmm_forward(mlp_up, a.ln2, p + "up_w")
+        if o.rc_swiglu:
+            if a.swiglu.quant is not None:  # backward only reads the FP8 copy: write it, with the stored abs-max
+                k.swiglu_forward_quant(a.swiglu.quant, mlp_up)
+            else:
+                k.swiglu_forward(a.swiglu.value, mlp_up)
+
+    def backward_block(self, i: int, a: LayerActivations, g: LayerGradients, mlp_up) -> None:
+        """From g.d_res_ffn: g.d_res_att (the residual's gradient so far) and g.d_ln1, and this
+        block's parameter gradients (+=). mlp_up is overwritten by its gradient."""
+        k, rs, cfg, o = self.k, self.rs, self.cfg, self.opts
+        w, p, G = self.weights.block(i), f"layers.{i}.", self.grads[i]
+        B, T, H, Q = rs.B, rs.T, cfg.intermediate_size, cfg.qkv_channels
+        Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
+        stack = rs.stack
+        # MLP down: the gradient of the block output is d_res_ffn
+        with stack.temporary(rs.dtype, (B, T, H), "d_swiglu") as d_swiglu:
+            self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True)
+            d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
+            k.swiglu_backward(d_mlp_up.value, d_swiglu, mlp_up, abs_max=d_mlp_up.abs_max)
+        # MLP up
+        with self._quant_on_stack(d_mlp_up) as d_mlp_up:
+            self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm)
+        # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
+        k.rmsnorm_backward(g.d_res_att.value, G["ln2_w"], rs.rms_scratch, g.d_res_ffn.value, g.d_ln2, a.res_att,
+                           w["ln2_w"], a.ln2_rstd, abs_max=g.d_res_att.abs_max)  # fmt: skip
+        # attention output projection
+        self.qmm_backward(g.d_att_y, G["atto_w"], None, g.d_res_att, a.att, p + "atto_w", reuse_inp=False)
+        with stack.temporary(rs.dtype, (B, T, Q), "d_qkv") as d_qkv_raw:
+            d_qkv = QuantTensor(d_qkv_raw, g.d_qkv_q)
+            n = o.attn_bwd_chunks
+            for c in range(n):
+                k.attention_backward(d_qkv_raw.shard_view(c, n), g.d_att_y.shard_view(c, n),
+                                     a.att.value.shard_view(c, n), a.lse.shard_view(c, n), a.qkv.shard_view(c, n),
+                                     Hq, Hkv, backend=o.attention_backend, workspace=rs.att_workspace)  # fmt: skip
+            k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv, abs_max=d_qkv.abs_max)
+            self.qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, a.ln1, p + "qkv_w",
+                              reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
+
+    # ---- LM head -----------------------------------------------------------------------------
+    def lm_head(self, d_loss: float, d_head=None, logits_out: np.ndarray | None = None) -> None:
+        """Logits and loss of rs.lnf against rs.targets, in lmhead_chunks chunks of rows through
+        one stack buffer of (B*T/chunks, V) logits. With `d_head` (the LM-head weight gradient,
+        accumulated) also dlogits → d_head and rs.d_lnf. With `logits_out` ((B*T, V) float32),
+        copy the logits there instead (a host sync per chunk: for generation and tests)."""
+        k, rs, cfg = self.k, self.rs, self.cfg
+        N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
+        chunks = self.opts.lmhead_chunks
+        n = N // chunks
+        head = self.weights.lm_head
+        lnf, d_lnf = rs.lnf.reshape(N, C), rs.d_lnf.reshape(N, C)
+        targets = rs.targets.reshape(N)
+        backward = d_head is not None
+        with rs.stack.temporary(rs.dtype, (n, V), "lmhead_logits") as out:
+            for c in range(chunks):
+                rows = slice(c * n, (c + 1) * n)
+                x = lnf[rows]
+                k.matmul(out, x, head)  # (n, V)
+                if logits_out is not None:
+                    logits_out[rows] = out.numpy().astype(np.float32)
+                    continue
+                k.fused_classifier(out, rs.losses[rows], rs.head_lse[rows], targets[rows], d_loss, self.opts.z_loss,
+                                   write_dlogits=backward)  # fmt: skip
+                if backward:
+                    k.matmul(d_head, out, x, trans_a=True, trans_b=False, accumulate=True)  # (V, C)
+                    k.matmul(d_lnf[rows], out, head, trans_b=False)  # (n, C)
