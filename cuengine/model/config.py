@@ -7,8 +7,10 @@ error naming the field, rather than silently training a different model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,21 +79,38 @@ class TransformerConfig:
         """Read a HF `config.json` (a file, or a directory holding one).
 
         Accepts LlamaForCausalLM and Qwen2ForCausalLM with tied or untied embeddings, GQA, any
-        rope_theta and rms_norm_eps. Raises ValueError naming the field for anything else.
+        rope_theta and rms_norm_eps. Raises FileNotFoundError when there is no file, and ValueError
+        naming the file and what is wrong for anything else: unreadable or malformed JSON, a field
+        of the wrong type, or a field that asks for something the engine does not implement.
         """
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}")
-        return cls.from_hf_dict(json.loads(file.read_text()), source=str(file))
+        try:
+            d = json.loads(file.read_bytes())
+        except (OSError, ValueError) as err:  # ValueError covers bad JSON and bad UTF-8
+            raise ValueError(f"{file}: not readable JSON ({err})") from None
+        return cls.from_hf_dict(d, source=str(file))
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> TransformerConfig:
         def bad(field, why):
             return ValueError(f"{source}: unsupported {field!r}: {why}")
 
+        def number(key, kind, default=None, value=None):
+            v = d.get(key, default) if value is None else value
+            # finite JSON numbers only: a bool, a string, NaN or an int too large for a float is malformed
+            ok = isinstance(v, int) or (kind is float and isinstance(v, float) and math.isfinite(v))
+            if ok and not isinstance(v, bool):
+                with contextlib.suppress(OverflowError):
+                    return kind(v)
+            raise bad(key, f"{v!r} is not {'an integer' if kind is int else 'a finite number'}")
+
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, found {type(d).__name__}")
         archs = d.get("architectures") or []
-        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
             raise bad("architectures", f"{archs!r}; cuengine supports {list(ARCHITECTURES)}")
         arch = archs[0]
         if d.get("model_type", _MODEL_TYPE[arch]) != _MODEL_TYPE[arch]:
@@ -107,46 +126,55 @@ class TransformerConfig:
                 raise bad("mlp_bias", "true; the MLP has no bias")
         if d.get("use_sliding_window", False):
             raise bad("use_sliding_window", "true; only full causal attention is implemented")
-        layer_types = set(d.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise bad("layer_types", f"{sorted(layer_types)}; only full causal attention is implemented")
+        layer_types = d.get("layer_types") or ["full_attention"]
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise bad("layer_types", f"{layer_types!r}; only full causal attention is implemented")
         # transformers >= 5 writes rope_parameters = {"rope_type", "rope_theta", ...} instead of rope_theta
         rope = d.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise bad("rope_parameters", f"{rope!r} is not a JSON object")
         if rope.get("rope_type", "default") != "default":
             raise bad("rope_parameters", f"rope_type {rope['rope_type']!r}; only plain RoPE is implemented")
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_theta = number("rope_theta", float, 10000.0, rope.get("rope_theta"))
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in d:
                 raise bad(key, "missing")
-        hq = int(d["num_attention_heads"])
-        hkv = int(d.get("num_key_value_heads") or hq)
-        hidden = int(d["hidden_size"])
-        if hidden % hq:
+        hq = number("num_attention_heads", int)
+        hkv = number("num_key_value_heads", int, hq) if d.get("num_key_value_heads") is not None else hq
+        hidden = number("hidden_size", int)
+        if hq <= 0 or hidden <= 0 or hidden % hq:
             raise bad("num_attention_heads", f"{hq} does not divide hidden_size {hidden}")
         hs = hidden // hq
-        if d.get("head_dim") is not None and int(d["head_dim"]) != hs:
+        if d.get("head_dim") is not None and number("head_dim", int) != hs:
             raise bad("head_dim", f"{d['head_dim']} but hidden_size / num_attention_heads = {hs}")
+        tied = d.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise bad("tie_word_embeddings", f"{tied!r} is not true or false")
         torch_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
-        if torch_dtype not in _TORCH_DTYPE:
+        if not isinstance(torch_dtype, str) or torch_dtype not in _TORCH_DTYPE:
             raise bad("torch_dtype", f"{torch_dtype!r}; cuengine stores bfloat16 or float32")
+        sizes = {
+            "vocab_size": number("vocab_size", int),
+            "intermediate_size": number("intermediate_size", int),
+            "num_layers": number("num_hidden_layers", int),
+            "max_position_embeddings": number("max_position_embeddings", int, 4096),
+        }
+        rms_norm_eps = number("rms_norm_eps", float, 1e-6)
         try:
             return cls(
-                vocab_size=int(d["vocab_size"]),
+                **sizes,
                 hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
                 num_q_heads=hq,
                 num_kv_heads=hkv,
                 head_size=hs,
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                rope_theta=float(rope_theta),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                tied_embeddings=bool(d.get("tie_word_embeddings", False)),
+                rope_theta=rope_theta,
+                rms_norm_eps=rms_norm_eps,
+                tied_embeddings=tied,
                 qkv_bias=arch == "Qwen2ForCausalLM",
                 architecture=arch,
                 dtype=_TORCH_DTYPE[torch_dtype],
             )
-        except ValueError as err:
+        except (ValueError, ZeroDivisionError) as err:
             raise ValueError(f"{source}: {err}") from None
 
     def to_hf_dict(self) -> dict:

@@ -182,20 +182,21 @@ class ModelWeights:
         or a sharded `model.safetensors.index.json`.
 
         Everything is read and checked before any engine tensor is written, so a bad file
-        (missing, extra or misshapen tensors, or another dtype without `allow_cast`) raises
-        ValueError and leaves the weights as they were.
+        (unreadable or corrupt, missing, extra or misshapen tensors, or another dtype without
+        `allow_cast`) raises ValueError naming the file and leaves the weights as they were.
+        A tied model accepts an `lm_head.weight` (many HF checkpoints carry one) only when it
+        equals `model.embed_tokens.weight`.
         """
         files = _safetensors_files(Path(path))
-        from safetensors import safe_open
-
         want = hf_shapes(self.cfg)
+        tied_head = "lm_head.weight" if self.cfg.tied_embeddings else None
         found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
         for f in files:
-            with safe_open(str(f), framework="np") as sf:
-                for key in sf.keys():
-                    sl = sf.get_slice(key)
-                    found[key] = (f, tuple(sl.get_shape()), sl.get_dtype())
-        extra = sorted(k for k in found if k not in want and not k.endswith(_IGNORED_SUFFIXES))
+            for key, (shape, dt) in _read_header(f).items():
+                if key in found:
+                    raise ValueError(f"{f}: tensor {key!r} is also in {found[key][0]}")
+                found[key] = (f, shape, dt)
+        extra = sorted(k for k in found if k not in want and k != tied_head and not k.endswith(_IGNORED_SUFFIXES))
         if extra:
             raise ValueError(f"{path}: unexpected tensors not in a {self.cfg.architecture} of this config: {extra[:8]}"
                              + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))  # fmt: skip
@@ -203,26 +204,35 @@ class ModelWeights:
         if missing:
             raise ValueError(f"{path}: missing tensors: {missing[:8]}" + (
                 f" and {len(missing) - 8} more" if len(missing) > 8 else ""))  # fmt: skip
-        for k, shape in want.items():
-            _, got, dt = found[k]
+        read = dict(want)
+        if tied_head in found:
+            read[tied_head] = want["model.embed_tokens.weight"]
+        for k, shape in read.items():
+            f, got, dt = found[k]
             if got != shape:
-                raise ValueError(f"{path}: tensor {k!r} has shape {got}, expected {shape}")
+                raise ValueError(f"{f}: tensor {k!r} has shape {got}, expected {shape}")
             engine_dt = _SAFETENSORS_DTYPE.get(dt)
             if engine_dt is None:
-                raise ValueError(f"{path}: tensor {k!r} has dtype {dt}, which cuengine cannot read")
+                raise ValueError(f"{f}: tensor {k!r} has dtype {dt}, which cuengine cannot read")
             if engine_dt != self.dtype.name and not allow_cast:
                 raise ValueError(
-                    f"{path}: tensor {k!r} is {engine_dt} but the model is {self.dtype.name}; "
+                    f"{f}: tensor {k!r} is {engine_dt} but the model is {self.dtype.name}; "
                     "pass allow_cast=True to convert"
                 )
         host: dict[str, np.ndarray] = {}
         by_file: dict[Path, list[str]] = {}
-        for k in want:
+        for k in read:
             by_file.setdefault(found[k][0], []).append(k)
         for f, keys in by_file.items():
-            with safe_open(str(f), framework="np") as sf:
-                for k in keys:
-                    host[k] = sf.get_tensor(k)
+            host.update(_read_tensors(f, keys))
+        if tied_head in host:
+            head, emb = (host[k].astype(self.dtype.np) for k in (tied_head, "model.embed_tokens.weight"))
+            if not np.array_equal(head.view(np.uint8), emb.view(np.uint8)):
+                raise ValueError(
+                    f"{found[tied_head][0]}: the config ties the LM head to the embedding (tie_word_embeddings) "
+                    "but lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings to "
+                    "false in config.json to import it as an untied model"
+                )
         packed = {}
         for ename, parts in hf_layout(self.cfg).items():
             arrs = [host[h] for h, _, _ in parts]
@@ -254,11 +264,13 @@ class ModelWeights:
 
 
 def atomic_write(target: Path, write) -> None:
-    """Call `write(tmp_path)` and rename the result onto `target`."""
+    """Call `write(tmp_path)` and rename the result onto `target`, which gets the mode any new
+    file gets under the user's umask (mkstemp alone would leave it 0600)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -266,11 +278,67 @@ def atomic_write(target: Path, write) -> None:
         raise
 
 
+def umask() -> int:
+    """The process umask, read without changing it where Linux says it (/proc/self/status);
+    elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# The Rust readers of safetensors (and tokenizers) raise their own exception types, and a Rust
+# panic surfaces as pyo3's PanicException, which derives from BaseException, not Exception.
+def read_error(err: BaseException) -> bool:
+    """True for what a reader may raise on a corrupt file; False for interrupts and exits."""
+    return not isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} of a safetensors file, or ValueError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="np") as sf:
+            return {k: (tuple(sf.get_slice(k).get_shape()), sf.get_slice(k).get_dtype()) for k in sf.keys()}
+    except BaseException as err:
+        if not read_error(err):
+            raise
+        raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+
+
+def _read_tensors(file: Path, keys) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="np") as sf:
+            return {k: sf.get_tensor(k) for k in keys}
+    except BaseException as err:
+        if not read_error(err):
+            raise
+        raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     if path.is_file():
         if path.name.endswith(".index.json"):
-            index = json.loads(path.read_text())
-            return sorted({path.parent / f for f in index["weight_map"].values()})
+            try:
+                index = json.loads(path.read_bytes())
+            except (OSError, ValueError) as err:  # ValueError covers bad JSON and bad UTF-8
+                raise ValueError(f"{path}: not a readable safetensors index ({err})") from None
+            wmap = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wmap, dict) or not wmap or not all(isinstance(f, str) for f in wmap.values()):
+                raise ValueError(f"{path}: a safetensors index needs a non-empty weight_map of tensor -> file name")
+            files = sorted({path.parent / f for f in wmap.values()})
+            for f in files:
+                if f.parent != path.parent or not f.is_file():
+                    raise ValueError(f"{path}: weight_map names {f.name!r}, which is not a file beside the index")
+            return files
         return [path]
     if path.is_dir():
         if (path / "model.safetensors").is_file():
