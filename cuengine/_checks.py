@@ -41,3 +41,30 @@ def same_device(*tensors) -> object:
         if t is not None and t.kind != "device" and devs[0].is_cuda:
             raise ValueError(f"tensor {t.name!r} is in host memory; kernels need device tensors")
     return devs[0]
+
+
+VECTOR_BYTES = 16  # the kernels' vector loads and stores, and cuBLASLt's row alignment
+
+
+def is_aligned(*tensors, nbytes: int = VECTOR_BYTES) -> bool:
+    """True when every tensor given (None skipped) starts at a multiple of `nbytes`; launchers
+    with a `_scalar` kernel variant pick the vectorised one on it."""
+    return all(t is None or t.ptr % nbytes == 0 for t in tensors)
+
+
+def check_aligned(what: str, *tensors, nbytes: int = VECTOR_BYTES) -> None:
+    """ValueError naming the first device tensor (None and cpu ones skipped: the NumPy twins have
+    no alignment rule) whose address is not a multiple of `nbytes`, for kernels without a scalar variant."""
+    for t in tensors:
+        if t is not None and t.device.is_cuda and t.ptr % nbytes:
+            raise ValueError(
+                f"{what}: tensor {t.name!r} {t.dtype} {t.shape} at device address {t.ptr:#x} is not {nbytes}-byte "
+                "aligned (a view that starts inside a 16-byte vector)"
+            )
+
+
+def check_vector_width(what: str, label: str, size: int, dtype, vectors: int = 1) -> None:
+    """ValueError unless `size` (a row length) is a multiple of `vectors` 16-byte vectors of `dtype`."""
+    n = vectors * (VECTOR_BYTES // _dtype(dtype).itemsize)
+    if size % n:
+        raise ValueError(f"{what}: {label} = {size} must be a multiple of {n} for 16-byte {_dtype(dtype)} vectors")

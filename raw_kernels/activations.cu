@@ -1,4 +1,4 @@
-// Element-wise MLP activations, plain and gated, forward and backward, and a SwiGLU that writes FP8.
+// Element-wise MLP activations, plain and gated, forward and backward, and forwards that write FP8.
 //
 //   plain:  out = f(x)               x (N, H) -> out (N, H);  dinp = dout * f'(x)                  (=)
 //   gated:  out = f(gate) * up       x (N, 2H) -> out (N, H); dinp = [dgate, dup] in x's layout  (=)
@@ -12,9 +12,9 @@
 // atomicMax per block. The backward may run in place (dinp == inp): a thread reads its inputs before
 // writing the same elements, and no other thread touches them. Gradients at the kinks follow PyTorch:
 // relu'(0) = 0, and the clamps of swiglu_oai pass the gradient at their bounds.
-// swiglu_forward_quant reads abs_max from the FP8 output's stats, writes scale = 448 / abs_max (1 when
-// abs_max is 0) and scale_inv = 1 / scale, and stores fp8(round_T(swiglu) * scale) with SATFINITE RNE,
-// so it equals swiglu_forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
+// The `_quant` forwards read abs_max from the E4M3 output's stats, write scale = 448 / abs_max (1 when
+// abs_max is 0) and scale_inv = 1 / scale, and store fp8(round_T(out) * scale) with SATFINITE RNE, so
+// they equal the plain forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
 #include "common.cuh"
 
 enum Act { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU = 2, ACT_RELU_SQ = 3, ACT_SIGMOID = 4, ACT_SWIGLU_OAI = 5 };
@@ -143,56 +143,94 @@ struct RowColWalk {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)
 
-template <typename T>
-__device__ void plain_forward_impl(T* out, const T* inp, float* abs_max, int act, long long vecs) {
+// Calls f(row, j, g, u) for every VN outputs j..j+VN-1 of every row of a gated activation's
+// (N, H) output, g and u holding their gate and up values read from x (N, 2H) in the layout.
+template <typename T, bool INTERLEAVED, typename F>
+__device__ __forceinline__ void for_each_gated(const T* inp, long long N, int H, F&& f) {
     constexpr int VN = Pack16<T>::N;
+    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
+        const int j = w.col * VN;
+        float g[VN], u[VN];
+        load_gate_up<T, INTERLEAVED>(inp + (size_t)w.row * 2 * H, j, H, g, u);
+        f((size_t)w.row, j, g, u);
+    }
+}
+
+template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
+
+// Where the values a thread computes go, VN at a time. By default T values, with |value|
+// max-accumulated into the block's abs-max (slot may be null). QUANT: E4M3 bytes of value * scale
+// (SATFINITE RNE), scale = 448 / abs_max read from the output's FP8 stats (slot), 1 when abs_max is
+// 0 or not finite; block 0 writes scale and scale_inv, abs_max is only read. The values are rounded
+// to T first either way, so the quantised output equals the T output followed by quantisation.
+template <typename T, bool QUANT = false> struct VecStore {
+    static constexpr int VN = Pack16<T>::N;
+    void* out;
+    float* slot;
+    float scale = 1.f;
     unsigned amax = 0;
+    __device__ __forceinline__ VecStore(void* out_, float* slot_) : out(out_), slot(slot_) {
+        if constexpr (QUANT) {
+            const float a = slot[STAT_ABS_MAX];
+            scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
+            if (blockIdx.x == 0 && threadIdx.x == 0) slot[STAT_SCALE] = scale, slot[STAT_SCALE_INV] = 1.f / scale;
+        }
+    }
+    // out[i .. i + VN) = y
+    __device__ __forceinline__ void operator()(size_t i, const Pack16<T>& y) {
+        if constexpr (QUANT) {
+            Bytes<VN> q;
+            for (int k = 0; k < VN; ++k) q.b[k] = from_float<fp8e4>(to_float(y.v[k]) * scale).__x;
+            *reinterpret_cast<Bytes<VN>*>(static_cast<fp8e4*>(out) + i) = q;
+        } else {
+            for (int k = 0; k < VN; ++k) amax = max(amax, abs_bits(to_float(y.v[k])));
+            y.store(static_cast<T*>(out) + i);
+        }
+    }
+    __device__ __forceinline__ void finish() {
+        if constexpr (!QUANT) {
+            if (slot) block_atomic_abs_max(slot, amax);
+        }
+    }
+};
+
+template <typename T, bool QUANT>
+__device__ void plain_forward_impl(void* out, const T* inp, float* slot, int act, long long vecs) {
+    constexpr int VN = Pack16<T>::N;
+    VecStore<T, QUANT> store(out, slot);
     GRID_STRIDE(i, vecs) {
         const Pack16<T> x = Pack16<T>::load(inp + i * VN);
         Pack16<T> y;
-        for (int k = 0; k < VN; ++k) {
-            y.v[k] = from_float<T>(act_value(act, to_float(x.v[k])));
-            amax = max(amax, abs_bits(to_float(y.v[k])));
-        }
-        y.store(out + i * VN);
+        for (int k = 0; k < VN; ++k) y.v[k] = from_float<T>(act_value(act, to_float(x.v[k])));
+        store(i * VN, y);
     }
-    if (abs_max) block_atomic_abs_max(abs_max, amax);
+    store.finish();
 }
 
 template <typename T>
 __device__ void plain_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act,
                                     long long vecs) {
     constexpr int VN = Pack16<T>::N;
-    unsigned amax = 0;
+    VecStore<T> store(dinp, abs_max);
     GRID_STRIDE(i, vecs) {
         const Pack16<T> x = Pack16<T>::load(inp + i * VN), d = Pack16<T>::load(dout + i * VN);
         Pack16<T> y;
-        for (int k = 0; k < VN; ++k) {
-            y.v[k] = from_float<T>(to_float(d.v[k]) * act_grad(act, to_float(x.v[k])));
-            amax = max(amax, abs_bits(to_float(y.v[k])));
-        }
-        y.store(dinp + i * VN);
+        for (int k = 0; k < VN; ++k) y.v[k] = from_float<T>(to_float(d.v[k]) * act_grad(act, to_float(x.v[k])));
+        store(i * VN, y);
     }
-    if (abs_max) block_atomic_abs_max(abs_max, amax);
+    store.finish();
 }
 
-template <typename T, bool INTERLEAVED>
-__device__ void gated_forward_impl(T* out, const T* inp, float* abs_max, int act, long long N, int H) {
+template <typename T, bool INTERLEAVED, bool QUANT>
+__device__ void gated_forward_impl(void* out, const T* inp, float* slot, int act, long long N, int H) {
     constexpr int VN = Pack16<T>::N;
-    unsigned amax = 0;
-    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
-        const long long row = w.row;
-        const int j = w.col * VN;
-        float g[VN], u[VN];
-        load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
+    VecStore<T, QUANT> store(out, slot);
+    for_each_gated<T, INTERLEAVED>(inp, N, H, [&](size_t row, int j, const float* g, const float* u) {
         Pack16<T> y;
-        for (int k = 0; k < VN; ++k) {
-            y.v[k] = from_float<T>(gated_value(act, g[k], u[k]));
-            amax = max(amax, abs_bits(to_float(y.v[k])));
-        }
-        y.store(out + (size_t)row * H + j);
-    }
-    if (abs_max) block_atomic_abs_max(abs_max, amax);
+        for (int k = 0; k < VN; ++k) y.v[k] = from_float<T>(gated_value(act, g[k], u[k]));
+        store(row * H + j, y);
+    });
+    store.finish();
 }
 
 template <typename T, bool INTERLEAVED>
@@ -200,71 +238,46 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
                                     int H) {
     constexpr int VN = Pack16<T>::N;
     unsigned amax = 0;
-    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
-        const long long row = w.row;
-        const int j = w.col * VN;
-        float g[VN], u[VN];
-        load_gate_up<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, g, u);
-        const Pack16<T> d = Pack16<T>::load(dout + (size_t)row * H + j);
+    for_each_gated<T, INTERLEAVED>(inp, N, H, [&](size_t row, int j, float* g, float* u) {
+        const Pack16<T> d = Pack16<T>::load(dout + row * H + j);
         for (int k = 0; k < VN; ++k) gated_grad(act, g[k], u[k], to_float(d.v[k]), g[k], u[k]);
-        amax = max(amax, store_gate_up<T, INTERLEAVED>(dinp + (size_t)row * 2 * H, j, H, g, u));
-    }
+        amax = max(amax, store_gate_up<T, INTERLEAVED>(dinp + row * 2 * H, j, H, g, u));
+    });
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
-template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
-
-template <typename T>
-__device__ void swiglu_forward_quant_impl(fp8e4* out, float* stats, const T* inp, long long N, int H) {
-    constexpr int VN = Pack16<T>::N;
-    const float a = stats[STAT_ABS_MAX];
-    const float scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
-    if (blockIdx.x == 0 && threadIdx.x == 0) stats[STAT_SCALE] = scale, stats[STAT_SCALE_INV] = 1.f / scale;  // abs_max is only read
-    for (RowColWalk w(N, H / VN); w.row < N; w.next()) {
-        const long long row = w.row;
-        const int j = w.col * VN;
-        float g[VN], u[VN];
-        load_gate_up<T, false>(inp + (size_t)row * 2 * H, j, H, g, u);
-        Bytes<VN> q;
-        for (int k = 0; k < VN; ++k) {
-            const float y = to_float(from_float<T>(act_value(ACT_SILU, g[k]) * u[k]));
-            q.b[k] = from_float<fp8e4>(y * scale).__x;
-        }
-        *reinterpret_cast<Bytes<VN>*>(out + (size_t)row * H + j) = q;
-    }
-}
-
 // ---- launchers ----------------------------------------------------------------------------
+// The `_quant` forwards take the e4m3 output and its stats slot where the others take out and abs_max.
+
+#define GATED_KERNELS(SUF, T, LAYOUT, INTERLEAVED)                                                            \
+    extern "C" __global__ void gated_forward_##LAYOUT##_##SUF(T* out, const T* inp, float* abs_max, int act,  \
+                                                              long long N, int H) {                          \
+        gated_forward_impl<T, INTERLEAVED, false>(out, inp, abs_max, act, N, H);                              \
+    }                                                                                                          \
+    extern "C" __global__ void gated_forward_quant_##LAYOUT##_##SUF(fp8e4* out, const T* inp, float* stats,   \
+                                                                    int act, long long N, int H) {           \
+        gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
+    }                                                                                                          \
+    extern "C" __global__ void gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp,          \
+                                                               float* abs_max, int act, long long N, int H) { \
+        gated_backward_impl<T, INTERLEAVED>(dinp, dout, inp, abs_max, act, N, H);                             \
+    }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void act_forward_##SUF(T* out, const T* inp, float* abs_max, int act,              \
                                                  long long vecs) {                                          \
-        plain_forward_impl<T>(out, inp, abs_max, act, vecs);                                                 \
+        plain_forward_impl<T, false>(out, inp, abs_max, act, vecs);                                          \
     }                                                                                                          \
-    extern "C" __global__ void gated_forward_split_##SUF(T* out, const T* inp, float* abs_max, int act,      \
-                                                         long long N, int H) {                              \
-        gated_forward_impl<T, false>(out, inp, abs_max, act, N, H);                                          \
-    }                                                                                                          \
-    extern "C" __global__ void gated_forward_interleaved_##SUF(T* out, const T* inp, float* abs_max, int act,\
-                                                               long long N, int H) {                        \
-        gated_forward_impl<T, true>(out, inp, abs_max, act, N, H);                                           \
-    }                                                                                                          \
-    extern "C" __global__ void swiglu_forward_quant_##SUF(fp8e4* out, float* stats, const T* inp, long long N, \
-                                                          int H) {                                          \
-        swiglu_forward_quant_impl<T>(out, stats, inp, N, H);                                                 \
+    extern "C" __global__ void act_forward_quant_##SUF(fp8e4* out, const T* inp, float* stats, int act,      \
+                                                       long long vecs) {                                    \
+        plain_forward_impl<T, true>(out, inp, stats, act, vecs);                                             \
     }                                                                                                          \
     extern "C" __global__ void act_backward_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max,       \
                                                   int act, long long vecs) {                                \
         plain_backward_impl<T>(dinp, dout, inp, abs_max, act, vecs);                                         \
     }                                                                                                          \
-    extern "C" __global__ void gated_backward_split_##SUF(T* dinp, const T* dout, const T* inp,              \
-                                                          float* abs_max, int act, long long N, int H) {    \
-        gated_backward_impl<T, false>(dinp, dout, inp, abs_max, act, N, H);                                  \
-    }                                                                                                          \
-    extern "C" __global__ void gated_backward_interleaved_##SUF(T* dinp, const T* dout, const T* inp,        \
-                                                                float* abs_max, int act, long long N, int H) { \
-        gated_backward_impl<T, true>(dinp, dout, inp, abs_max, act, N, H);                                   \
-    }
+    GATED_KERNELS(SUF, T, split, false)                                                                        \
+    GATED_KERNELS(SUF, T, interleaved, true)
 ACTIVATION_KERNELS(f32, float)
 ACTIVATION_KERNELS(bf16, bf16)
 ACTIVATION_KERNELS(f16, half)

@@ -14,6 +14,7 @@ from cuengine.kernels.activations import (
     activation_backward_np,
     activation_forward,
     activation_forward_np,
+    activation_forward_quant,
     swiglu_backward,
     swiglu_forward,
     swiglu_forward_quant,
@@ -161,14 +162,19 @@ def test_swiglu_names_are_the_split_layout(dev):
     assert_close(t["amax"].numpy(), [np.abs(dx).max()], "fp32", "abs_max of dinp")
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("geglu", "interleaved"), ("relu_sq", "split")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("amax", [0.0, 3.0, 1e-3])
-def test_swiglu_forward_quant(dev, dtype, amax):
+def test_forward_quant(dev, activation, layout, dtype, amax):
     x = (rng(8).standard_normal((37, 64)) * 2).astype(ce.dtype(dtype).np)
-    y = activation_forward_np(x, "swiglu").astype(np.float32)  # what swiglu_forward stores (tested above)
-    out = ce.Tensor.empty(ce.FP8_E4M3, (37, 32), dev, name="q")
+    y = activation_forward_np(x, activation, layout).astype(np.float32)  # what activation_forward stores
+    out = ce.Tensor.empty(ce.FP8_E4M3, y.shape, dev, name="q")
     out.abs_max.copy_from_numpy(np.array([amax], np.float32))
-    swiglu_forward_quant(out, ce.Tensor.from_numpy(x, dev, name="x"))
+    inp = ce.Tensor.from_numpy(x, dev, name="x")
+    if (activation, layout) == ("swiglu", "split"):
+        swiglu_forward_quant(out, inp)
+    else:
+        activation_forward_quant(out, inp, activation, layout)
     scale = np.float32(448.0) / np.float32(amax) if amax else np.float32(1)
     stats = out.fp8_stats()
     np.testing.assert_array_equal(stats, np.array([amax, scale, np.float32(1) / scale], np.float32))
@@ -202,12 +208,13 @@ def _t(shape, dtype=np.float32):
         (lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 16)), "glu"), r"dinp: expected shape \(4, 16\)"),
         (lambda: activation_backward(_t((4, 16)), _t((4, 16)), _t((4, 16)), "glu"), r"dout: expected shape \(4, 8\)"),
         (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 16))), "expected dtype e4m3"),
-        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 15))), r"expected shape \(\.\.\., 2H\)"),
+        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 15))), r"needs \(\.\.\., 2H\)"),
         (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 12))), "H = 6 must be a multiple of 4"),
         (
             lambda: swiglu_forward_quant(ce.Tensor.empty(ce.FP8_E4M3, (4, 4), "cpu"), _t((4, 16))),
-            r"expected shape \(4, 8\)",
+            r"out_fp8: expected shape \(4, 8\)",
         ),
+        (lambda: activation_forward_quant(_t((4, 8)), _t((4, 8)), "relu", "rows"), "unknown layout 'rows'"),
     ],
 )
 def test_errors(call, match):
@@ -264,17 +271,21 @@ def test_cuda_matches_cpu_swiglu(rows, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "activation,layout", [("swiglu", "split"), ("swiglu_oai", "interleaved"), ("gelu_tanh_approx", "split")]
+)
 @pytest.mark.parametrize("rows", [37, 1128])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_swiglu_quant_equals_forward_then_quantise(cuda, rows, dtype):
+def test_cuda_forward_quant_equals_forward_then_quantise(cuda, activation, layout, rows, dtype):
     x = (rng(10).standard_normal((rows, 2 * 1000)) * 2).astype(ce.dtype(dtype).np)
     inp = ce.Tensor.from_numpy(x, cuda, name="x")
-    y = ce.Tensor.empty(dtype, (rows, 1000), cuda, name="y")
+    h = 1000 if activation in GATED else 2000
+    y = ce.Tensor.empty(dtype, (rows, h), cuda, name="y")
     amax = ce.Tensor.from_numpy(np.zeros(1, np.float32), cuda, name="amax")
-    swiglu_forward(y, inp, abs_max=amax)
-    q = ce.Tensor.empty(ce.FP8_E4M3, (rows, 1000), cuda, name="q")
+    activation_forward(y, inp, activation, layout, abs_max=amax)
+    q = ce.Tensor.empty(ce.FP8_E4M3, (rows, h), cuda, name="q")
     cuda.copy(q.abs_max, amax)
-    swiglu_forward_quant(q, inp)
+    activation_forward_quant(q, inp, activation, layout)
     a = float(amax.numpy()[0])
     scale = np.float32(448.0) / np.float32(a)
     np.testing.assert_array_equal(q.fp8_stats(), np.array([a, scale, np.float32(1) / scale], np.float32))

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import DType
 from ..tensor import Tensor
 
 COMPILE_OPTIONS = ("-std=c++17", "-DNDEBUG")
+# The suffix each raw_kernels/*.cu kernel carries per element type it is instantiated for.
+_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
 
 
 def kernel_dir() -> Path:
@@ -107,3 +110,19 @@ def launch(family: str, name: str, grid, block, args, device, stream=None, share
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def kernel_name(base: str, *types, scalar: bool = False) -> str:
+    """The name of one instantiation of kernel `base`: base_<suffix>..., one suffix per type.
+
+    `types` are DTypes or Tensors (their dtype), e.g. kernel_name("quantize", inp, out) is
+    "quantize_bf16_e4m3". `scalar` picks the `_scalar` variant that .cu files keep for unaligned data.
+    """
+    parts = [base] + [_SUFFIX[(t if isinstance(t, DType) else t.dtype).name] for t in types]
+    return "_".join(parts) + ("_scalar" if scalar else "")
+
+
+def grid_size(device, work: int, per_block: int, blocks_per_sm: int = 16) -> int:
+    """Blocks for a grid-stride kernel: one per `per_block` items of `work`, never more than
+    `blocks_per_sm` per SM (further blocks would only queue; the stride loop covers the rest), at least 1."""
+    return max(1, min(ceil_div(work, per_block), device.num_sms * blocks_per_sm))

@@ -4,21 +4,21 @@ Plain activations map (N, H) to (N, H). Gated ones read (N, 2H) holding gate and
 layout "split" is [gate | up] halves of each row (the model's packed up projection), "interleaved"
 is gate = x[:, 0::2], up = x[:, 1::2] (the standalone MLP op, seed 002). The backward writes the
 gradient of the whole input in the same layout and may overwrite the input (in place), as the seed
-does with its mlp_up buffer.
+does with its mlp_up buffer. activation_forward_quant writes E4M3 through the forward's own kernel
+body. The model's FFN (swiglu_*: split layout) and ops.mlp (interleaved) share these kernels.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP8_E4M3, FP16, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
-from ._build import ceil_div, launch
+from ._build import grid_size, kernel_name, launch
 
 FAMILY = "activations"
 FLOATS = (FP32, BF16, FP16)
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 PLAIN = ("silu", "gelu_tanh_approx", "relu", "relu_sq")
 GATED = ("swiglu", "swiglu_oai", "reglu", "geglu", "glu")
@@ -124,14 +124,14 @@ def activation_backward_np(dout: np.ndarray, inp: np.ndarray, activation: str, l
     return dx.astype(inp.dtype)
 
 
-def swiglu_forward_quant_np(inp: np.ndarray, abs_max: float) -> tuple[np.ndarray, float, float]:
-    """(q, scale, scale_inv): E4M3 of swiglu(inp) (split layout) rounded to inp's dtype, times scale.
+def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, abs_max: float):
+    """(q, scale, scale_inv): E4M3 of the activation of inp, rounded to inp's dtype, times scale.
 
     scale = 448 / abs_max (1 when abs_max is 0), as cuengine.tensor.stats_values; values are clipped
     to +-448 and rounded to nearest even (SATFINITE).
     """
     _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
-    y = activation_forward_np(inp, "swiglu").astype(np.float32) * np.float32(scale)
+    y = activation_forward_np(inp, activation, layout).astype(np.float32) * np.float32(scale)
     q = np.clip(y, -FP8_E4M3.fp8_max, FP8_E4M3.fp8_max).astype(FP8_E4M3.np)
     return q, scale, scale_inv
 
@@ -143,7 +143,10 @@ def _accumulate_abs_max(slot, values) -> None:
 
 
 def _shapes(what, out_like, inp, activation, layout):
-    """(N, H) after checking activation, layout and the (N, H) / (N, 2H) shapes."""
+    """(N, H) after checking activation, layout and the (N, H) / (N, 2H) shapes.
+
+    out_like = (name, tensor, dtype): the (N, H) operand, of `dtype` (None: inp's dtype).
+    """
     if activation not in ACTIVATIONS:
         raise ValueError(f"{what}: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     if layout not in LAYOUTS:
@@ -156,22 +159,23 @@ def _shapes(what, out_like, inp, activation, layout):
     if gated and width % 2:
         raise ValueError(f"{what} inp: {activation} needs (..., 2H), got tensor {inp.name!r} {inp.shape}")
     H = width // 2 if gated else width
-    vn = 16 // inp.dtype.itemsize
-    if H % vn:
-        raise ValueError(f"{what}: H = {H} must be a multiple of {vn} for 16-byte {inp.dtype} vectors")
-    expect(out_like[1], f"{what} {out_like[0]}", inp.dtype, inp.shape[:-1] + (H,))
+    check_vector_width(what, "H", H, inp.dtype)
+    name, out, dtype = out_like
+    expect(out, f"{what} {name}", dtype or inp.dtype, inp.shape[:-1] + (H,))
     return (inp.nelem // width if width else 0), H
 
 
-def _check_aligned(dev, *tensors) -> None:
-    if dev.is_cuda:
-        for t in tensors:
-            if t.ptr % 16:
-                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
-
-
-def _blocks(dev, work: int) -> int:
-    return max(1, min(ceil_div(work, 256), dev.num_sms * 16))
+def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: int, dev, stream) -> None:
+    """One launch of the `kernel` ("forward", "forward_quant", "backward") of this activation: the plain
+    kernels walk the N*H elements as flat 16-byte vectors, the gated ones the (row, vector) pairs of
+    the (N, H) output, reading x in `layout`. `tensors` are the kernel's pointer arguments."""
+    vecs = N * H // (16 // inp.dtype.itemsize)
+    if activation in GATED:
+        name, sizes = kernel_name(f"gated_{kernel}_{layout}", inp), (np.int64(N), np.int32(H))
+    else:
+        name, sizes = kernel_name(f"act_{kernel}", inp), (np.int64(vecs),)
+    args = (*tensors, np.int32(_ACT_ID[activation]), *sizes)
+    launch(FAMILY, name, grid_size(dev, vecs, 256), 256, args, dev, stream)
 
 
 def activation_forward(out, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:
@@ -186,7 +190,7 @@ def activation_forward(out, inp, activation: str, layout: str = "split", abs_max
         abs_max: optional (1,) fp32; max-accumulates |out|.
     NumPy equivalent: activation_forward_np.
     """
-    N, H = _shapes("activation_forward", ("out", out), inp, activation, layout)
+    N, H = _shapes("activation_forward", ("out", out, None), inp, activation, layout)
     if abs_max is not None:
         expect(abs_max, "activation_forward abs_max", FP32, (1,))
     dev = same_device(out, inp, abs_max)
@@ -198,14 +202,40 @@ def activation_forward(out, inp, activation: str, layout: str = "split", abs_max
         return
     if N * H == 0:
         return
-    _check_aligned(dev, out, inp)
-    vn, suffix, act = 16 // inp.dtype.itemsize, _SUFFIX[inp.dtype.name], np.int32(_ACT_ID[activation])
-    if activation in GATED:
-        args = (out, inp, abs_max, act, np.int64(N), np.int32(H))
-        launch(FAMILY, f"gated_forward_{layout}_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
-    else:
-        args = (out, inp, abs_max, act, np.int64(N * H // vn))
-        launch(FAMILY, f"act_forward_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+    check_aligned("activation_forward", out, inp)
+    _launch("forward", (out, inp, abs_max), inp, activation, layout, N, H, dev, stream)
+
+
+def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split", stream=None) -> None:
+    """activation(inp) written straight to E4M3, with the abs-max an earlier forward recorded.
+
+    Reads out_fp8.abs_max (left unchanged), writes out_fp8.scale = 448 / abs_max and
+    out_fp8.scale_inv = 1 / scale (both 1 when abs_max is 0, as stats_values), and the values
+    fp8(round(activation(inp)) * scale), clipped to +-448 with round-to-nearest-even. Rounding to
+    inp's dtype first makes this equal to activation_forward followed by quantisation: the same
+    kernel body serves both, so a recomputed FP8 copy has the bits of the original.
+
+    Args:
+        out_fp8: (N, H) e4m3 with an FP8 stats slot.
+        inp, activation, layout: as for activation_forward.
+    NumPy equivalent: activation_forward_quant_np(inp, activation, layout, abs_max).
+    """
+    what = "activation_forward_quant"
+    N, H = _shapes(what, ("out_fp8", out_fp8, FP8_E4M3), inp, activation, layout)
+    if out_fp8.stats is None:
+        raise ValueError(f"{what} out_fp8: tensor {out_fp8.name!r} carries no FP8 stats slot")
+    dev = same_device(out_fp8, inp, out_fp8.stats)
+    if dev.is_cpu:
+        stats = out_fp8.stats.array()
+        q, scale, scale_inv = activation_forward_quant_np(inp.array(), activation, layout, float(stats[STAT_ABS_MAX]))
+        out_fp8.array()[...] = q
+        stats[STAT_SCALE], stats[STAT_SCALE_INV] = scale, scale_inv
+        return
+    if N * H == 0:
+        return
+    check_aligned(what, inp)
+    check_aligned(what, out_fp8, nbytes=16 // inp.dtype.itemsize)  # one E4M3 byte per element of a vector
+    _launch("forward_quant", (out_fp8, inp, out_fp8.stats), inp, activation, layout, N, H, dev, stream)
 
 
 def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:
@@ -219,7 +249,7 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         abs_max: optional (1,) fp32; max-accumulates |dinp|.
     NumPy equivalent: activation_backward_np.
     """
-    N, H = _shapes("activation_backward", ("dout", dout), inp, activation, layout)
+    N, H = _shapes("activation_backward", ("dout", dout, None), inp, activation, layout)
     expect(dinp, "activation_backward dinp", inp.dtype, inp.shape)
     if abs_max is not None:
         expect(abs_max, "activation_backward abs_max", FP32, (1,))
@@ -232,61 +262,21 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         return
     if N * H == 0:
         return
-    _check_aligned(dev, dinp, dout, inp)
-    vn, suffix, act = 16 // inp.dtype.itemsize, _SUFFIX[inp.dtype.name], np.int32(_ACT_ID[activation])
-    if activation in GATED:
-        args = (dinp, dout, inp, abs_max, act, np.int64(N), np.int32(H))
-        launch(FAMILY, f"gated_backward_{layout}_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
-    else:
-        args = (dinp, dout, inp, abs_max, act, np.int64(N * H // vn))
-        launch(FAMILY, f"act_backward_{suffix}", _blocks(dev, N * H // vn), 256, args, dev, stream)
+    check_aligned("activation_backward", dinp, dout, inp)
+    _launch("backward", (dinp, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
 
 
+# The model's FFN names: SwiGLU on its packed [gate | up] projection, the same kernels as ops.mlp's.
 def swiglu_forward(out, inp, abs_max=None, stream=None) -> None:
     """SwiGLU on the split layout: out (N, H) = silu(inp[:, :H]) * inp[:, H:]. See activation_forward."""
     activation_forward(out, inp, "swiglu", "split", abs_max, stream)
 
 
+def swiglu_forward_quant(out_fp8, inp, stream=None) -> None:
+    """SwiGLU on the split layout straight to E4M3 (the recompute path). See activation_forward_quant."""
+    activation_forward_quant(out_fp8, inp, "swiglu", "split", stream)
+
+
 def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None) -> None:
     """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself. See activation_backward."""
     activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream)
-
-
-def swiglu_forward_quant(out_fp8, inp, stream=None) -> None:
-    """SwiGLU (split layout) written straight to E4M3, with the abs-max the forward pass recorded.
-
-    Reads out_fp8.abs_max (left unchanged), writes out_fp8.scale = 448 / abs_max and
-    out_fp8.scale_inv = 1 / scale (both 1 when abs_max is 0, as stats_values), and the values
-    fp8(round(swiglu(inp)) * scale), clipped to +-448 with round-to-nearest-even. Rounding swiglu to
-    inp's dtype first makes this equal to swiglu_forward followed by quantisation.
-
-    Args:
-        out_fp8: (N, H) e4m3 with an FP8 stats slot.
-        inp: (N, 2H) fp32, bf16 or fp16, [gate | up].
-    NumPy equivalent: swiglu_forward_quant_np(inp, abs_max).
-    """
-    what = "swiglu_forward_quant"
-    expect(inp, f"{what} inp", FLOATS)
-    if inp.ndim < 1 or inp.shape[-1] % 2:
-        raise ValueError(f"{what} inp: expected shape (..., 2H), got tensor {inp.name!r} {inp.shape}")
-    H = inp.shape[-1] // 2
-    vn = 16 // inp.dtype.itemsize
-    if H % vn:
-        raise ValueError(f"{what}: H = {H} must be a multiple of {vn} for 16-byte {inp.dtype} vectors")
-    expect(out_fp8, f"{what} out_fp8", FP8_E4M3, inp.shape[:-1] + (H,))
-    if out_fp8.stats is None:
-        raise ValueError(f"{what} out_fp8: tensor {out_fp8.name!r} carries no FP8 stats slot")
-    dev = same_device(out_fp8, inp, out_fp8.stats)
-    N = inp.nelem // inp.shape[-1] if inp.shape[-1] else 0
-    if dev.is_cpu:
-        stats = out_fp8.stats.array()
-        q, scale, scale_inv = swiglu_forward_quant_np(inp.array(), float(stats[STAT_ABS_MAX]))
-        out_fp8.array()[...] = q
-        stats[STAT_SCALE], stats[STAT_SCALE_INV] = scale, scale_inv
-        return
-    _check_aligned(dev, inp)
-    if out_fp8.ptr % vn:
-        raise ValueError(f"tensor {out_fp8.name!r}: device address {out_fp8.ptr:#x} is not {vn}-byte aligned")
-    args = (out_fp8, out_fp8.stats, inp, np.int64(N), np.int32(H))
-    name = f"swiglu_forward_quant_{_SUFFIX[inp.dtype.name]}"
-    launch(FAMILY, name, _blocks(dev, N * H // vn), 256, args, dev, stream)

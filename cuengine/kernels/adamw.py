@@ -15,7 +15,6 @@ from .. import _checks
 from ..dtypes import BF16, FP32
 from . import _build
 
-_SUFFIX = {"fp32": "f32", "bf16": "bf16"}
 HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")  # the first slots of hparams (8,)
 _U32 = np.uint32
 
@@ -135,8 +134,8 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
         m.array()[...] = m2
         v.array()[...] = v2
         return
-    vec = all(t.ptr % 16 == 0 for t in (param, grad, m, v))
-    name = "adamw_" + "_".join(_SUFFIX[t.dtype.name] for t in (param, grad, m, v)) + ("" if vec else "_scalar")
-    grid = max(1, min(_build.ceil_div(n, 256 * (8 if vec else 1)), dev.num_sms * 8))
+    vec = _checks.is_aligned(param, grad, m, v)
+    name = _build.kernel_name("adamw", param, grad, m, v, scalar=not vec)
+    grid = _build.grid_size(dev, n, 256 * (8 if vec else 1), 8)
     args = (param, grad, m, v, hparams, grad_scale, np.int32(bool(weight_decay_on)), np.uint32(seed), np.int64(n))
     _build.launch("adamw", name, grid, 256, args, dev, stream)

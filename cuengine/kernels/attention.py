@@ -31,13 +31,14 @@ from .. import _checks
 from ..device import device as _get_device
 from ..dtypes import BF16, BYTE, FP32
 from ..dtypes import dtype as _dtype
-from ._build import ceil_div, launch
+from ._build import ceil_div, kernel_name, launch
 
 BACKENDS = ("auto", "raw", "cudnn")
 FLASH_HEAD_SIZES = (64, 128)  # bf16 head sizes with tensor-core kernels in the raw backend
 RAW_MAX_HEAD_SIZE = 256  # the warp-per-row kernels keep 8 elements per lane
 _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD in attention.cu)
 _BLOCK = 64  # flash backward rows per block (queries and keys)
+_SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
 
 
@@ -233,12 +234,6 @@ def _check_workspace(workspace, need: int, device, kind: str) -> None:
         )
 
 
-def _check_aligned(**tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.ptr % 16:
-            raise ValueError(f"attention: {name} ({t.name!r}) must be 16-byte aligned on the GPU, address {t.ptr:#x}")
-
-
 # ---- launchers -------------------------------------------------------------------------------
 def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: str = "auto", workspace=None,
                       stream=None) -> None:  # fmt: skip
@@ -272,7 +267,7 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
         return
     flash = qkv.dtype == BF16 and hs in FLASH_HEAD_SIZES
     if flash or resolved == "cudnn":
-        _check_aligned(att=att, qkv=qkv)
+        _checks.check_aligned("attention_forward", att, qkv)
     if resolved == "cudnn":
         entry = _cudnn_graph("fwd", B, T, n_q_heads, n_kv_heads, hs, dev)
         q, k, v = _qkv_pointers(qkv, n_q_heads, n_kv_heads, hs)
@@ -283,11 +278,11 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
     if flash:
         rows = 16 * _FWD_WARPS
         smem = (rows + 4 * _BLOCK) * hs * 2  # Q tile, double-buffered K and V tiles
-        launch("attention", f"attention_forward_flash_hs{hs}_bf16", (ceil_div(T, rows), n_q_heads, B),
-               32 * _FWD_WARPS, (att, lse, qkv, *sizes, scale), dev, stream, shared_mem=smem)  # fmt: skip
+        _launch(f"attention_forward_flash_hs{hs}", qkv, (ceil_div(T, rows), n_q_heads, B), 32 * _FWD_WARPS,
+                (att, lse, qkv, *sizes, scale), dev, stream, smem)  # fmt: skip
     else:
-        launch("attention", f"attention_forward_simt_{_suffix(qkv)}", ceil_div(B * n_q_heads * T, 4), 128,
-               (att, lse, qkv, np.int32(B), *sizes, np.int32(hs), scale), dev, stream)  # fmt: skip
+        args = (att, lse, qkv, np.int32(B), *sizes, np.int32(hs), scale)
+        _launch("attention_forward_simt", qkv, _simt_blocks(B * n_q_heads * T), _SIMT_THREADS, args, dev, stream)
 
 
 def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: str = "auto",
@@ -322,7 +317,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         return
     flash = qkv.dtype == BF16 and hs in FLASH_HEAD_SIZES
     if flash or resolved == "cudnn":
-        _check_aligned(dqkv=dqkv, datt=datt, att=att, qkv=qkv, workspace=workspace)
+        _checks.check_aligned("attention_backward", dqkv, datt, att, qkv, workspace)
     if resolved == "cudnn":
         entry = _cudnn_graph("bwd", B, T, n_q_heads, n_kv_heads, hs, dev)
         q, k, v = _qkv_pointers(qkv, n_q_heads, n_kv_heads, hs)
@@ -331,29 +326,31 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         _cudnn_execute(entry, ptrs, workspace, dev, stream)
         return
     dsum = workspace.flat().rows(0, B * n_q_heads * T * 4).view(FP32)  # D (B, Hq, T)
-    sfx = _suffix(qkv)
-    launch("attention", f"attention_backward_dot_{sfx}", ceil_div(B * T * n_q_heads, 4), 128,
-           (dsum, datt, att, np.int32(B), np.int32(T), np.int32(n_q_heads), np.int32(hs)), dev, stream)  # fmt: skip
+    args = (dsum, datt, att, np.int32(B), np.int32(T), np.int32(n_q_heads), np.int32(hs))
+    _launch("attention_backward_dot", qkv, _simt_blocks(B * T * n_q_heads), _SIMT_THREADS, args, dev, stream)
     scale = np.float32(1.0 / math.sqrt(hs))
     args = (dqkv, datt, qkv, lse, dsum)
     if flash:
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = 6 * _BLOCK * hs * 2  # dq: Q, dO, 2 x K, 2 x V; dkdv: K, V, 2 x Q, 2 x dO (+ lse, D)
         nblk = ceil_div(T, _BLOCK)
-        launch("attention", f"attention_backward_dq_flash_hs{hs}_bf16", (nblk, n_q_heads, B), 128, (*args, *sizes),
-               dev, stream, shared_mem=smem)  # fmt: skip
-        launch("attention", f"attention_backward_dkdv_flash_hs{hs}_bf16", (nblk, n_kv_heads, B), 128,
-               (*args, *sizes), dev, stream, shared_mem=smem + 4 * _BLOCK * 4)  # fmt: skip
+        _launch(f"attention_backward_dq_flash_hs{hs}", qkv, (nblk, n_q_heads, B), 128, (*args, *sizes), dev, stream,
+                smem)  # fmt: skip
+        _launch(f"attention_backward_dkdv_flash_hs{hs}", qkv, (nblk, n_kv_heads, B), 128, (*args, *sizes), dev, stream,
+                smem + 4 * _BLOCK * 4)  # fmt: skip
     else:
-        sizes = (np.int32(B), np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs), scale)
-        launch("attention", f"attention_backward_dq_simt_{sfx}", ceil_div(B * n_q_heads * T, 4), 128,
-               (*args, *sizes), dev, stream)  # fmt: skip
-        launch("attention", f"attention_backward_dkdv_simt_{sfx}", ceil_div(B * n_kv_heads * T, 4), 128,
-               (*args, *sizes), dev, stream)  # fmt: skip
+        args = (*args, np.int32(B), np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs), scale)
+        _launch("attention_backward_dq_simt", qkv, _simt_blocks(B * n_q_heads * T), _SIMT_THREADS, args, dev, stream)
+        _launch("attention_backward_dkdv_simt", qkv, _simt_blocks(B * n_kv_heads * T), _SIMT_THREADS, args, dev, stream)
 
 
-def _suffix(t) -> str:
-    return "bf16" if t.dtype == BF16 else "f32"
+def _launch(kernel: str, qkv, grid, block: int, args, dev, stream, shared_mem: int = 0) -> None:
+    launch("attention", kernel_name(kernel, qkv), grid, block, args, dev, stream, shared_mem=shared_mem)
+
+
+def _simt_blocks(rows: int) -> int:
+    """Blocks for the warp-per-row kernels (and the D pass): one warp per row, _SIMT_THREADS per block."""
+    return ceil_div(rows, _SIMT_THREADS // 32)
 
 
 def _qkv_pointers(t, Hq: int, Hkv: int, hs: int) -> tuple[int, int, int]:

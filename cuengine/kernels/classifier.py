@@ -13,7 +13,6 @@ from .. import _checks
 from ..dtypes import BF16, FP32, INT32
 from . import _build
 
-_SUFFIX = {"fp32": "f32", "bf16": "bf16"}
 _WARP_ROW_MAX_V = 4096  # rows up to this length take one warp each
 _WARP_ROWS = 8  # rows (warps) per block of the `_warp` kernels
 # Dynamic shared memory per block that caches a row's head between the forward and backward
@@ -85,9 +84,9 @@ def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float 
                                    write_dlogits)  # fmt: skip
         return
     pack = 16 // logits.dtype.itemsize
-    vectorised = v % pack == 0 and logits.ptr % 16 == 0
+    vectorised = v % pack == 0 and _checks.is_aligned(logits)
     per_thread = pack if vectorised else 1
-    name = f"fused_classifier_{_SUFFIX[logits.dtype.name]}" + ("" if vectorised else "_scalar")
+    name = _build.kernel_name("fused_classifier", logits, scalar=not vectorised)
     cache_n, smem = 0, 0
     if v <= _WARP_ROW_MAX_V:  # a warp per row, _WARP_ROWS rows per block
         name += "_warp"

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32, INT32
-from ._build import ceil_div, launch
+from ._build import ceil_div, grid_size, kernel_name, launch
 
 FAMILY = "encoder"
 FLOATS = (FP32, BF16, FP16)
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 _RADIX_BITS = 9  # matches encoder.cu
 _SORT_THREADS = 1 << _RADIX_BITS  # one thread per digit value
@@ -95,19 +94,6 @@ def encoder_scratch_shape(B: int, T: int, C: int | None = None) -> tuple[int]:
 
 
 # ---- launchers ----------------------------------------------------------------------------
-def _check_width(C: int, dt, what: str) -> None:
-    vn = 16 // dt.itemsize
-    if C % vn:
-        raise ValueError(f"{what}: C = {C} must be a multiple of {vn} for 16-byte {dt} vectors")
-
-
-def _check_aligned(dev, *tensors) -> None:
-    if dev.is_cuda:
-        for t in tensors:
-            if t.ptr % 16:
-                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
-
-
 def encoder_forward(out, tokens, wte, stream=None) -> None:
     """Embedding lookup: out[b, t, :] = wte[tokens[b, t], :].
 
@@ -122,17 +108,17 @@ def encoder_forward(out, tokens, wte, stream=None) -> None:
     expect(tokens, "encoder_forward tokens", INT32)
     expect(out, "encoder_forward out", wte.dtype, tokens.shape + (C,))
     dev = same_device(out, tokens, wte)
-    _check_width(C, wte.dtype, "encoder_forward")
+    check_vector_width("encoder_forward", "C", C, wte.dtype)
     if dev.is_cpu:
         out.array()[...] = encoder_forward_np(tokens.array(), wte.array())
         return
     N = tokens.nelem
     if N == 0:
         return
-    _check_aligned(dev, out, wte)
-    blocks = min(ceil_div(N * C // (16 // wte.dtype.itemsize), 256), dev.num_sms * 16)
+    check_aligned("encoder_forward", out, wte)
+    blocks = grid_size(dev, N * C // (16 // wte.dtype.itemsize), 256)
     args = (out, tokens, wte, np.int64(N), np.int32(C), np.int32(V))
-    launch(FAMILY, f"encoder_forward_{_SUFFIX[wte.dtype.name]}", blocks, 256, args, dev, stream)
+    launch(FAMILY, kernel_name("encoder_forward", wte), blocks, 256, args, dev, stream)
 
 
 def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
@@ -154,13 +140,13 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     N = tokens.nelem
     expect(scratch, "encoder_backward scratch", INT32, encoder_scratch_shape(N, 1))
     dev = same_device(dwte, dout, tokens, scratch)
-    _check_width(C, dout.dtype, "encoder_backward")
+    check_vector_width("encoder_backward", "C", C, dout.dtype)
     if dev.is_cpu:
         dwte.array()[...] = encoder_backward_np(dwte.array(), dout.array(), tokens.array())
         return
     if N == 0:
         return
-    _check_aligned(dev, dout)
+    check_aligned("encoder_backward", dout)
     tiles = ceil_div(N, _SORT_TILE)
     flat = scratch.flat()
     bufs = (flat.rows(0, N), flat.rows(N, 2 * N))
@@ -176,7 +162,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         launch(FAMILY, "encoder_sort_scatter", tiles, _SORT_THREADS, args, dev, stream)
         src = dst
     chunk = _SUM_VECS * (16 // dout.dtype.itemsize)  # channels per block
-    name = f"encoder_backward_sum_{_SUFFIX[dwte.dtype.name]}_{_SUFFIX[dout.dtype.name]}"
+    name = kernel_name("encoder_backward_sum", dwte, dout)
     args = (dwte, dout, src, keys, np.int32(N), np.int32(V), np.int32(C))
     grid = (ceil_div(N, _SUM_SLOTS), ceil_div(C, chunk))
     launch(FAMILY, name, grid, _SUM_SLOTS * _SUM_VECS, args, dev, stream)

@@ -17,19 +17,10 @@ from ..dtypes import BF16, FP8_E4M3, FP8_E5M2, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV
 from . import _build
 
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
 _BITS = {1: np.uint8, 2: np.uint16}
 _BIAS_ROWS = 128  # the fewest rows per partial sum in bias_backward (BIAS_ROWS in fp8.cu); sizes scratch
 _BIAS_BLOCKS = 528  # bias_partial blocks to aim for: one wave of 4 per SM (__launch_bounds__(256, 4)) on 132 SMs
 _TILE_C = 64  # columns of inp per transpose tile (TC in fp8.cu)
-
-
-def _aligned(*tensors) -> bool:
-    return all(t.ptr % 16 == 0 for t in tensors)
-
-
-def _grid(n: int, per_block: int, dev, blocks_per_sm: int) -> int:
-    return max(1, min(_build.ceil_div(n, per_block), dev.num_sms * blocks_per_sm))
 
 
 def _amax_slot(abs_max, out, what: str):
@@ -103,9 +94,9 @@ def abs_max(amax, inp, stream=None) -> None:
         a = amax.array()
         a[0] = np.maximum(a[0], abs_max_reference(inp.array()))
         return
-    vec = _aligned(inp)
-    name = f"abs_max_{_SUFFIX[inp.dtype.name]}" + ("" if vec else "_scalar")
-    grid = _grid(n, 512 * (8 if vec else 1), dev, 4)
+    vec = _checks.is_aligned(inp)
+    grid = _build.grid_size(dev, n, 512 * (8 if vec else 1), 4)
+    name = _build.kernel_name("abs_max", inp, scalar=not vec)
     _build.launch("fp8", name, grid, 512, (amax, inp, np.int64(n)), dev, stream)
 
 
@@ -141,9 +132,9 @@ def quantize_with_abs_max(out, inp, abs_max=None, stream=None) -> None:
         if src.ptr != out.abs_max.ptr:
             st[STAT_ABS_MAX] = stats[0]
         return
-    vec = _aligned(out, inp)
-    name = f"quantize_{_SUFFIX[inp.dtype.name]}_{_SUFFIX[out.dtype.name]}" + ("" if vec else "_scalar")
-    grid = _grid(n, 256 * (8 if vec else 1), dev, 16)
+    vec = _checks.is_aligned(out, inp)
+    name = _build.kernel_name("quantize", inp, out, scalar=not vec)
+    grid = _build.grid_size(dev, n, 256 * (8 if vec else 1))
     _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int64(n)), dev, stream)
 
 
@@ -181,8 +172,8 @@ def quantize_and_transpose(out, inp, abs_max=None, stream=None) -> None:
         if src.ptr != out.abs_max.ptr:
             st[STAT_ABS_MAX] = stats[0]
         return
-    vec = c % 8 == 0 and n % 16 == 0 and _aligned(out, inp)
-    name = f"quantize_transpose_{_SUFFIX[inp.dtype.name]}_{_SUFFIX[out.dtype.name]}" + ("" if vec else "_scalar")
+    vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, inp)
+    name = _build.kernel_name("quantize_transpose", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
     _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream)
 
@@ -213,8 +204,8 @@ def transpose(out, inp, stream=None) -> None:
         out.array().view(bits)[...] = inp.array().view(bits).reshape(n, c).T
         return
     s = inp.dtype.itemsize
-    vec = c % 8 == 0 and n % (16 // s) == 0 and _aligned(out, inp)
-    name = f"transpose_u{8 * s}" + ("" if vec else "_scalar")
+    vec = c % 8 == 0 and n % (16 // s) == 0 and _checks.is_aligned(out, inp)
+    name = _build.kernel_name(f"transpose_u{8 * s}", scalar=not vec)
     grid = _transpose_grid(n, c, s, "transpose")
     _build.launch("fp8", name, grid, 256, (out, inp, np.int32(n), np.int32(c)), dev, stream)
 
@@ -255,9 +246,8 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
         dbias.array()[...] = bias_backward_reference(dbias.array(), dout.array())
         return
     pack = 16 // dout.dtype.itemsize
-    vec = oc % pack == 0 and _aligned(dout)
+    vec = oc % pack == 0 and _checks.is_aligned(dout)
     cols = 32 * (pack if vec else 1)
-    suffix = _SUFFIX[dout.dtype.name]
     if _build.ceil_div(n, _BIAS_ROWS) > 65535:
         raise ValueError(f"bias_backward: N = {n} rows exceed the {65535 * _BIAS_ROWS} one launch covers")
     # Rows per block: about _BIAS_BLOCKS blocks in all (one wave of the vectorised kernel), never
@@ -267,8 +257,7 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
     groups = _BIAS_BLOCKS // _build.ceil_div(oc, 32 * pack)
     rows = max(_BIAS_ROWS, _build.ceil_div(_build.ceil_div(n, groups), 8) * 8) if groups else _BIAS_ROWS
     grid = (_build.ceil_div(oc, cols), _build.ceil_div(n, rows))
-    name = f"bias_partial_{suffix}" + ("" if vec else "_scalar")
+    name = _build.kernel_name("bias_partial", dout, scalar=not vec)
     _build.launch("fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows)), dev, stream)
-    reduce = f"bias_reduce_{_SUFFIX[dbias.dtype.name]}"
-    _build.launch("fp8", reduce, _build.ceil_div(oc, 64), 64, (dbias, scratch, np.int32(grid[1]), np.int32(oc)),
-                  dev, stream)  # fmt: skip
+    args = (dbias, scratch, np.int32(grid[1]), np.int32(oc))
+    _build.launch("fp8", _build.kernel_name("bias_reduce", dbias), _build.ceil_div(oc, 64), 64, args, dev, stream)

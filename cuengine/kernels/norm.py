@@ -16,7 +16,6 @@ from . import _build
 
 NORM_SLOTS = 1024  # about 8 x the 132 SMs of an H200: enough blocks to stream a large tensor
 _THREADS = 256
-_SUFFIX = {"fp32": "f32", "bf16": "bf16"}
 
 
 def norm_partials_shape() -> tuple[int]:
@@ -62,7 +61,7 @@ def global_norm_squared(partials, tensor, stream=None) -> None:
         return
     # The grid depends on n alone, never on the device or on alignment: that fixes the order.
     grid = min(NORM_SLOTS, _build.ceil_div(n, _THREADS * 8))
-    name = f"global_norm_squared_{_SUFFIX[tensor.dtype.name]}" + ("" if tensor.ptr % 16 == 0 else "_scalar")
+    name = _build.kernel_name("global_norm_squared", tensor, scalar=not _checks.is_aligned(tensor))
     _build.launch("norm", name, grid, _THREADS, (partials, tensor, np.int64(n)), dev, stream)
 
 

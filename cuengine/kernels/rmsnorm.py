@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
-from ._build import ceil_div, launch
+from ._build import ceil_div, grid_size, kernel_name, launch
 
 FAMILY = "rmsnorm"
 FLOATS = (FP32, BF16, FP16)
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
 _BWD_SMEM = 96 * 1024  # per-warp dweight partials in shared memory: warps * C * 4 bytes at most
@@ -92,24 +91,13 @@ def _check_common(what, inp, weight, abs_max):
     if inp.ndim < 1:
         raise ValueError(f"{what} inp: expected shape (..., C), got tensor {inp.name!r} {inp.shape}")
     C = inp.shape[-1]
-    vn = 16 // inp.dtype.itemsize
-    if C == 0 or C % vn:
-        raise ValueError(f"{what}: C = {C} must be a positive multiple of {vn} for 16-byte {inp.dtype} vectors")
+    if C == 0:
+        raise ValueError(f"{what} inp: tensor {inp.name!r} {inp.shape} has no channels")
+    check_vector_width(what, "C", C, inp.dtype)
     expect(weight, f"{what} weight", inp.dtype, (C,))
     if abs_max is not None:
         expect(abs_max, f"{what} abs_max", FP32, (1,))
     return inp.nelem // C, C
-
-
-def _check_aligned(dev, *tensors) -> None:
-    if dev.is_cuda:
-        for t in tensors:
-            if t.ptr % 16:
-                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
-
-
-def _forward_blocks(dev, N: int) -> int:
-    return min(ceil_div(N, _FWD_WARPS), dev.num_sms * 16)
 
 
 def rmsnorm_forward(out, rstd, inp, weight, eps: float, abs_max=None, stream=None) -> None:
@@ -137,10 +125,10 @@ def rmsnorm_forward(out, rstd, inp, weight, eps: float, abs_max=None, stream=Non
         return
     if N == 0:
         return
-    _check_aligned(dev, out, inp, weight)
+    check_aligned("rmsnorm_forward", out, inp, weight)
     args = (out, rstd, inp, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
-    name = f"rmsnorm_forward_{_SUFFIX[inp.dtype.name]}"
-    launch(FAMILY, name, _forward_blocks(dev, N), 32 * _FWD_WARPS, args, dev, stream)
+    name = kernel_name("rmsnorm_forward", inp)
+    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream)
 
 
 def fused_residual_rmsnorm_forward(
@@ -173,10 +161,10 @@ def fused_residual_rmsnorm_forward(
         return
     if N == 0:
         return
-    _check_aligned(dev, residual, out, inp1, inp2, weight)
+    check_aligned("fused_residual_rmsnorm_forward", residual, out, inp1, inp2, weight)
     args = (residual, out, rstd, inp1, inp2, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
-    name = f"fused_residual_rmsnorm_forward_{_SUFFIX[inp1.dtype.name]}"
-    launch(FAMILY, name, _forward_blocks(dev, N), 32 * _FWD_WARPS, args, dev, stream)
+    name = kernel_name("fused_residual_rmsnorm_forward", inp1)
+    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream)
 
 
 def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max=None, stream=None) -> None:
@@ -208,10 +196,9 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
         return
     if N == 0:
         return
-    _check_aligned(dev, dinp, dresidual, dout, inp, weight)
+    check_aligned("rmsnorm_backward", dinp, dresidual, dout, inp, weight)
     warps, P = _backward_warps(C), scratch.shape[0]
-    suffix = _SUFFIX[inp.dtype.name]
     args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
-    launch(FAMILY, f"rmsnorm_backward_{suffix}", P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
+    launch(FAMILY, kernel_name("rmsnorm_backward", inp), P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
     args = (dweight, scratch, np.int32(P), np.int32(C))
-    launch(FAMILY, f"rmsnorm_backward_dweight_{suffix}", ceil_div(C, 256), 256, args, dev, stream)
+    launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, 256), 256, args, dev, stream)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
-from ._build import ceil_div, launch
+from ._build import grid_size, kernel_name, launch
 
 FAMILY = "rope"
 FLOATS = (FP32, BF16, FP16)
 TABLE_DTYPES = (FP32, FP16)
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 
 
 def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32) -> np.ndarray:
@@ -78,9 +77,7 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
             f"{what} {inp_name}: expected shape (B, T, {H * hs}) or (B, T, {H}, {hs}) for {n_q_heads} q and "
             f"{n_kv_heads} kv heads of size {hs}, got tensor {inp.name!r} {inp.shape} {inp.dtype}"
         )
-    vn = 16 // inp.dtype.itemsize
-    if hs % (2 * vn):
-        raise ValueError(f"{what}: head size {hs} must be a multiple of {2 * vn} for 16-byte {inp.dtype} vectors")
+    check_vector_width(what, "head size", hs, inp.dtype, vectors=2)  # each half is whole vectors
     B, T = inp.shape[:2]
     if T > max_pos:
         raise ValueError(f"{what} freqs: table has {max_pos} positions, but the sequence has T = {T}")
@@ -101,12 +98,10 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
         return
     if inp.nelem == 0:
         return
-    for t in (out, inp):
-        if t.ptr % 16:
-            raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
-    total = B * T * H * (hs // 2 // vn)
-    blocks = min(ceil_div(total, 256), dev.num_sms * 16)
-    name = f"rope_{_SUFFIX[inp.dtype.name]}_{_SUFFIX[freqs.dtype.name]}"
+    check_aligned(what, out, inp)
+    total = B * T * H * (hs // 2 // (16 // inp.dtype.itemsize))  # 16-byte vectors of one half of each head
+    blocks = grid_size(dev, total, 256)
+    name = kernel_name("rope", inp, freqs)
     heads = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs))
     args = (out, inp, freqs, abs_max, np.int64(B * T), *heads, np.int32(inverse), np.int32(not in_place))
     launch(FAMILY, name, blocks, 256, args, dev, stream)
