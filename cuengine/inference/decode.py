@@ -20,8 +20,6 @@ equal the full forward's. The "gemm" arm adds the down projection with cuBLASLt'
 
 from __future__ import annotations
 
-import math
-
 from .. import blas
 from ..kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm, sampling
 
@@ -62,9 +60,8 @@ def layer(st, i: int, b: int, arm: str) -> None:
     _gemv(st, qkv, res, f"layers.{i}.qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
     decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], st.slots.rows(0, b), st.positions.rows(0, b),
                                     st.freqs, Hq, Hkv)  # fmt: skip
-    shape = decode_attention.decode_attention_scratch_shape(b, Hq, cfg.head_size, st.max_seq)
-    scratch = st.att_scratch.rows(0, math.prod(shape)).reshape(shape)
-    decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv, scratch)
+    decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv,
+                                      st.att_scratch)  # fmt: skip
     _gemv(st, res, att, f"layers.{i}.atto_w", residual=res)
     ffn(st, i, b, arm)
 

@@ -15,8 +15,6 @@ be captured once as a CUDA graph and replayed.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import blas
@@ -115,8 +113,9 @@ class InferenceState:
             self.ln = a(dt, "decode_ln2", (B, C))  # "gemm": the normalised FFN input
             self.rstd = a(FP32, "decode_rstd", (B,))
             self.logits = a(FP32, "decode_logits", (B, V))
-            att_scratch = math.prod(decode_attention.decode_attention_scratch_shape(B, Hq, hs, S))
-            self.att_scratch = a(FP32, "decode_attention_scratch", (att_scratch,))
+            # sized for max_batch rows, it serves every smaller batch
+            self.att_scratch = a(FP32, "decode_attention_scratch",
+                                 decode_attention.decode_attention_scratch_shape(B, Hq, hs, S))  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
             # prefill of one prompt, T <= max_seq rows
