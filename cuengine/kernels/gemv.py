@@ -1,0 +1,249 @@
+"""Decode GEMV: out (b, N) = prologue(x) · Wᵀ for b = 1..64 rows (raw_kernels/gemv.cu).
+
+At decode time a linear layer multiplies a few activation rows by a weight that is read once from
+HBM, so the kernel is built for bandwidth: 16-byte weight loads, eight warps per block, split-K
+inside the block where N is small, the input staged once per block in shared memory. Fused around
+the dot products: an RMSNorm or SwiGLU prologue on the input, and bias and residual epilogues.
+Weights are the model's own (bf16 or fp32) or per-row E4M3 with fp32 row scales (W8A16, made by
+`quantize_rows`). Rounding points follow the training forward, so decode logits equal full-forward
+logits: fp32 accumulation rounded once to out's dtype, a bias added after that rounding and rounded
+again (cuBLASLt's epilogue order), a residual as round(residual + round(y)).
+
+Every sum runs in an order fixed by (N, K) alone (the K split is chosen from the shape, not from
+the GPU or from b), so results are deterministic and a row's output does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import expect, same_device
+from ..dtypes import BF16, FP8_E4M3, FP32
+from ._build import ceil_div, launch
+from .activations import activation_forward_np
+from .rmsnorm import rmsnorm_forward_np
+
+FAMILY = "gemv"
+MODEL = (FP32, BF16)  # model dtypes: x, norm_weight and bias; also the weight unless it is e4m3
+ACTS = (None, "swiglu")
+_SUFFIX = {"fp32": "f32", "bf16": "bf16", "e4m3": "e4m3"}
+
+_WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
+_TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
+_SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
+_BLOCKS = 512  # split K until the grid has this many blocks: a constant, so the bits do not depend on the GPU
+_SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
+_SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
+_PRO_NONE, _PRO_NORM, _PRO_SWIGLU = 0, 1, 2  # enum Prologue in gemv.cu
+
+
+# ---- NumPy twins --------------------------------------------------------------------------
+def quantize_rows_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(w8, w_scale) for w (N, K): per-row E4M3 with W ≈ w8 * w_scale[:, None].
+
+    w_scale (N,) fp32 = max|row| / 448, or 1 for an all-zero row (a non-finite row gives a
+    non-finite scale, so a GEMV over it is non-finite too); w8 = e4m3(clip(w / w_scale, ±448)),
+    rounded to nearest even, all in fp32.
+    """
+    w32 = w.astype(np.float32)
+    amax = np.max(np.abs(w32), axis=1, initial=np.float32(0))
+    scale = np.where(amax == 0, np.float32(1), amax / np.float32(448)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = w32 / scale[:, None]
+    return np.clip(q, -FP8_E4M3.fp8_max, FP8_E4M3.fp8_max).astype(FP8_E4M3.np), scale
+
+
+def _input_np(x, norm_weight, eps, act):
+    """The GEMV input, rounded to x's dtype as the training forward rounds it."""
+    if act == "swiglu":
+        return activation_forward_np(x, "swiglu")
+    if norm_weight is not None:
+        return rmsnorm_forward_np(x, norm_weight, eps)[0]
+    return x
+
+
+def gemv_np(x, w, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, out_dtype=None):
+    """out (b, N) of `gemv` from NumPy arrays; out_dtype defaults to x's dtype.
+
+    NumPy equivalent: `y = (xin @ w.T * w_scale).astype(o); y = (y + bias).astype(o);
+    out = (residual + y).astype(o)`, fp32 math, xin = x, rmsnorm(x) or swiglu(x) in x's dtype.
+    """
+    out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    y = _input_np(x, norm_weight, eps, act).astype(np.float32) @ w.astype(np.float32).T
+    if w_scale is not None:
+        y = y * w_scale.astype(np.float32)
+    y = y.astype(out_dtype)
+    if bias is not None:
+        y = (y.astype(np.float32) + bias.astype(np.float32)).astype(out_dtype)
+    if residual is not None:
+        y = (residual.astype(np.float32) + y.astype(np.float32)).astype(out_dtype)
+    return y
+
+
+def gemv_dual_np(x, w_up, w_scale=None, norm_weight=None, eps=1e-6, out_dtype=None):
+    """out (b, 2H) = [gate | up] of `gemv_dual`: the GEMV over the packed (2H, K) weight."""
+    return gemv_np(x, w_up, w_scale, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
+
+
+# ---- sizes --------------------------------------------------------------------------------
+def _tile(b: int, K: int, itemsize: int) -> int:
+    """Input rows per pass: the smallest compiled tile that holds b (at most 8) within _SMEM_PASS."""
+    fits = [t for t in _TILES if t * K * itemsize <= _SMEM_PASS] or [1]
+    return next((t for t in fits if t >= b), fits[-1])
+
+
+def _split(rows: int, vectors: int) -> int:
+    """K-slices per row group: split until the grid has _BLOCKS blocks, keeping 32 vectors per slice."""
+    s = 1
+    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // s) < _BLOCKS and vectors // (2 * s) >= 32:
+        s *= 2
+    return s
+
+
+# ---- launchers ----------------------------------------------------------------------------
+def _overlaps(a, b) -> bool:
+    return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
+    """(b, K, N, device) after every boundary check gemv and gemv_dual share."""
+    expect(x, f"{what} x", MODEL, (None, None))
+    if act not in ACTS:
+        raise ValueError(f"{what}: act={act!r} is not supported; use None or 'swiglu'")
+    if act is not None and norm_weight is not None:
+        raise ValueError(
+            f"{what}: norm_weight and act={act!r} cannot be combined: the RMSNorm prologue feeds the "
+            "q/k/v and gate/up projections, the SwiGLU prologue the down projection"
+        )
+    b, width = x.shape
+    if act == "swiglu" and width % 2:
+        raise ValueError(f"{what} x: act='swiglu' needs x (b, 2K) = [gate | up], got tensor {x.name!r} {x.shape}")
+    K = width // 2 if act else width
+    expect(w, f"{what} w", (x.dtype, FP8_E4M3), (None, K))
+    N = w.shape[0]
+    vw = 16 // w.dtype.itemsize
+    if K == 0 or K % vw:
+        raise ValueError(f"{what}: K = {K} must be a positive multiple of {vw} for 16-byte {w.dtype} weight vectors")
+    if K * x.dtype.itemsize > _SMEM_ROW:
+        raise ValueError(
+            f"{what}: K = {K} is too large: one input row of {x.dtype} is staged in shared memory "
+            f"(at most {_SMEM_ROW // x.dtype.itemsize} values)"
+        )
+    if w.dtype.is_fp8:
+        if w_scale is None:
+            raise ValueError(f"{what} w_scale: e4m3 weight {w.name!r} needs its ({N},) fp32 row scales (quantize_rows)")
+        expect(w_scale, f"{what} w_scale", FP32, (N,))
+    elif w_scale is not None:
+        raise ValueError(f"{what} w_scale: only e4m3 weights take row scales, but w {w.name!r} is {w.dtype}")
+    expect(out, f"{what} out", (x.dtype, FP32), (b, N))
+    if bias is not None:
+        expect(bias, f"{what} bias", x.dtype, (N,))
+    if residual is not None:
+        expect(residual, f"{what} residual", out.dtype, (b, N))
+        if _overlaps(out, residual) and residual.offset != out.offset:
+            raise ValueError(
+                f"{what} residual: tensor {residual.name!r} partly overlaps out; it may only be out itself"
+            )
+    if norm_weight is not None:
+        expect(norm_weight, f"{what} norm_weight", x.dtype, (K,))
+    for t in (x, w, w_scale, bias, norm_weight):
+        if t is not None and _overlaps(out, t):
+            raise ValueError(f"{what} out: tensor {out.name!r} overlaps input {t.name!r}; only residual may alias out")
+    if split not in (None, *_SPLITS):
+        raise ValueError(f"{what}: split={split!r}; choose None (by shape) or one of {_SPLITS}")
+    dev = same_device(out, x, w, w_scale, bias, residual, norm_weight)
+    if dev.is_cuda:
+        for t in (x, w, norm_weight):
+            if t is not None and t.ptr % 16:
+                raise ValueError(f"{what}: tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+    return b, K, N, dev
+
+
+def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream):
+    bt = _tile(b, K, x.dtype.itemsize)
+    s = split or _split(N, K * w.dtype.itemsize // 16)
+    name = f"gemv_{_SUFFIX[x.dtype.name]}_{_SUFFIX[w.dtype.name]}_{_SUFFIX[out.dtype.name]}_{bt}"
+    args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
+            np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
+    grid = ceil_div(N, _ROWS * _WARPS // s)
+    launch(FAMILY, name, grid, 32 * _WARPS, args, dev, stream, shared_mem=bt * K * x.dtype.itemsize)
+
+
+def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, split=None,
+         stream=None) -> None:  # fmt: skip
+    """out = [residual +] xin · Wᵀ [+ bias], one decode step of a linear layer.
+
+    Args:
+        out: (b, N) x's dtype, or fp32 (LM-head logits); written (=).
+        x: (b, K) fp32 or bf16, the model dtype; (b, 2K) = [gate | up] with act="swiglu".
+        w: (N, K) x's dtype, or e4m3 with w_scale (W8A16). K a multiple of 16 bytes of w.
+        w_scale: (N,) fp32 row scales of an e4m3 w (W ≈ w * w_scale[:, None]), from quantize_rows.
+        bias: (N,) x's dtype, added after the product is rounded to out's dtype, then rounded again.
+        residual: (b, N) out's dtype: out = round(residual + round(y)); may be out itself.
+        norm_weight: (K,) x's dtype: xin = round(x * rstd * norm_weight), rstd = 1/sqrt(mean(x²) + eps),
+            rounded as rmsnorm_forward rounds it.
+        eps: the RMSNorm epsilon.
+        act: None, or "swiglu": xin = round(silu(gate) * up), as activations.swiglu_forward.
+        split: K-slices per row (1, 2, 4, 8) for tuning; None picks it from (N, K).
+    Raises ValueError for a dtype, shape, alignment or aliasing the kernel does not take, and for
+    norm_weight together with act. NumPy equivalent: gemv_np.
+    """
+    b, K, N, dev = _check("gemv", out, x, w, w_scale, bias, residual, norm_weight, act, split)
+    if dev.is_cpu:
+        out.array()[...] = gemv_np(
+            x.array(), w.array(), None if w_scale is None else w_scale.array(), None if bias is None else bias.array(),
+            None if residual is None else residual.array(), None if norm_weight is None else norm_weight.array(),
+            eps, act, out.dtype.np,
+        )  # fmt: skip
+        return
+    if b == 0 or N == 0:
+        return
+    prologue = _PRO_SWIGLU if act else _PRO_NORM if norm_weight is not None else _PRO_NONE
+    _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, 0, b, K, N, split, dev, stream)
+
+
+def gemv_dual(out, x, w_up, *, w_scale=None, norm_weight=None, eps=1e-6, split=None, stream=None) -> None:
+    """out = [gate | up] = xin · w_upᵀ for the packed (2H, K) [gate | up] weight, in one pass.
+
+    A warp reads gate row j and up row j together. Args as gemv: out (b, 2H) x's dtype or fp32,
+    x (b, K), w_up (2H, K) x's dtype or e4m3 with w_scale (2H,), norm_weight (K,) for the fused
+    RMSNorm. Raises ValueError as gemv, and for an odd number of weight rows.
+    NumPy equivalent: gemv_dual_np.
+    """
+    b, K, N, dev = _check("gemv_dual", out, x, w_up, w_scale, None, None, norm_weight, None, split)
+    if N % 2:
+        raise ValueError(f"gemv_dual w_up: expected (2H, K) = [gate | up], got tensor {w_up.name!r} {w_up.shape}")
+    if dev.is_cpu:
+        out.array()[...] = gemv_dual_np(
+            x.array(), w_up.array(), None if w_scale is None else w_scale.array(),
+            None if norm_weight is None else norm_weight.array(), eps, out.dtype.np,
+        )  # fmt: skip
+        return
+    if b == 0 or N == 0:
+        return
+    prologue = _PRO_NORM if norm_weight is not None else _PRO_NONE
+    _launch(out, x, w_up, w_scale, None, None, norm_weight, eps, prologue, 1, b, K, N, split, dev, stream)
+
+
+def quantize_rows(w8, w_scale, w, stream=None) -> None:
+    """Per-row E4M3 of a weight, run once at load: W ≈ w8 * w_scale[:, None].
+
+    Args:
+        w8: (N, K) e4m3; written (=).
+        w_scale: (N,) fp32; written (=): max|row| / 448, or 1 for an all-zero row.
+        w: (N, K) fp32 or bf16.
+    NumPy equivalent: quantize_rows_np.
+    """
+    expect(w, "quantize_rows w", MODEL, (None, None))
+    N, K = w.shape
+    expect(w8, "quantize_rows w8", FP8_E4M3, (N, K))
+    expect(w_scale, "quantize_rows w_scale", FP32, (N,))
+    dev = same_device(w8, w_scale, w)
+    if dev.is_cpu:
+        w8.array()[...], w_scale.array()[...] = quantize_rows_np(w.array())
+        return
+    if N == 0 or K == 0:
+        return
+    args = (w8, w_scale, w, np.int32(N), np.int32(K))
+    grid = min(ceil_div(N, _WARPS), dev.num_sms * 16)
+    launch(FAMILY, f"quantize_rows_{_SUFFIX[w.dtype.name]}", grid, 32 * _WARPS, args, dev, stream)

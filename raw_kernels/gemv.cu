@@ -1,0 +1,280 @@
+// Decode GEMV for b = 1..64 rows: plain, dual (gate + up) and per-row E4M3 weight quantisation.
+//
+//   gemv:          out[m, n] = r(residual[m, n] + r(r(s[n] * sum_k xin[m, k] * W[n, k]) + bias[n]))  (=)
+//                  s = w_scale for E4M3 weights (W8A16), else 1; bias and residual optional
+//   gemv_dual:     the same over the packed (2H, K) [gate | up] weight, out (b, 2H) = [gate | up]   (=)
+//   quantize_rows: w_scale[n] = max_k |w[n, k]| / 448 (1 for an all-zero row);
+//                  w8[n, k] = e4m3(w[n, k] / w_scale[n]), clamped to +-448, round-to-nearest-even   (=)
+// r() rounds to out's dtype O (the model dtype T, or fp32 for logits). xin is x, or the RMSNorm
+// prologue r_T(x * rstd * norm_weight) with rstd = 1 / sqrt(mean(x^2) + eps) summed exactly as
+// rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), or the SwiGLU
+// prologue r_T(silu(gate) * up) over x = [gate | up], computed as activations.cu computes it. The
+// input is staged in shared memory, in T, BT rows at a time, once per block.
+//
+// Work layout: a block of WARPS warps owns WARPS / S groups of R weight rows. The S warps of a group
+// each reduce one K-slice: lanes stride over 16-byte weight vectors, U per row in flight, fp32
+// accumulators for R rows x BT input rows, then a warp shuffle sum and, for S > 1, an ordered sum of
+// the S partials through shared memory. Every sum has a fixed order that depends only on (N, K, S),
+// never on timing or on b, so results are deterministic and batch-invariant; no float atomics.
+// gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over the
+// block's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
+// byte reads as +-480, but quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
+// K: a multiple of one 16-byte weight vector (8 bf16, 4 fp32, 16 e4m3 elements).
+#include "common.cuh"
+
+constexpr int WARPS = 8;  // warps per block
+constexpr int R = 2;      // weight rows per warp
+constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
+constexpr int SU = 4;     // 16-byte input vectors per thread in flight while staging
+
+enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2 };
+
+
+// ---- helpers ------------------------------------------------------------------------------
+
+// 16 bytes of weights that bypass L1: each vector is used once per pass
+__device__ __forceinline__ uint4 load_weights(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// Element j of a 32-bit word of W, as a float, exactly.
+template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
+template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
+template <> __device__ __forceinline__ float widen<bf16>(unsigned word, int j) {
+    return __uint_as_float(j == 0 ? word << 16 : word & 0xffff0000u);
+}
+// The byte s.eeee.mmm moved into float's sign, exponent and mantissa fields is the value times 2^-120
+// (E4M3 subnormals land on float subnormals), so one exact multiply finishes it: three integer ops and a
+// multiply per element instead of two conversions through half.
+template <> __device__ __forceinline__ float widen<fp8e4>(unsigned word, int j) {
+    const int top = (int)(word << (24 - 8 * j));  // byte j in bits 31..24
+    return __int_as_float((top >> 4) & 0x87f00000) * 0x1p120f;
+}
+
+// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T.
+template <typename T, int BT>
+__device__ void stage_input(T* xs, float* s_rstd, const T* __restrict__ x, const T* __restrict__ norm_weight,
+                            float eps, int prologue, int m0, int b, int K) {
+    constexpr int VT = Pack16<T>::N;
+    const int vecs = K / VT, total = BT * vecs;
+    for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
+        Pack16<T> v[SU];
+#pragma unroll
+        for (int j = 0; j < SU; ++j) {
+            const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
+            if (i >= total || m >= b) {
+                for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
+            } else if (prologue == PRO_SWIGLU) {  // silu as activations.cu's act_value(ACT_SILU, g) * u
+                const T* row = x + (size_t)m * 2 * K;
+                const Pack16<T> g = Pack16<T>::load(row + c), u = Pack16<T>::load(row + K + c);
+                for (int k = 0; k < VT; ++k) {
+                    const float gk = to_float(g.v[k]);
+                    v[j].v[k] = from_float<T>(gk * __fdividef(1.f, 1.f + __expf(-gk)) * to_float(u.v[k]));
+                }
+            } else {
+                v[j] = Pack16<T>::load(x + (size_t)m * K + c);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < SU; ++j) {
+            const int i = i0 + j * blockDim.x, t = i / vecs;
+            if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+        }
+    }
+    if (prologue != PRO_NORM) return;
+    // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
+    __syncthreads();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int t = warp; t < BT; t += WARPS) {
+        float ss = 0.f;
+        for (int c = lane * VT; c < K; c += 32 * VT) {
+            const Pack16<T> v = Pack16<T>::load(xs + (size_t)t * K + c);
+            for (int k = 0; k < VT; ++k) {
+                const float f = to_float(v.v[k]);
+                ss += f * f;
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) s_rstd[t] = 1.f / sqrtf(ss / K + eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int t = i / vecs, c = (i - t * vecs) * VT;
+        T* p = xs + (size_t)t * K + c;
+        const Pack16<T> v = Pack16<T>::load(p), w = Pack16<T>::load(norm_weight + c);
+        const float r = s_rstd[t];
+        Pack16<T> y;
+        for (int k = 0; k < VT; ++k) y.v[k] = from_float<T>(to_float(v.v[k]) * r * to_float(w.v[k]));
+        y.store(p);
+    }
+}
+
+// The epilogue of one output: scale, round, bias, round, residual, round.
+template <typename T, typename O>
+__device__ __forceinline__ void finish(O* out, const float* w_scale, const T* bias, const O* residual, float y, int m,
+                                       int n, int N) {
+    if (w_scale) y *= w_scale[n];
+    O v = from_float<O>(y);
+    if (bias) v = from_float<O>(to_float(v) + to_float(bias[n]));
+    const size_t o = (size_t)m * N + n;
+    if (residual) v = from_float<O>(to_float(residual[o]) + to_float(v));
+    out[o] = v;
+}
+
+
+// ---- kernels ------------------------------------------------------------------------------
+
+// Rows q = 0..N-1 in tile order; dual maps q to gate row q/2 (q even) or up row N/2 + q/2 (q odd).
+// Dynamic shared memory: BT * K * sizeof(T) bytes.
+template <typename T, typename W, typename O, int BT>
+__device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__ w, const float* w_scale,
+                          const T* bias, const O* residual, const T* __restrict__ norm_weight, float eps,
+                          int prologue, int dual, int b, int K, int N, int S) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* xs = reinterpret_cast<T*>(smem);
+    __shared__ float s_partial[WARPS][R][BT];
+    __shared__ float s_rstd[BT];
+    constexpr int VW = 16 / sizeof(W);         // weights per 16-byte vector
+    constexpr int NT = Pack16<T>::N;           // inputs per 16-byte vector
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int groups = WARPS / S, group = warp / S, slice = warp % S;
+    const int tile = blockIdx.x * groups * R;  // first row of the block
+    const W* wrow[R];
+    for (int r = 0; r < R; ++r) {
+        const int q = min(tile + group * R + r, N - 1);  // rows past N load a valid row, store nothing
+        const int n = dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q;
+        wrow[r] = w + (size_t)n * K;
+    }
+    const int C = K / VW;
+    const int c0 = (int)((long long)slice * C / S), c1 = (int)((long long)(slice + 1) * C / S);
+
+    for (int m0 = 0; m0 < b; m0 += BT) {
+        // The first weight vectors are in flight while the block stages its input.
+        uint4 wv[U][R];
+        for (int u = 0; u < U; ++u)
+            for (int r = 0; r < R; ++r)
+                wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
+        __syncthreads();  // the previous pass is done with xs and s_partial
+        stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
+        __syncthreads();
+
+        float acc[R][BT];
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
+        for (int c = c0 + lane; c < c1; c += 32 * U) {
+            if (c != c0 + lane)
+                for (int u = 0; u < U; ++u)
+                    for (int r = 0; r < R; ++r)
+                        wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cu = c + 32 * u;
+                if (cu < c1) {
+                    static_assert(R == 2, "the word table lists two rows");
+                    const unsigned words[R][4] = {
+                        {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
+                        {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
+                    // one input vector (NT elements) at a time, so only NT weights per row are live
+#pragma unroll
+                    for (int h = 0; h < VW / NT; ++h) {
+                        float wf[R][NT];
+#pragma unroll
+                        for (int r = 0; r < R; ++r)
+#pragma unroll
+                            for (int k = 0; k < NT; ++k) {
+                                const int e = h * NT + k;  // element of the weight vector
+                                wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
+                            }
+#pragma unroll
+                        for (int t = 0; t < BT; ++t) {
+                            const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
+#pragma unroll
+                            for (int k = 0; k < NT; ++k) {
+                                const float xk = to_float(xv.v[k]);
+#pragma unroll
+                                for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+
+        if (S == 1) {  // lane r * BT + t finishes (row r, input row t)
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < BT; ++t) {
+                    const int q = tile + group * R + r, m = m0 + t;
+                    if (lane == r * BT + t && q < N && m < b)
+                        finish<T, O>(out, w_scale, bias, residual, acc[r][t], m,
+                                     dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q, N);
+                }
+        } else {
+            if (lane == 0)
+                for (int r = 0; r < R; ++r)
+                    for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
+            __syncthreads();
+            const int i = threadIdx.x;
+            if (i < groups * R * BT) {
+                const int g = i / (R * BT), r = i / BT % R, t = i % BT;
+                const int q = tile + g * R + r, m = m0 + t;
+                float y = 0.f;
+                for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
+                if (q < N && m < b)
+                    finish<T, O>(out, w_scale, bias, residual, y, m, dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q, N);
+            }
+        }
+    }
+}
+
+// One warp per row. The abs-max is an integer max of |value| bits, so a NaN (above inf) wins.
+template <typename T>
+__device__ void quantize_rows_impl(fp8e4* w8, float* w_scale, const T* w, int N, int K) {
+    const int lane = threadIdx.x % 32;
+    for (int n = blockIdx.x * WARPS + threadIdx.x / 32; n < N; n += gridDim.x * WARPS) {
+        const T* row = w + (size_t)n * K;
+        unsigned bits = 0;
+        for (int k = lane; k < K; k += 32) bits = max(bits, abs_bits(to_float(row[k])));
+        const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, bits));
+        const float scale = amax == 0.f ? 1.f : amax / 448.f;
+        if (lane == 0) w_scale[n] = scale;
+        for (int k = lane; k < K; k += 32) w8[(size_t)n * K + k] = from_float<fp8e4>(to_float(row[k]) / scale);
+    }
+}
+
+
+// ---- launchers ----------------------------------------------------------------------------
+// gemv_<T>_<W>_<O>_<BT>: model dtype T, weight dtype W, out dtype O, BT input rows per pass.
+
+#define GEMV_KERNEL(SUF, T, W, O, BT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_##SUF##_##BT(                              \
+        O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,              \
+        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {               \
+        gemv_impl<T, W, O, BT>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, \
+                               S);                                                                           \
+    }
+#define GEMV_KERNELS(SUF, T, W, O) \
+    GEMV_KERNEL(SUF, T, W, O, 1)   \
+    GEMV_KERNEL(SUF, T, W, O, 4)   \
+    GEMV_KERNEL(SUF, T, W, O, 8)
+GEMV_KERNELS(bf16_bf16_bf16, bf16, bf16, bf16)
+GEMV_KERNELS(bf16_bf16_f32, bf16, bf16, float)
+GEMV_KERNELS(bf16_e4m3_bf16, bf16, fp8e4, bf16)
+GEMV_KERNELS(bf16_e4m3_f32, bf16, fp8e4, float)
+GEMV_KERNELS(f32_f32_f32, float, float, float)
+GEMV_KERNELS(f32_e4m3_f32, float, fp8e4, float)
+
+#define QUANTIZE_KERNEL(SUF, T)                                                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                 \
+        quantize_rows_##SUF(fp8e4* w8, float* w_scale, const T* w, int N, int K) {                           \
+        quantize_rows_impl<T>(w8, w_scale, w, N, K);                                                         \
+    }
+QUANTIZE_KERNEL(bf16, bf16)
+QUANTIZE_KERNEL(f32, float)

@@ -1,0 +1,389 @@
+"""Decode GEMV, dual GEMV and per-row E4M3 quantisation: twins against float64, every option and
+awkward shape on both devices, the FP8 arm against BF16, and the fused prologues against the
+unfused kernels bit for bit."""
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_close, check_op, rng
+
+import cuengine as ce
+from cuengine.kernels.activations import swiglu_forward
+from cuengine.kernels.gemv import (
+    gemv,
+    gemv_dual,
+    gemv_dual_np,
+    gemv_np,
+    quantize_rows,
+    quantize_rows_np,
+)
+from cuengine.kernels.rmsnorm import rmsnorm_forward
+
+EPS = 1e-6
+E4M3 = ml_dtypes.float8_e4m3fn
+FP8_REL_RMS = 0.04  # stated tolerance of the W8A16 arm: ||y_fp8 - y_bf16|| / ||y_bf16|| (about 0.025 expected)
+
+
+@functools.cache
+def _normal(shape, seed):
+    a = rng(seed).standard_normal(shape, dtype=np.float32)
+    a.flags.writeable = False
+    return a
+
+
+def case(b, K, N, dtype="bf16", wdtype=None, seed=0, act=None):
+    """x (b, K) or (b, 2K) for act, w (N, K) scaled so outputs are O(1), and the optional operands."""
+    np_dt = ce.dtype(dtype).np
+    width = 2 * K if act else K
+    c = {
+        "x": (_normal((b, width), seed) * 1.5 + 0.25).astype(np_dt),
+        "w": (_normal((N, K), seed + 1) / np.sqrt(K)).astype(np_dt),
+        "bias": (0.5 * _normal((N,), seed + 2)).astype(np_dt),
+        "residual": _normal((b, N), seed + 3).astype(np_dt),
+        "norm_weight": (1 + 0.3 * _normal((K,), seed + 4)).astype(np_dt),
+    }
+    if wdtype == "e4m3":
+        c["w"], c["w_scale"] = quantize_rows_np(c["w"])
+    return c
+
+
+def ref64(x, w, w_scale=None, bias=None, residual=None, norm_weight=None, act=None):
+    """The layer in float64 from its definition, independent of the twin (no intermediate rounding)."""
+    x = x.astype(np.float64)
+    if act == "swiglu":
+        g, u = np.split(x, 2, axis=1)
+        x = g / (1 + np.exp(-g)) * u
+    if norm_weight is not None:
+        x = x / np.sqrt(np.mean(x**2, axis=1, keepdims=True) + EPS) * norm_weight.astype(np.float64)
+    w = w.astype(np.float64)
+    if w_scale is not None:
+        w = w * w_scale.astype(np.float64)[:, None]
+    y = x @ w.T
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    if residual is not None:
+        y = y + residual.astype(np.float64)
+    return y
+
+
+def tensors(dev, arrays):
+    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
+
+
+OPTIONS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "residual": {"residual": True},
+    "norm": {"norm_weight": True},
+    "swiglu": {"act": "swiglu"},
+    "fp32 out": {"out": "fp32"},
+    "norm+bias+residual, fp32 out": {"norm_weight": True, "bias": True, "residual": True, "out": "fp32"},
+}
+
+
+def operands(c, opt):
+    """The keyword operands of option set `opt` taken from case `c`."""
+    kw = {k: c[k] for k in ("bias", "residual", "norm_weight") if opt.get(k)}
+    if "w_scale" in c:
+        kw["w_scale"] = c["w_scale"]
+    if opt.get("out") == "fp32" and "residual" in kw:
+        kw["residual"] = kw["residual"].astype(np.float32)
+    return kw
+
+
+# ---- cpu: the twins against float64 -----------------------------------------------------------
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_twin_matches_float64(dtype, wdtype, option):
+    opt = OPTIONS[option]
+    c = case(5, 96, 40, dtype, wdtype, act=opt.get("act"))
+    kw = operands(c, opt)
+    out_dt = ce.dtype(opt.get("out", dtype))
+    y = gemv_np(c["x"], c["w"], act=opt.get("act"), eps=EPS, out_dtype=out_dt.np, **kw)
+    assert y.dtype == out_dt.np and y.shape == (5, 40)
+    # the model dtype's tolerance: fp32 logits of bf16 inputs carry the bf16 rounding of the norm
+    assert_close(y, ref64(c["x"], c["w"], act=opt.get("act"), **kw), dtype, option)
+
+
+def test_twin_rounds_bias_and_residual_after_the_product():
+    """256 + 1 (the product) lies halfway between bf16 neighbours 256 and 258: rounding it first gives
+    256, then + 0.5 gives 256 again; one rounding of 257.5 would give 258. Same for the residual."""
+    x = np.zeros((1, 8), ml_dtypes.bfloat16)
+    x[0, :2] = [256, 1]
+    w = np.zeros((8, 8), ml_dtypes.bfloat16)
+    w[:, :2] = 1
+    half = np.full(8, 0.5, ml_dtypes.bfloat16)
+    assert set(gemv_np(x, w, bias=half).astype(np.float64).ravel()) == {256.0}
+    assert set(gemv_np(x, w, residual=half.reshape(1, 8)).astype(np.float64).ravel()) == {256.0}
+
+
+def test_dual_twin_is_the_gemv_of_the_packed_weight():
+    c = case(3, 64, 48, "bf16")
+    want = ref64(c["x"], c["w"], norm_weight=c["norm_weight"])
+    got = gemv_dual_np(c["x"], c["w"], norm_weight=c["norm_weight"], eps=EPS)
+    assert_close(got, want, "bf16", "dual")
+
+
+def test_quantize_rows_np():
+    w = (_normal((6, 64), 7) * np.float32(3)).astype(ml_dtypes.bfloat16)
+    w[2] = 0  # an all-zero row has scale 1
+    w[3, 5] = 1e-30  # a subnormal-range value in a row of large ones
+    w8, s = quantize_rows_np(w)
+    assert w8.dtype == E4M3 and s.dtype == np.float32
+    w32 = w.astype(np.float32)
+    amax = np.abs(w32).max(axis=1)
+    np.testing.assert_array_equal(s, np.where(amax == 0, 1, amax / np.float32(448)).astype(np.float32))
+    np.testing.assert_array_equal(np.abs(w8.astype(np.float32)).max(axis=1)[[0, 1, 3, 4, 5]], 448)
+    deq = w8.astype(np.float64) * s[:, None]
+    # E4M3 keeps 3 mantissa bits: half an ulp is 1/16 of a value, or 2^-10 of the scale in the subnormals
+    err = np.abs(deq - w32)
+    assert np.all(err <= np.maximum(np.abs(w32) / 16, s[:, None] * 2.0**-10) * (1 + 1e-6))
+    assert w8[3, 5] == 0 and np.all(w8[2] == 0)
+
+
+def test_quantize_rows_nonfinite_row_gives_nonfinite_scale():
+    w = np.ones((2, 16), np.float32)
+    w[1, 3] = np.nan
+    w8, s = quantize_rows_np(w)
+    assert s[0] == np.float32(1 / 448) and np.isnan(s[1])
+    y = gemv_np(np.ones((1, 16), np.float32), w8, s)
+    assert np.isfinite(y[0, 0]) and np.isnan(y[0, 1])
+
+
+@pytest.mark.parametrize("K,N", [(896, 256), (4864, 64)])
+def test_fp8_arm_within_stated_tolerance_of_bf16(K, N):
+    c = case(4, K, N, "bf16")
+    w8, s = quantize_rows_np(c["w"])
+    y16 = gemv_np(c["x"], c["w"]).astype(np.float64)
+    y8 = gemv_np(c["x"], w8, s).astype(np.float64)
+    rel = np.linalg.norm(y8 - y16) / np.linalg.norm(y16)
+    assert 1e-3 < rel < FP8_REL_RMS, rel  # the lower bound: the arm really runs on E4M3 weights
+
+
+# ---- launchers: both devices -------------------------------------------------------------------
+def run_gemv(dev, c, opt, **kw):
+    """gemv on dev from case c with option set opt; returns (out, twin)."""
+    ops = operands(c, opt)
+    out_dt = ce.dtype(opt.get("out", ce.dtype(c["x"].dtype).name))
+    t = tensors(dev, {"x": c["x"], "w": c["w"], **ops})
+    out = ce.Tensor.empty(out_dt, (c["x"].shape[0], c["w"].shape[0]), dev, name="out")
+    gemv(out, t["x"], t["w"], act=opt.get("act"), eps=EPS, **{k: t[k] for k in ops}, **kw)
+    want = gemv_np(c["x"], c["w"], act=opt.get("act"), eps=EPS, out_dtype=out_dt.np, **ops)
+    return out.numpy(), want
+
+
+SHAPES = [(64, 200), (200, 64), (896, 4864), (4864, 896)]  # (K, N)
+
+
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("b", [1, 3, 8, 17, 64])
+def test_gemv_shapes(dev, b, K, N, wdtype):
+    if wdtype == "e4m3" and K % 16:
+        pytest.skip("e4m3 rows need K % 16 == 0")
+    if dev.is_cpu and K * N > 1e6 and (b, wdtype) != (1, None):
+        pytest.skip("on cpu the launcher is the twin (checked against float64 above): large shapes once")
+    got, want = run_gemv(dev, case(b, K, N, "bf16", wdtype, seed=b), {"residual": True})
+    assert_close(got, want, "bf16", f"gemv b={b} K={K} N={N}")
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gemv_options(dev, dtype, wdtype, option):
+    opt = OPTIONS[option]
+    got, want = run_gemv(dev, case(17, 256, 200, dtype, wdtype, act=opt.get("act")), opt)
+    assert_close(got, want, dtype, option)
+
+
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("b,K,H", [(1, 64, 96), (3, 896, 4864), (17, 128, 200), (64, 256, 64)])
+def test_gemv_dual(dev, b, K, H, norm, wdtype):
+    if dev.is_cpu and K * H > 1e6:
+        pytest.skip("on cpu the launcher is the twin (checked against float64 above): small shapes only")
+    c = case(b, K, 2 * H, "bf16", wdtype)
+    t = tensors(dev, {k: c[k] for k in ("x", "w", "norm_weight", "w_scale") if k in c})
+    out = ce.Tensor.empty(ce.BF16, (b, 2 * H), dev, name="out")
+    nw = c["norm_weight"] if norm else None
+    gemv_dual(out, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"] if norm else None, eps=EPS)
+    assert_close(out.numpy(), gemv_dual_np(c["x"], c["w"], c.get("w_scale"), nw, EPS), "bf16", "dual")
+    assert_close(out.numpy(), ref64(c["x"], c["w"], c.get("w_scale"), norm_weight=nw), "bf16", "dual vs float64")
+
+
+def test_residual_may_be_out(dev):
+    c = case(3, 64, 32, "bf16")
+    t = tensors(dev, {"x": c["x"], "w": c["w"], "out": c["residual"]})
+    gemv(t["out"], t["x"], t["w"], residual=t["out"])
+    assert_close(t["out"].numpy(), gemv_np(c["x"], c["w"], residual=c["residual"]), "bf16", "in place")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_quantize_rows_launcher(dev, dtype):
+    """Exact on both devices: the max is exact and the divisions are IEEE."""
+    w = (_normal((37, 96), 9) * np.float32(2)).astype(ce.dtype(dtype).np)
+    w[4] = 0
+    t = tensors(dev, {"w": w})
+    w8 = ce.Tensor.empty(ce.FP8_E4M3, (37, 96), dev, name="w8")
+    s = ce.Tensor.empty(ce.FP32, (37,), dev, name="w_scale")
+    quantize_rows(w8, s, t["w"])
+    want8, want_s = quantize_rows_np(w)
+    np.testing.assert_array_equal(s.numpy(), want_s)
+    np.testing.assert_array_equal(w8.numpy().view(np.uint8), want8.view(np.uint8))
+
+
+# ---- cuda only: against the cpu twin, and the fused prologues bit for bit ----------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+def test_lm_head_check_op(wdtype):
+    """The LM-head shape: 896 -> 151936 with fp32 logits, norm prologue, through check_op."""
+    c = case(2, 896, 151936, "bf16", wdtype)
+    ins = {k: c[k] for k in ("x", "w", "norm_weight", "w_scale") if k in c}
+    check_op(gemv, ins, {"out": np.zeros((2, 151936), np.float32)}, compare={"out": ce.BF16}, eps=EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+def test_every_split_matches_the_twin(cuda, split):
+    for wdtype in (None, "e4m3"):
+        got, want = run_gemv(cuda, case(9, 4864, 96, "bf16", wdtype), {"bias": True}, split=split)
+        assert_close(got, want, "bf16", f"split {split}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+def test_deterministic_and_batch_invariant(cuda, wdtype):
+    """Rows do not depend on b or on the run: row i of a b = 17 call equals a b = 1 call on row i."""
+    c = case(17, 4864, 896, "bf16", wdtype)
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale") if k in c})
+    outs = []
+    for _ in range(2):
+        out = ce.Tensor.empty(ce.BF16, (17, 896), cuda, name="out")
+        gemv(out, t["x"], t["w"], w_scale=t.get("w_scale"))
+        outs.append(out.numpy().view(np.uint16))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    one = ce.Tensor.empty(ce.BF16, (1, 896), cuda, name="one")
+    for i in (0, 5, 16):
+        gemv(one, t["x"].rows(i, i + 1), t["w"], w_scale=t.get("w_scale"))
+        np.testing.assert_array_equal(one.numpy().view(np.uint16)[0], outs[0][i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("b", [1, 5, 64])
+def test_norm_prologue_equals_rmsnorm_forward_then_gemv(cuda, dtype, b):
+    c = case(b, 896, 256, dtype)
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "norm_weight")})
+    fused = ce.Tensor.empty(dtype, (b, 256), cuda, name="fused")
+    gemv(fused, t["x"], t["w"], norm_weight=t["norm_weight"], eps=EPS)
+    xn = ce.Tensor.empty(dtype, (b, 896), cuda, name="xn")
+    rmsnorm_forward(xn, ce.Tensor.empty(ce.FP32, (b,), cuda, name="rstd"), t["x"], t["norm_weight"], EPS)
+    split = ce.Tensor.empty(dtype, (b, 256), cuda, name="split")
+    gemv(split, xn, t["w"])
+    np.testing.assert_array_equal(fused.numpy(), split.numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("b", [1, 5, 64])
+def test_swiglu_prologue_equals_swiglu_forward_then_gemv(cuda, wdtype, b):
+    """The fused and the split FFN arms give the same bits."""
+    c = case(b, 4864, 128, "bf16", wdtype, act="swiglu")
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale") if k in c})
+    fused = ce.Tensor.empty(ce.BF16, (b, 128), cuda, name="fused")
+    gemv(fused, t["x"], t["w"], w_scale=t.get("w_scale"), act="swiglu")
+    h = ce.Tensor.empty(ce.BF16, (b, 4864), cuda, name="h")
+    swiglu_forward(h, t["x"])
+    split = ce.Tensor.empty(ce.BF16, (b, 128), cuda, name="split")
+    gemv(split, h, t["w"], w_scale=t.get("w_scale"))
+    np.testing.assert_array_equal(fused.numpy().view(np.uint16), split.numpy().view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_misaligned_device_pointer(cuda):
+    x = ce.Tensor.empty(ce.BF16, (1, 72), cuda, name="x")
+    bad = ce.Tensor(ce.BF16, (1, 64), cuda, x.storage, offset=2, name="x_off")
+    w = ce.Tensor.empty(ce.BF16, (32, 64), cuda, name="w")
+    with pytest.raises(ValueError, match="x_off.*not 16-byte aligned"):
+        gemv(ce.Tensor.empty(ce.BF16, (1, 32), cuda, name="out"), bad, w)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def _t(dtype, shape, name="t"):
+    return ce.Tensor.empty(dtype, shape, "cpu", name=name)
+
+
+def _args(b=2, K=64, N=32, dtype="bf16", wdtype=None, out=None, **kw):
+    a = {"out": _t(out or dtype, (b, N), "out"), "x": _t(dtype, (b, K), "x"), "w": _t(wdtype or dtype, (N, K), "w")}
+    a.update(kw)
+    return a
+
+
+_SHARED = _t("bf16", (4, 64), "shared")
+GEMV_ERRORS = {
+    "fp16 x": (lambda: _args(dtype="fp16"), "gemv x: expected dtype fp32/bf16"),
+    "3-d x": (lambda: _args() | {"x": _t("bf16", (1, 2, 64), "x")}, r"gemv x: expected shape \(\*, \*\)"),
+    "unknown act": (lambda: _args(act="gelu"), "act='gelu' is not supported"),
+    "norm with act": (lambda: _args(act="swiglu", norm_weight=_t("bf16", (32,))), "cannot be combined"),
+    "odd swiglu width": (lambda: _args(K=63, act="swiglu"), r"\(b, 2K\) = \[gate \| up\]"),
+    "weight dtype": (lambda: _args() | {"w": _t("fp32", (32, 64), "w")}, "gemv w: expected dtype bf16/e4m3"),
+    "weight K": (lambda: _args() | {"w": _t("bf16", (32, 72), "w")}, r"gemv w: expected shape \(\*, 64\)"),
+    "K alignment": (lambda: _args(K=60), "K = 60 must be a positive multiple of 8"),
+    "e4m3 K alignment": (lambda: _args(K=72, wdtype="e4m3", w_scale=_t("fp32", (32,))), "multiple of 16"),
+    "K too large": (lambda: _args(K=1 << 17), "K = 131072 is too large"),
+    "e4m3 without scale": (lambda: _args(wdtype="e4m3"), "needs its \\(32,\\) fp32 row scales"),
+    "scale without e4m3": (lambda: _args(w_scale=_t("fp32", (32,))), "only e4m3 weights take row scales"),
+    "scale shape": (lambda: _args(wdtype="e4m3", w_scale=_t("fp32", (31,))), r"w_scale: expected shape \(32\)"),
+    "scale dtype": (lambda: _args(wdtype="e4m3", w_scale=_t("bf16", (32,))), "w_scale: expected dtype fp32"),
+    "out dtype": (lambda: _args(out="fp16"), "gemv out: expected dtype bf16/fp32"),
+    "out shape": (lambda: _args() | {"out": _t("bf16", (2, 31), "out")}, r"gemv out: expected shape \(2, 32\)"),
+    "bias dtype": (lambda: _args(bias=_t("fp32", (32,))), "gemv bias: expected dtype bf16"),
+    "bias shape": (lambda: _args(bias=_t("bf16", (64,))), r"gemv bias: expected shape \(32\)"),
+    "residual dtype": (lambda: _args(out="fp32", residual=_t("bf16", (2, 32))), "residual: expected dtype fp32"),
+    "residual shape": (lambda: _args(residual=_t("bf16", (1, 32))), r"residual: expected shape \(2, 32\)"),
+    "norm shape": (lambda: _args(norm_weight=_t("bf16", (32,))), r"norm_weight: expected shape \(64\)"),
+    "out overlaps x": (
+        lambda: _args(N=64) | {"out": _SHARED.rows(0, 2), "x": _SHARED.rows(1, 3)},
+        "overlaps input 'shared'",
+    ),
+    "residual partly overlaps out": (
+        lambda: _args(N=64) | {"out": _SHARED.rows(0, 2), "residual": _SHARED.rows(1, 3)},
+        "partly overlaps out",
+    ),
+    "split": (lambda: _args(split=3), "split=3"),
+    "device": (lambda: _args() | {"w": ce.Tensor.empty("bf16", (32, 64), "cuda", name="w")}, "is on"),
+}
+
+
+@pytest.mark.parametrize("name", GEMV_ERRORS)
+def test_gemv_errors(name):
+    make, match = GEMV_ERRORS[name]
+    if name == "device" and not ce.cuda_available():
+        pytest.skip("needs a second device")
+    kw = make()
+    with pytest.raises(ValueError, match=match):
+        gemv(kw.pop("out"), kw.pop("x"), kw.pop("w"), **kw)
+
+
+def test_gemv_dual_errors():
+    with pytest.raises(ValueError, match=r"gemv_dual w_up: expected \(2H, K\)"):
+        gemv_dual(_t("bf16", (2, 31)), _t("bf16", (2, 64)), _t("bf16", (31, 64)))
+    with pytest.raises(ValueError, match="gemv_dual w_scale: only e4m3"):
+        gemv_dual(_t("bf16", (2, 32)), _t("bf16", (2, 64)), _t("bf16", (32, 64)), w_scale=_t("fp32", (32,)))
+
+
+@pytest.mark.parametrize(
+    "w8,s,w,match",
+    [
+        (("e4m3", (4, 16)), ("fp32", (4,)), ("fp16", (4, 16)), "quantize_rows w: expected dtype fp32/bf16"),
+        (("bf16", (4, 16)), ("fp32", (4,)), ("bf16", (4, 16)), "quantize_rows w8: expected dtype e4m3"),
+        (("e4m3", (4, 8)), ("fp32", (4,)), ("bf16", (4, 16)), r"quantize_rows w8: expected shape \(4, 16\)"),
+        (("e4m3", (4, 16)), ("fp32", (5,)), ("bf16", (4, 16)), r"quantize_rows w_scale: expected shape \(4\)"),
+    ],
+)
+def test_quantize_rows_errors(w8, s, w, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_rows(_t(*w8), _t(*s), _t(*w))
