@@ -122,14 +122,42 @@ def _stop(procs) -> list[int]:
 
 
 def _watch(procs, conns, grace: float) -> list:
-    n = len(procs)
-    results, failures = [None] * n, {}
-    messages: dict[int, tuple] = {}
+    messages: dict[int, tuple] = {}  # rank -> ("ok", result) or ("error", text, traceback)
     open_conns = {c: r for r, c in enumerate(conns)}
-    first_failure, first_rank, first_tb = None, None, None
-    while open_conns or any(p.exitcode is None for p in procs):
-        ready = wait(list(open_conns) + [p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
-        for c in ready:
+    failures: dict[int, str] = {}
+    first = None  # (time, rank, traceback) of the first failure
+
+    def settle():
+        """Record every rank that has exited, and whose message (if any) has been read, without
+        returning a result."""
+        nonlocal first
+        for r, p in enumerate(procs):
+            if r in failures or p.exitcode is None or r in open_conns.values():
+                continue
+            msg = messages.get(r)
+            if msg is not None and msg[0] == "ok":
+                continue
+            if msg is not None:
+                failures[r], tb = f"raised {msg[1]}", msg[2]
+            else:
+                failures[r], tb = f"died ({_exit_text(p.exitcode)}) without a result", None
+            if first is None:
+                first = (time.monotonic(), r, tb)
+
+    while True:
+        finished = not open_conns and all(p.exitcode is not None for p in procs)
+        settle()
+        if finished:
+            break
+        if first is not None and time.monotonic() - first[0] > grace:
+            for r in _stop(procs):
+                if r not in messages:
+                    failures[r] = f"was stopped by the launcher {grace:.0f} s after rank {first[1]} failed"
+            for c in open_conns:
+                c.close()
+            open_conns.clear()
+            continue
+        for c in wait(list(open_conns) + [p.sentinel for p in procs if p.exitcode is None], timeout=0.2):
             if c in open_conns:
                 r = open_conns.pop(c)
                 try:
@@ -137,34 +165,12 @@ def _watch(procs, conns, grace: float) -> list:
                 except (EOFError, OSError):
                     pass
                 c.close()
-        for r, p in enumerate(procs):
-            if p.exitcode is None and not p.is_alive():
-                p.join()
-            done = p.exitcode is not None and r not in open_conns.values()
-            if done and r not in failures and messages.get(r, ("",))[0] != "ok":
-                msg = messages.get(r)
-                if msg is not None and msg[0] == "error":
-                    failures[r] = f"raised {msg[1]}"
-                    tb = msg[2]
-                else:
-                    failures[r] = f"died ({_exit_text(p.exitcode)}) without a result"
-                    tb = None
-                if first_failure is None:
-                    first_failure, first_rank, first_tb = time.monotonic(), r, tb
-        if first_failure is not None and time.monotonic() - first_failure > grace:
-            for r in _stop(procs):
-                failures.setdefault(r, f"was stopped by the launcher {grace:.0f} s after rank {first_rank} failed")
-            for c in list(open_conns):
-                c.close()
-            open_conns.clear()
-    for r, msg in messages.items():
-        if msg[0] == "ok":
-            results[r] = msg[1]
     if failures:
-        lines = [f"rank {first_rank} {failures[first_rank]}"]
-        lines += [f"rank {r} {what}" for r, what in sorted(failures.items()) if r != first_rank]
+        _, rank, tb = first
+        lines = [f"rank {rank} {failures[rank]}"]
+        lines += [f"rank {r} {what}" for r, what in sorted(failures.items()) if r != rank]
         text = "launch: " + "; ".join(lines)
-        if first_tb:
-            text += f"\n--- rank {first_rank} traceback ---\n{first_tb}"
+        if tb:
+            text += f"\n--- rank {rank} traceback ---\n{tb}"
         raise WorkerError(text, failures)
-    return results
+    return [messages[r][1] for r in range(len(procs))]
