@@ -72,15 +72,15 @@ def sequences(V, lens, seed=1):
     return np.random.default_rng(seed).integers(0, V, (len(lens), SEQ)).astype(np.int32)
 
 
-def decode_logits(m, seqs, lens, arm, weights="bf16", cuda_graphs=True):
+def decode_logits(m, seqs, lens, arm, weights="bf16", cuda_graphs=True, max_seq_len=32):
     """Logits (b, SEQ, V) of each row at positions lens[i]-1 .. SEQ-1 (NaN before): prefill the
     first lens[i] tokens, then decode the rest teacher-forced."""
     b = len(lens)
-    st = m.allocate_inference_state(max_batch=b + 1, max_seq_len=32, weights=weights, ffn_arm=arm,
+    st = m.allocate_inference_state(max_batch=b + 1, max_seq_len=max_seq_len, weights=weights, ffn_arm=arm,
                                     cuda_graphs=cuda_graphs)  # fmt: skip
     prompts = [list(seqs[i, :n]) for i, n in enumerate(lens)]
     st.start(prompts, sampling.sampling_params(0.0, 0, 1.0, 0))
-    st.prefill(prompts)
+    st.prefill()
     out = np.full((b, SEQ, m.cfg.vocab_size), np.nan, np.float32)
     pos = np.array(lens) - 1
     for _ in range(SEQ):
@@ -109,6 +109,19 @@ def test_decode_logits_match_full_forward(dev, preset, dtype, arm):
     got = decode_logits(m, seqs, lens, arm)
     for i, n in enumerate(lens):
         assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], dtype, f"row {i} (prompt of {n})")
+
+
+def test_prefill_in_padded_groups(dev):
+    """Prompts of 7, 4 and 1 tokens with 20 rows of prefill scratch: [7, 4] go together (padded to
+    7), [1] alone; padding must not leak into the real rows or the cache."""
+    lens = [7, 4, 1]
+    m = model("tiny", "fp32", dev, run_state=(3, SEQ))
+    seqs = sequences(256, lens, seed=4)
+    got = decode_logits(m, seqs, lens, "fused", max_seq_len=20)
+    assert [g[:3] for g in m.inference_state.groups] == [(0, 2, 7), (2, 1, 1)]
+    want = m.logits(seqs)
+    for i, n in enumerate(lens):
+        assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], "fp32", f"row {i}")
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -65,7 +65,7 @@ def step_ms(st, b: int, steps: int, samples: int) -> float:
     for s in range(samples + 1):
         p = prompts(st.cfg, b, PROMPT, seed=s)
         st.start(p, sampling.sampling_params(0.0, 0, 1.0, 0))
-        st.prefill(p)
+        st.prefill()
         for _ in range(3):  # eager, capture, replay
             decode.step(st, b, arm)
         start, end = dev.event(timing=True), dev.event(timing=True)
@@ -145,7 +145,7 @@ def batch_section(args, dev, bw) -> list[str]:
             st.start(p, params)
             start, end = dev.event(timing=True), dev.event(timing=True)
             start.record()
-            st.prefill(p)
+            st.prefill()
             end.record()
             end.synchronize()
             if s:

@@ -164,7 +164,7 @@ class InferenceMixin:
                 raise RuntimeError("this stream was superseded by a later generate/stream call on the same model")
             while issued < n_new and issued - done < lag:
                 if issued == 0:
-                    st.prefill(prompts)
+                    st.prefill()
                 else:
                     decode.step(st, b, arm)
                 k = issued % RING

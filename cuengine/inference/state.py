@@ -7,7 +7,7 @@ generate carries the weights plus these contexts in its memory report:
   (N,) of every linear layer, the LM head included (`gemv.quantize_rows`);
 - "Decode scratch": the (max_batch, ...) buffers of one decode step, the (max_seq, ...) buffers of
   a prefill, the RoPE table, the device positions/lengths/tokens and the sampling parameters;
-- "Decode host" (pinned): prompt upload and the ring the sampled tokens come back through.
+- "Decode host" (pinned): the prompt upload and the ring the sampled tokens come back through.
 The model's own weights are shared, never copied: a model that trains can sample from what it
 trains. Every buffer keeps its address for the state's life, which is what lets each decode step
 be captured once as a CUDA graph and replayed.
@@ -22,7 +22,7 @@ from ..dtypes import BF16, BYTE, FP8_E4M3, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
 from ..kernels import attention, decode_attention, gemv, rope, sampling
 from . import decode
-from .prefill import prefill_prompt
+from .prefill import prefill_group
 
 WEIGHTS = ("bf16", "fp8")  # "bf16": the model's own weights (fp32 for an fp32 model); "fp8": per-row E4M3
 FFN_ARMS = ("split", "fused", "gemm")
@@ -118,7 +118,7 @@ class InferenceState:
                                  decode_attention.decode_attention_scratch_shape(B, Hq, hs, S))  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
-            # prefill of one prompt, T <= max_seq rows
+            # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows
             self.p_res = a(dt, "prefill_residual", (S, C))
             self.p_res_att = a(dt, "prefill_res_att", (S, C))
             self.p_ln = a(dt, "prefill_ln", (S, C))
@@ -129,19 +129,18 @@ class InferenceState:
             self.p_out = a(dt, "prefill_out", (S, C))  # att_o, then mlp_down
             self.p_up = a(dt, "prefill_up", (S, 2 * H))
             self.p_act = a(dt, "prefill_swiglu", (S, H))
-            self.prompt = a(INT32, "prefill_tokens", (B, S))
-            self.p_positions = a(INT32, "prefill_positions", (S,)).copy_from_numpy(np.arange(S, dtype=np.int32))
-            self.p_slots = a(INT32, "prefill_slots", (B, S)).copy_from_numpy(
-                np.repeat(np.arange(B, dtype=np.int32)[:, None], S, axis=1))  # fmt: skip
-            ws = attention.workspace_shape(1, S, Hq, Hkv, hs, backend="raw", dtype=dt, device=dev)[0]
+            # every group's tokens, cache slots and positions, packed one after the other
+            self.p_index = a(INT32, "prefill_index", (3, B * S))
+            ws = attention.workspace_shape(B, S, Hq, Hkv, hs, backend="raw", dtype=dt, device=dev)[0]
             self.p_workspace = a(BYTE, "prefill_attention_workspace", (ws,)) if ws else None
 
         with alloc.context("Decode host"):
-            self.prompt_host = alloc.allocate(INT32, "prompt_host", (B, S), kind="pinned")
+            self.index_host = alloc.allocate(INT32, "prefill_index_host", (3, B * S), kind="pinned")
             self.pos_host = alloc.allocate(INT32, "positions_host", (2, B), kind="pinned")
             self.ring = alloc.allocate(INT32, "token_ring", (RING, B), kind="pinned")
         self.ring_events = [dev.event() for _ in range(RING)]
-        self.upload_event = dev.event()  # the last copy out of prompt_host / pos_host
+        self.upload_event = dev.event()  # the last copy out of index_host / pos_host
+        self.groups: list[tuple[int, int, int, int]] = []  # prefill groups: (first prompt, n, T, offset)
 
     # ---- weights -----------------------------------------------------------------------------
     def refresh_weights(self) -> None:
@@ -161,30 +160,48 @@ class InferenceState:
 
     # ---- a generation ------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: np.ndarray) -> None:
-        """Upload the prompts, their positions and the sampling parameters (whose step counter
-        restarts, so a seed draws the same numbers), and requantize FP8 weights. Enqueued, except
-        the small synchronous copy of `params`."""
-        b, dev = len(prompts), self.device
+        """Upload the prompts (grouped for prefill, see `prefill`), their positions and the
+        sampling parameters (whose step counter restarts, so a seed draws the same numbers), and
+        requantize FP8 weights. Enqueued, except the small synchronous copy of `params`."""
+        b, dev, S = len(prompts), self.device, self.max_seq
         lens = np.array([len(p) for p in prompts], np.int32)
+        self.groups = []
+        first = off = 0
+        for i in range(1, b + 1):
+            if i == b or (i + 1 - first) * int(lens[first : i + 1].max()) > S:
+                n, T = i - first, int(lens[first:i].max())
+                self.groups.append((first, n, T, off))
+                first, off = i, off + n * T
         self.upload_event.synchronize()  # the previous copies out of the pinned buffers are done
-        host = self.prompt_host.array()
-        for i, p in enumerate(prompts):
-            host[i, : len(p)] = p
+        idx = self.index_host.array()
+        for first, n, T, off in self.groups:
+            tokens = idx[0, off : off + n * T].reshape(n, T)
+            tokens[...] = 0  # padding: causal attention keeps it out of the real rows
+            for r in range(n):
+                tokens[r, : lens[first + r]] = prompts[first + r]
+            idx[1, off : off + n * T] = np.repeat(np.arange(first, first + n, dtype=np.int32), T)
+            idx[2, off : off + n * T] = np.tile(np.arange(T, dtype=np.int32), n)
         pos = self.pos_host.array()
         pos[0, :b], pos[1, :b] = lens - 1, lens  # as if each prompt's last token were a step's input
-        dev.copy_async(self.prompt.rows(0, b), self.prompt_host.rows(0, b))
+        dev.copy_async(self.p_index, self.index_host)
         dev.copy_async(self.positions.rows(0, b), self.pos_host[0].rows(0, b))
         dev.copy_async(self.lengths.rows(0, b), self.pos_host[1].rows(0, b))
         self.upload_event.record()
         self.params.copy_from_numpy(params)
         self.refresh_weights()
+        self._lens = lens
 
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Prefill every prompt into its cache slot, then the LM head and the sampler on the
-        last rows: st.tokens[:b] holds each prompt's first new token. Enqueued only."""
-        for i, p in enumerate(prompts):
-            prefill_prompt(self, i, len(p))
-        decode.head_and_sample(self, len(prompts))
+    def prefill(self) -> None:
+        """Prefill the prompts of `start` into their cache slots, then the LM head and the sampler
+        on their last rows: st.tokens[:b] holds each prompt's first new token. Enqueued only.
+
+        Consecutive prompts go through the forward together, right-padded to the longest of them,
+        as many as fit the max_seq rows of scratch: causal attention keeps the padding out of the
+        real rows, and the K/V the padding appends lie past each prompt's end, where decode
+        overwrites them before any step reads them."""
+        for first, n, T, off in self.groups:
+            prefill_group(self, first, n, T, off, self._lens[first : first + n])
+        decode.head_and_sample(self, len(self._lens))
 
     # ---- graphs ------------------------------------------------------------------------------
     def run(self, key, fn) -> None:
