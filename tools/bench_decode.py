@@ -2,7 +2,13 @@
 prefill, and HF transformers (static cache + torch.compile) as the peer, all in one run.
 
 Sections (`--section`, any of them; default all):
-- arms:  GB/s of each FFN arm (the decode-GEMV section).
+- arms:  GB/s of the decode-GEMV kernels (gemv bf16 and FP8, gemv_dual, gemv with the fused SwiGLU
+         input) and of the cuBLASLt M = b matmul on the same shapes, and of the whole FFN per arm
+         (split, fused, gemm), at hidden 896 / intermediate 4864 (plus the 896 -> 151936 LM head) and
+         4096 / 14336, for `--arm-batches` (default 1 and 8), beside the copy ceiling. Bytes are the
+         algorithmic minimum (weights + scales + x + out, each once). Weights rotate through copies
+         totalling >= 256 MB so that the 50 MB L2 cannot serve them; 32+ launches are replayed from one
+         CUDA graph, as the decode step runs them. `--sweep-split` adds every K split of each gemv.
 - token: ms per token at batch 1 for the 0.5B and 1.5B shapes with bf16 and FP8 decode weights,
          beside the bound = weight bytes read per token / device-to-device copy bandwidth, the
          copy measured here (known on an H200: 4.27 TB/s); and the kernel launches of one step.
@@ -13,6 +19,7 @@ Timing: the decode step is a replayed CUDA graph; CUDA events around `--steps` s
 warm-up (which also captures the graph); median of `--samples` runs, per step.
 
     python tools/bench_decode.py --section token batch peer
+    python tools/bench_decode.py --section arms --sweep-split
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copy_case, time_ms  # noqa: E402
+from bench_kernels import copy_case, fill, tensor, time_ms  # noqa: E402
 
 import cuengine as ce  # noqa: E402
 from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
@@ -194,7 +201,130 @@ def peer_section(args, dev, bw) -> list[str]:
     return rows
 
 
-SECTIONS = {"token": token_section, "batch": batch_section, "peer": peer_section}
+ARM_SHAPES = (("0.5B", 896, 4864), ("7B", 4096, 14336))  # (name, hidden, intermediate)
+LM_HEAD = (896, 151936)  # Qwen2.5-0.5B: hidden -> vocabulary, fp32 logits
+ROTATE_BYTES = 256e6  # weight copies per case total at least this: five times the H200's L2
+GRAPH_LAUNCHES = 32  # launches per replayed graph (a multiple of the number of copies)
+
+
+def graph_us(dev, launch, copies: int, nbytes: int, samples: int) -> float:
+    """Median µs per launch of `launch(i)`, i cycling through the weight copies, replayed from a CUDA
+    graph (launched eagerly once per copy first: kernels compile, cuBLASLt plans and workspace exist)."""
+    n = copies * -(-GRAPH_LAUNCHES // copies)
+    for i in range(copies):
+        launch(i)
+    dev.synchronize()
+    graph = dev.capture(lambda: [launch(i % copies) for i in range(n)])
+    return time_ms(dev, graph.launch, n * nbytes, warmup=3, iters=samples) / n * 1e3
+
+
+class Weights:
+    """`copies` device copies of one (N, K) weight, bf16 or per-row E4M3 with its row scales."""
+
+    def __init__(self, dev, N: int, K: int, fp8: bool, seed: int = 0):
+        from cuengine.kernels import gemv
+
+        src = tensor(dev, ce.BF16, (N, K), 1 / np.sqrt(K), seed, name="w")
+        self.nbytes = N * K * (1 if fp8 else 2) + (4 * N if fp8 else 0)
+        self.copies = max(2, int(-(-ROTATE_BYTES // self.nbytes)))
+        self.w, self.scale = [], []
+        for i in range(self.copies):
+            if fp8:
+                self.w.append(ce.Tensor.empty(ce.FP8_E4M3, (N, K), dev, name=f"w8.{i}"))
+                self.scale.append(ce.Tensor.empty(ce.FP32, (N,), dev, name=f"w_scale.{i}"))
+                gemv.quantize_rows(self.w[-1], self.scale[-1], src)
+            else:
+                self.w.append(ce.Tensor.empty(ce.BF16, (N, K), dev, name=f"w.{i}"))
+                self.scale.append(None)
+                dev.copy_async(self.w[-1], src)
+        dev.synchronize()
+
+
+def arm_cases(dev, b: int, sweep: bool):
+    """(label, weight dtype, bytes, copies, launch(i)) for each kernel and FFN arm at b rows."""
+    from cuengine import blas
+    from cuengine.kernels import activations, gemv
+
+    def act(shape, seed=1):
+        return tensor(dev, ce.BF16, shape, 1.0, seed, name="x")
+
+    splits = (None, 1, 2, 4, 8) if sweep else (None,)
+    gemv_shapes = [(f"{n} gemv {h}->{i}", h, i) for n, h, i in ARM_SHAPES]
+    gemv_shapes += [(f"{n} gemv {i}->{h}", i, h) for n, h, i in ARM_SHAPES]
+    gemv_shapes.insert(1, ("0.5B lm_head {}->{}".format(*LM_HEAD), *LM_HEAD))
+    for label, K, N in gemv_shapes:
+        x = act((b, K))
+        logits = K == LM_HEAD[0] and N == LM_HEAD[1]
+        out = ce.Tensor.empty(ce.FP32 if logits else ce.BF16, (b, N), dev, name="out")
+        io = x.nbytes + out.nbytes
+        for fp8 in (False, True):
+            W = Weights(dev, N, K, fp8)
+            for split in splits:
+                tag = label + ("" if split is None else f" split={split}")
+                fn = lambda i, W=W, x=x, out=out, split=split: gemv.gemv(  # noqa: E731
+                    out, x, W.w[i], w_scale=W.scale[i], split=split
+                )
+                yield tag, "fp8" if fp8 else "bf16", W.nbytes + io, W.copies, fn
+            if not fp8:
+                mm = lambda i, W=W, x=x, out=out: blas.matmul(out, x, W.w[i])  # noqa: E731
+                yield f"{label} (cuBLASLt M=b)", "bf16", W.nbytes + io, W.copies, mm
+            del W
+    for name, hidden, inter in ARM_SHAPES:
+        x, h = act((b, hidden)), act((b, inter))
+        up = ce.Tensor.empty(ce.BF16, (b, 2 * inter), dev, name="up")
+        out = ce.Tensor.empty(ce.BF16, (b, hidden), dev, name="out")
+        fill(up, 1.0, 2)
+        for fp8 in (False, True):
+            wd = "fp8" if fp8 else "bf16"
+            Wup, Wdown = Weights(dev, 2 * inter, hidden, fp8), Weights(dev, hidden, inter, fp8)
+            dual = lambda i, W=Wup, x=x, up=up: gemv.gemv_dual(up, x, W.w[i], w_scale=W.scale[i])  # noqa: E731
+            yield f"{name} gemv_dual {hidden}->2x{inter}", wd, Wup.nbytes + x.nbytes + up.nbytes, Wup.copies, dual
+            silu = lambda i, W=Wdown, up=up, out=out: gemv.gemv(  # noqa: E731
+                out, up, W.w[i], w_scale=W.scale[i], act="swiglu"
+            )
+            yield f"{name} gemv swiglu {inter}->{hidden}", wd, Wdown.nbytes + up.nbytes + out.nbytes, Wdown.copies, silu
+            ffn = Wup.nbytes + Wdown.nbytes + x.nbytes + out.nbytes
+            copies = max(Wup.copies, Wdown.copies)
+
+            def split_arm(i, Wu=Wup, Wd=Wdown, x=x, up=up, h=h, out=out):
+                gemv.gemv_dual(up, x, Wu.w[i % Wu.copies], w_scale=Wu.scale[i % Wu.copies])
+                activations.swiglu_forward(h, up)
+                gemv.gemv(out, h, Wd.w[i % Wd.copies], w_scale=Wd.scale[i % Wd.copies])
+
+            def fused_arm(i, Wu=Wup, Wd=Wdown, x=x, up=up, out=out):
+                gemv.gemv_dual(up, x, Wu.w[i % Wu.copies], w_scale=Wu.scale[i % Wu.copies])
+                gemv.gemv(out, up, Wd.w[i % Wd.copies], w_scale=Wd.scale[i % Wd.copies], act="swiglu")
+
+            yield f"{name} FFN arm split", wd, ffn, copies, split_arm
+            yield f"{name} FFN arm fused", wd, ffn, copies, fused_arm
+            if not fp8:
+
+                def gemm_arm(i, Wu=Wup, Wd=Wdown, x=x, up=up, h=h, out=out):
+                    blas.matmul(up, x, Wu.w[i % Wu.copies])
+                    activations.swiglu_forward(h, up)
+                    blas.matmul(out, h, Wd.w[i % Wd.copies])
+
+                yield f"{name} FFN arm gemm", wd, ffn, copies, gemm_arm
+            del Wup, Wdown
+
+
+def arms_section(args, dev, bw):
+    """Yields its table rows as they are measured (the section takes a minute or two)."""
+    from cuengine import blas
+
+    blas.init(ce.TensorAllocator(dev))
+    yield f"copy ceiling measured: {bw / 1e12:.2f} TB/s (target: >= 80% on the gemv rows at b = 1)"
+    yield f"{'case':<44}{'weights':>8}{'b':>4}{'MB':>9}{'copies':>7}{'us':>9}{'GB/s':>8}{'% copy':>8}"
+    for b in args.arm_batches:
+        for label, wd, nbytes, copies, fn in arm_cases(dev, b, args.sweep_split):
+            us = graph_us(dev, fn, copies, nbytes, args.samples)
+            gbs = nbytes / us / 1e3
+            yield (f"{label:<44}{wd:>8}{b:>4}{nbytes / 1e6:>9.1f}{copies:>7}{us:>9.2f}{gbs:>8.0f}"
+                   f"{100 * gbs * 1e9 / bw:>7.0f}%")  # fmt: skip
+        yield ""
+
+
+SECTIONS = {"arms": arms_section, "token": token_section, "batch": batch_section, "peer": peer_section}
 
 
 def main(argv=None) -> int:
@@ -204,6 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--steps", type=int, default=64, help="decode steps per timed sample")
     p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
+    p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
     args = p.parse_args(argv)
     if not ce.cuda_available():
         print("bench_decode: no CUDA device; nothing to measure")
