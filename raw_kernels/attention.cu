@@ -467,6 +467,25 @@ __device__ __forceinline__ void flash_backward_dkdv(bf16* __restrict__ dqkv, con
 // One warp per row; lane holds elements d = lane + 32 i of the head dim. Blocks of 4 warps.
 #define SIMT_NPL 8  // elements per lane: hs <= 256
 
+// The grid's warp w (4 per block) and its lane: the row index of the warp-per-row kernels.
+__device__ __forceinline__ long simt_warp() { return (long)blockIdx.x * 4 + (threadIdx.x >> 5); }
+
+// The query row of warp w in the forward and dq kernels: (b, h, t) with t counted from the end (long
+// rows first), the packed row stride ld, batch b's first row, and the first k and v rows of h's kv head.
+template <typename T_> struct SimtQuery {
+    int b, h, t;
+    long ld;
+    const T_ *base, *K, *V;
+    __device__ __forceinline__ SimtQuery(long w, const T_* qkv, int T, int Hq, int Hkv, int hs) {
+        t = T - 1 - (int)(w % T), h = (int)((w / T) % Hq), b = (int)(w / ((long)T * Hq));
+        const int kvh = h / (Hq / Hkv);
+        ld = (long)(Hq + 2 * Hkv) * hs;
+        base = qkv + (long)b * T * ld;
+        K = base + (long)(Hq + kvh) * hs;
+        V = base + (long)(Hq + Hkv + kvh) * hs;
+    }
+};
+
 template <typename T_>
 __device__ __forceinline__ void load_row(float (&x)[SIMT_NPL], const T_* p, int hs, int lane) {
 #pragma unroll
@@ -496,15 +515,10 @@ template <typename T_> __device__ __forceinline__ void store_row(T_* p, const fl
 template <typename T_>
 __device__ __forceinline__ void simt_forward(T_* __restrict__ att, float* __restrict__ lse, const T_* __restrict__ qkv,
                                              int B, int T, int Hq, int Hkv, int hs, float scale) {
-    const long w = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long w = simt_warp();
     const int lane = threadIdx.x & 31;
     if (w >= (long)B * Hq * T) return;
-    const int t = T - 1 - (int)(w % T), h = (int)((w / T) % Hq), b = (int)(w / ((long)T * Hq));
-    const int kvh = h / (Hq / Hkv);
-    const long ld = (long)(Hq + 2 * Hkv) * hs;
-    const T_* base = qkv + (long)b * T * ld;
-    const T_* K = base + (long)(Hq + kvh) * hs;
-    const T_* V = base + (long)(Hq + Hkv + kvh) * hs;
+    const auto [b, h, t, ld, base, K, V] = SimtQuery<T_>(w, qkv, T, Hq, Hkv, hs);
     float q[SIMT_NPL], acc[SIMT_NPL];
     load_row(q, base + t * ld + (long)h * hs, hs, lane);
 #pragma unroll
@@ -531,7 +545,7 @@ __device__ __forceinline__ void simt_forward(T_* __restrict__ att, float* __rest
 template <typename T_>
 __device__ __forceinline__ void backward_dot(float* __restrict__ dsum, const T_* __restrict__ datt,
                                              const T_* __restrict__ att, int B, int T, int Hq, int hs) {
-    const long w = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long w = simt_warp();
     const int lane = threadIdx.x & 31;
     if (w >= (long)B * T * Hq) return;
     const int h = (int)(w % Hq), t = (int)((w / Hq) % T), b = (int)(w / ((long)Hq * T));
@@ -548,15 +562,10 @@ __device__ __forceinline__ void simt_backward_dq(T_* __restrict__ dqkv, const T_
                                                  const T_* __restrict__ qkv, const float* __restrict__ lse,
                                                  const float* __restrict__ dsum, int B, int T, int Hq, int Hkv, int hs,
                                                  float scale) {
-    const long w = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long w = simt_warp();
     const int lane = threadIdx.x & 31;
     if (w >= (long)B * Hq * T) return;
-    const int t = T - 1 - (int)(w % T), h = (int)((w / T) % Hq), b = (int)(w / ((long)T * Hq));
-    const int kvh = h / (Hq / Hkv);
-    const long ld = (long)(Hq + 2 * Hkv) * hs;
-    const T_* base = qkv + (long)b * T * ld;
-    const T_* K = base + (long)(Hq + kvh) * hs;
-    const T_* V = base + (long)(Hq + Hkv + kvh) * hs;
+    const auto [b, h, t, ld, base, K, V] = SimtQuery<T_>(w, qkv, T, Hq, Hkv, hs);
     const long row = ((long)b * Hq + h) * T + t;
     const float lse_t = lse[row], d_t = dsum[row];
     float q[SIMT_NPL], dout[SIMT_NPL], dq[SIMT_NPL];
@@ -583,7 +592,7 @@ __device__ __forceinline__ void simt_backward_dkdv(T_* __restrict__ dqkv, const 
                                                    const T_* __restrict__ qkv, const float* __restrict__ lse,
                                                    const float* __restrict__ dsum, int B, int T, int Hq, int Hkv,
                                                    int hs, float scale) {
-    const long w = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long w = simt_warp();
     const int lane = threadIdx.x & 31;
     if (w >= (long)B * Hkv * T) return;
     const int c = (int)(w % T), kvh = (int)((w / T) % Hkv), b = (int)(w / ((long)T * Hkv));  // c = 0 first: longest

@@ -82,9 +82,3 @@ __device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) 
         if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
     }
 }
-
-// abs-max across the grid. Non-negative floats order like their bit patterns as ints,
-// so an integer atomicMax is exact and order-independent (deterministic).
-__device__ __forceinline__ void atomic_abs_max(float* dst, float v) {
-    atomicMax(reinterpret_cast<int*>(dst), __float_as_int(fabsf(v)));
-}

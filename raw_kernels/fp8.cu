@@ -62,42 +62,46 @@ template <> __device__ __forceinline__ u32 fp8x2_bits<fp8e5>(float lo, float hi)
     return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
 }
 
-// ---- abs_max ----------------------------------------------------------------------------------
-template <typename T, bool VEC> __device__ void abs_max_impl(float* amax, const T* x, long long n) {
-    __shared__ unsigned sh[32];
-    unsigned bits = 0;
+// Visits x[0, n) in grid-stride order: with VEC, 8 elements at a time through on8(i, v) (v = x[i, i+8)),
+// UNROLL groups loaded before the first is handed on (loads in flight; and a byte store of a quantised
+// output may alias x), then what is left one element at a time through on1(i, x[i]).
+template <typename T, bool VEC, typename F8, typename F1>
+__device__ __forceinline__ void grid_stride8(const T* x, long long n, F8&& on8, F1&& on1) {
     const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     long long done = 0;
     if (VEC) {
         const long long packs = n / 8;
         long long p = tid;
-        for (; p + (UNROLL - 1) * nthreads < packs; p += UNROLL * nthreads) {  // UNROLL loads in flight
+        for (; p + (UNROLL - 1) * nthreads < packs; p += UNROLL * nthreads) {
             T v[UNROLL][8];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) load8(x + (p + u * nthreads) * 8, v[u]);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-                for (int k = 0; k < 8; ++k) bits = max(bits, __float_as_uint(fabsf(to_float(v[u][k]))));
+            for (int u = 0; u < UNROLL; ++u) on8((p + u * nthreads) * 8, v[u]);
         }
         for (; p < packs; p += nthreads) {
             T v[8];
             load8(x + p * 8, v);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) bits = max(bits, __float_as_uint(fabsf(to_float(v[k]))));
+            on8(p * 8, v);
         }
         done = packs * 8;
     }
-    for (long long i = done + tid; i < n; i += nthreads) bits = max(bits, __float_as_uint(fabsf(to_float(x[i]))));
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    bits = __reduce_max_sync(0xffffffffu, bits);
-    if (lane == 0) sh[warp] = bits;
-    __syncthreads();
-    if (warp == 0) {
-        bits = __reduce_max_sync(0xffffffffu, lane < warps ? sh[lane] : 0u);
-        if (lane == 0 && bits != 0) atomic_abs_max(amax, __uint_as_float(bits));
-    }
+    for (long long i = done + tid; i < n; i += nthreads) on1(i, x[i]);
+}
+
+// ---- abs_max ----------------------------------------------------------------------------------
+// fabsf, not abs_bits: under -ftz it flushes denormals to 0, which this kernel has always reported.
+template <typename T, bool VEC> __device__ void abs_max_impl(float* amax, const T* x, long long n) {
+    unsigned bits = 0;
+    grid_stride8<T, VEC>(
+        x, n,
+        [&](long long, const T(&v)[8]) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) bits = max(bits, __float_as_uint(fabsf(to_float(v[k]))));
+        },
+        [&](long long, T v) { bits = max(bits, __float_as_uint(fabsf(to_float(v)))); });
+    block_atomic_abs_max(amax, bits);
 }
 
 // ---- quantize -------------------------------------------------------------------------------
@@ -118,28 +122,9 @@ __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, cons
     const float amax = *amax_src;
     const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
     write_stats(stats, amax_src, amax, scale);
-    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    long long done = 0;
-    if (VEC) {
-        const long long packs = n / 8;
-        long long p = tid;
-        // UNROLL loads in flight; all of them before the first store, which as a byte store may alias x.
-        for (; p + (UNROLL - 1) * nthreads < packs; p += UNROLL * nthreads) {
-            Tin v[UNROLL][8];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) load8(x + (p + u * nthreads) * 8, v[u]);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) quantize8<Tin, Tq>(out + (p + u * nthreads) * 8, v[u], scale);
-        }
-        for (; p < packs; p += nthreads) {
-            Tin v[8];
-            load8(x + p * 8, v);
-            quantize8<Tin, Tq>(out + p * 8, v, scale);
-        }
-        done = packs * 8;
-    }
-    for (long long i = done + tid; i < n; i += nthreads) out[i] = from_float<Tq>(to_float(x[i]) * scale);
+    grid_stride8<Tin, VEC>(
+        x, n, [&](long long i, const Tin(&v)[8]) { quantize8<Tin, Tq>(out + i, v, scale); },
+        [&](long long i, Tin v) { out[i] = from_float<Tq>(to_float(v) * scale); });
 }
 
 // ---- transposes -------------------------------------------------------------------------------
