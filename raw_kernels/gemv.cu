@@ -25,7 +25,7 @@
 constexpr int WARPS = 8;  // warps per block
 constexpr int R = 2;      // weight rows per warp
 constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
-constexpr int SU = 4;     // 16-byte input vectors per thread in flight while staging
+constexpr int SU = 2;     // 16-byte SwiGLU input vectors per thread in flight while staging
 
 enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2 };
 
@@ -55,39 +55,58 @@ template <> __device__ __forceinline__ float widen<fp8e4>(unsigned word, int j) 
     return __int_as_float((top >> 4) & 0x87f00000) * 0x1p120f;
 }
 
+// 16 bytes global -> shared without passing through registers (the weight vectors in flight keep theirs)
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
 // Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T.
 template <typename T, int BT>
 __device__ void stage_input(T* xs, float* s_rstd, const T* __restrict__ x, const T* __restrict__ norm_weight,
                             float eps, int prologue, int m0, int b, int K) {
     constexpr int VT = Pack16<T>::N;
     const int vecs = K / VT, total = BT * vecs;
-    for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
-        Pack16<T> v[SU];
+    if (prologue == PRO_SWIGLU) {
+        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
+            Pack16<T> v[SU];
 #pragma unroll
-        for (int j = 0; j < SU; ++j) {
-            const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
-            if (i >= total || m >= b) {
-                for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
-            } else if (prologue == PRO_SWIGLU) {  // silu as activations.cu's act_value(ACT_SILU, g) * u
-                const T* row = x + (size_t)m * 2 * K;
-                const Pack16<T> g = Pack16<T>::load(row + c), u = Pack16<T>::load(row + K + c);
-                for (int k = 0; k < VT; ++k) {
-                    const float gk = to_float(g.v[k]);
-                    v[j].v[k] = from_float<T>(gk * __fdividef(1.f, 1.f + __expf(-gk)) * to_float(u.v[k]));
+            for (int j = 0; j < SU; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
+                if (i >= total || m >= b) {
+                    for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
+                } else {  // silu as activations.cu's act_value(ACT_SILU, g) * u
+                    const T* row = x + (size_t)m * 2 * K;
+                    const Pack16<T> g = Pack16<T>::load(row + c), u = Pack16<T>::load(row + K + c);
+                    for (int k = 0; k < VT; ++k) {
+                        const float gk = to_float(g.v[k]);
+                        v[j].v[k] = from_float<T>(gk * __fdividef(1.f, 1.f + __expf(-gk)) * to_float(u.v[k]));
+                    }
                 }
-            } else {
-                v[j] = Pack16<T>::load(x + (size_t)m * K + c);
+            }
+#pragma unroll
+            for (int j = 0; j < SU; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs;
+                if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
             }
         }
-#pragma unroll
-        for (int j = 0; j < SU; ++j) {
-            const int i = i0 + j * blockDim.x, t = i / vecs;
-            if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+        return;
+    }
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int t = i / vecs, c = (i - t * vecs) * VT;
+        T* dst = xs + (size_t)t * K + c;
+        if (m0 + t < b) {
+            copy_async16(dst, x + (size_t)(m0 + t) * K + c);
+        } else {
+            Pack16<T> z;
+            for (int k = 0; k < VT; ++k) z.v[k] = from_float<T>(0.f);
+            z.store(dst);
         }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     if (prologue != PRO_NORM) return;
     // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
-    __syncthreads();
+    __syncthreads();  // every thread's copies have landed
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int t = warp; t < BT; t += WARPS) {
         float ss = 0.f;
@@ -253,17 +272,20 @@ __device__ void quantize_rows_impl(fp8e4* w8, float* w_scale, const T* w, int N,
 // ---- launchers ----------------------------------------------------------------------------
 // gemv_<T>_<W>_<O>_<BT>: model dtype T, weight dtype W, out dtype O, BT input rows per pass.
 
-#define GEMV_KERNEL(SUF, T, W, O, BT)                                                                        \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_##SUF##_##BT(                              \
+// Single-row kernels stay within 80 registers so that three blocks fit an SM: a decode-sized GEMV is about
+// one wave of blocks, each a round trip or two to HBM, and more resident warps keep more bytes in flight
+// (at 64 registers ptxas spills in the main loop).
+#define GEMV_KERNEL(SUF, T, W, O, BT, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) gemv_##SUF##_##BT(                  \
         O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,              \
         const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {               \
         gemv_impl<T, W, O, BT>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, \
                                S);                                                                           \
     }
-#define GEMV_KERNELS(SUF, T, W, O) \
-    GEMV_KERNEL(SUF, T, W, O, 1)   \
-    GEMV_KERNEL(SUF, T, W, O, 4)   \
-    GEMV_KERNEL(SUF, T, W, O, 8)
+#define GEMV_KERNELS(SUF, T, W, O)  \
+    GEMV_KERNEL(SUF, T, W, O, 1, 3) \
+    GEMV_KERNEL(SUF, T, W, O, 4, 2) \
+    GEMV_KERNEL(SUF, T, W, O, 8, 2)
 GEMV_KERNELS(bf16_bf16_bf16, bf16, bf16, bf16)
 GEMV_KERNELS(bf16_bf16_f32, bf16, bf16, float)
 GEMV_KERNELS(bf16_e4m3_bf16, bf16, fp8e4, bf16)

@@ -12,6 +12,7 @@ from conftest import assert_close, check_op, rng
 import cuengine as ce
 from cuengine.kernels.activations import swiglu_forward
 from cuengine.kernels.gemv import (
+    _split,
     gemv,
     gemv_dual,
     gemv_dual_np,
@@ -161,6 +162,15 @@ def test_fp8_arm_within_stated_tolerance_of_bf16(K, N):
     y8 = gemv_np(c["x"], w8, s).astype(np.float64)
     rel = np.linalg.norm(y8 - y16) / np.linalg.norm(y16)
     assert 1e-3 < rel < FP8_REL_RMS, rel  # the lower bound: the arm really runs on E4M3 weights
+
+
+def test_split_is_chosen_by_shape_alone():
+    """The K split fixes the summation order, so it must come from (N, K) only (not the GPU or b):
+    one wave of blocks at most, each K-slice at least 32 vectors."""
+    assert _split(4864, 896 * 2 // 16) == 1  # 896 -> 4864: 304 blocks already
+    assert _split(896, 4864 * 2 // 16) == 8  # 4864 -> 896: 56 blocks unsplit, 448 at S = 8
+    assert _split(4096, 14336 * 2 // 16) == 2  # 512 blocks
+    assert _split(896, 64 * 2 // 16) == 1  # 8 vectors per row: nothing to split
 
 
 # ---- launchers: both devices -------------------------------------------------------------------

@@ -31,7 +31,8 @@ _SUFFIX = {"fp32": "f32", "bf16": "bf16", "e4m3": "e4m3"}
 _WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
 _SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
-_BLOCKS = 512  # split K until the grid has this many blocks: a constant, so the bits do not depend on the GPU
+_BLOCKS = 528  # split K while the grid stays within this many blocks (4 per SM on 132 SMs); a constant, so
+# the bits do not depend on the GPU
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
 _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU = 0, 1, 2  # enum Prologue in gemv.cu
@@ -93,9 +94,13 @@ def _tile(b: int, K: int, itemsize: int) -> int:
 
 
 def _split(rows: int, vectors: int) -> int:
-    """K-slices per row group: split until the grid has _BLOCKS blocks, keeping 32 vectors per slice."""
+    """K-slices per row group: double them while the grid stays within _BLOCKS and a slice keeps 32 vectors.
+
+    A decode-sized GEMV is about one wave of short blocks, so small N (4864 -> 896) needs the split to
+    fill the GPU, and a grid past one wave would only add a tail.
+    """
     s = 1
-    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // s) < _BLOCKS and vectors // (2 * s) >= 32:
+    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // (2 * s)) <= _BLOCKS and vectors // (2 * s) >= 32:
         s *= 2
     return s
 
