@@ -107,3 +107,59 @@ def mismatch() -> None:
         comm.all_reduce(x)
     else:
         comm.all_gather(ce.Tensor.empty("fp32", (4 * comm.world_size,), comm.device), x)
+
+
+def rank_grads(specs, rank: int, step: int) -> dict:
+    """The gradients rank `rank` 'computes' at `step` (the parent sums them for its reference)."""
+    rng = np.random.default_rng([11, rank, step])
+    return {n: (rng.standard_normal(s) * 0.05).astype(np.float32) for n, s, _ in specs}
+
+
+def init_params(specs) -> dict:
+    rng = np.random.default_rng(3)
+    return {n: (rng.standard_normal(s) * 0.1).astype(np.float32) for n, s, _ in specs}
+
+
+def dp_steps(preset: str, stage: int, steps: int) -> dict:
+    """DataParallel without a model: each step every rank writes its gradients bucket by bucket in
+    backward order, then the norm and the update run; returns the weights and the loss sums."""
+    from cuengine.dist.zero import DataParallel, bucket_views, flat_buckets
+    from cuengine.model.config import TransformerConfig
+    from cuengine.model.optimizer import AdamWState
+    from cuengine.model.weights import param_specs
+
+    comm = ce.dist.init()
+    specs = param_specs(TransformerConfig.preset(preset))
+    alloc = ce.TensorAllocator(comm.device)
+    dp = DataParallel(comm, stage, specs, "fp32", alloc, tokens=6)
+    wflat = alloc.allocate("fp32", "weights", (dp.plan.total,)).fill_zero()
+    buckets = flat_buckets(dp.plan, wflat)
+    weights = bucket_views(dp.plan, buckets)
+    for n, a in init_params(specs).items():
+        weights[n].copy_from_numpy(a)
+    opt = AdamWState(specs if stage == 0 else [], alloc)
+    order = ["head"] + [f"layers.{i}" for i in reversed(range(len(dp.plan.buckets) - 2))] + ["embedding"]
+    losses = ce.Tensor.empty("fp32", (6,), comm.device)
+    sums = []
+    for step in range(steps):
+        g = rank_grads(specs, comm.rank, step)
+        dp.begin_backward(0, 1)
+        for b in order:
+            if b.startswith("layers."):
+                dp.before_layer(int(b.split(".")[1]))
+            for p in dp.plan.bucket(b).params:
+                dp.grads[p.name].copy_from_numpy(g[p.name])
+            dp.bucket_done(b)
+        losses.copy_from_numpy(np.arange(6, dtype=np.float32) + 10 * comm.rank + step)
+        dp.end_backward(losses)
+        sums.append(dp.loss_sum())
+        opt.set_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, step + 1)
+        dp.global_norm(opt, 1.0)
+        dp.update(weights, buckets, opt, seed=42)
+    out = {n: t.numpy() for n, t in weights.items()}
+    out["loss_sums"] = sums
+    out["norm"] = opt.norm_result.numpy()
+    if stage > 0:
+        out["moments"] = dp.gather_moments()
+    comm.close()
+    return out

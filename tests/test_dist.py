@@ -460,3 +460,53 @@ def test_nccl_dead_worker_does_not_hang_the_other():
         dist.launch(dist_worker.fail, 2, 1, "exit", backend="nccl", timeout=120, grace=3.0)
     assert time.monotonic() - t0 < 60
     assert "stopped by the launcher" in info.value.failures[0]
+
+
+# ---- DataParallel without a model --------------------------------------------------------------
+def reference_steps(preset, world, steps):
+    """One process: the summed gradients (in rank order, fp32, as the double sums), full AdamW."""
+    from cuengine.model.optimizer import AdamWState
+
+    sp = specs(preset)
+    alloc = ce.TensorAllocator(ce.device("cpu"))
+    weights = {n: ce.Tensor.from_numpy(a, "cpu") for n, a in dist_worker.init_params(sp).items()}
+    grads = {n: ce.Tensor.empty("fp32", s, "cpu") for n, s, _ in sp}
+    opt = AdamWState(sp, alloc)
+    for step in range(steps):
+        gs = [dist_worker.rank_grads(sp, r, step) for r in range(world)]
+        for n in grads:
+            acc = gs[0][n]
+            for g in gs[1:]:
+                acc = acc + g[n]
+            grads[n].copy_from_numpy(acc)
+        opt.set_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, step + 1)
+        opt.global_norm(grads, 1.0)
+        opt.update(weights, grads, seed=42)
+    return {n: t.numpy() for n, t in weights.items()}, opt
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_stages_agree_with_one_process(world):
+    steps = 3
+    runs = {stage: dist.launch(dist_worker.dp_steps, world, "tiny-llama", stage, steps, backend="fake", timeout=120)
+            for stage in (0, 1, 2)}  # fmt: skip
+    ref, ref_opt = reference_steps("tiny-llama", world, steps)
+    base = runs[0][0]
+    for stage, results in runs.items():
+        for r, res in enumerate(results):
+            # every rank holds the same weights, equal bit for bit across the stages
+            for n, a in ref.items():
+                np.testing.assert_array_equal(res[n], base[n], err_msg=f"stage {stage} rank {r} {n}")
+                np.testing.assert_allclose(res[n], a, rtol=1e-6, atol=1e-7, err_msg=f"stage {stage} {n}")
+            np.testing.assert_array_equal(res["norm"], base["norm"])
+            # the host adds all ranks' per-token losses: their mean over ranks of the sums
+            want = [sum(float(np.sum(np.arange(6) + 10 * q + s)) for q in range(world)) / world for s in range(steps)]
+            assert res["loss_sums"] == want
+    assert_close(base["norm"], ref_opt.norm_result.numpy(), "fp32", what="norm")
+    # the gathered shard moments are the one-process moments
+    for stage in (1, 2):
+        moments = runs[stage][0]["moments"]
+        assert runs[stage][1]["moments"] is None
+        for n in ref:
+            np.testing.assert_allclose(moments[f"m.{n}"], ref_opt.m[n].numpy(), rtol=1e-6, atol=1e-9)
+            np.testing.assert_allclose(moments[f"v.{n}"], ref_opt.v[n].numpy(), rtol=1e-6, atol=1e-12)

@@ -1,0 +1,253 @@
+"""DataParallel: what a model adds to its training step when it runs on several ranks.
+
+zero_stage 0 is plain data parallelism: every rank keeps full gradients, all-reduces them
+bucket by bucket and runs the full AdamW update (the same bits on every rank). zero_stage 1
+(LLMQ's mode) keeps full gradients for accumulation but, in the backward of the last micro-step,
+reduce-scatters each bucket as soon as backward is done with it; each rank then runs AdamW on
+its shard only (moments for the shard alone) and all-gathers the updated weights. zero_stage 2
+keeps only the gradient shard: each layer's gradients go into one of two alternating bucket
+buffers, which are reduce-scattered into the shard after every micro-step, so backward of
+layer i-1 fills one buffer while layer i's reduce-scatter drains the other.
+
+Collectives run on the communicator's stream: `comm.wait_for()` orders each after the main
+stream's work that produced its bucket, so it overlaps with the backward of the next layer,
+and the main stream joins before anything reads the results. Nothing here allocates or waits
+on the host inside a step, so a captured step replays its collectives too.
+
+The global gradient norm is the same on every rank and deterministic: each rank sums the squares
+of the gradient elements it owns (its pieces of the plan, in plan order) into the norm partials,
+which one small all-reduce adds up in rank order; all three stages compute it the same way.
+Losses are all-gathered (not summed) so that the host adds the same per-token values in the same
+order as one process with the whole batch would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import FP32
+from ..dtypes import dtype as _dtype
+from ..kernels import adamw, norm
+from .plan import ShardPlan
+
+STAGES = (0, 1, 2)
+
+
+class DataParallel:
+    """Gradient buffers, the sharded optimizer state and the collectives of one model's step.
+
+    Args:
+        comm: the Communicator (world_size > 1), on the model's device.
+        stage: zero_stage, 0, 1 or 2.
+        specs: [(name, shape, decays)] of the model's parameters (`weights.param_specs`).
+        dtype: the gradient dtype (the model dtype).
+        alloc: the model's TensorAllocator.
+        tokens: B*T, the tokens of one rank's micro-batch (for the gathered losses).
+        m_dtype, v_dtype: AdamW moment dtypes (sharded with stage >= 1).
+
+    Attributes:
+        plan: the ShardPlan.
+        grads: {name: Tensor}: where backward accumulates each parameter's gradient (with
+            stage 2, layer i's gradients share buffer i % 2 with every other layer of its parity).
+    """
+
+    def __init__(self, comm, stage: int, specs, dtype, alloc, tokens: int, m_dtype="fp32", v_dtype="fp32"):
+        if stage not in STAGES:
+            raise ValueError(f"DataParallel: zero_stage must be one of {STAGES}, got {stage!r}")
+        if comm.device is not alloc.device:
+            raise ValueError(f"DataParallel: the communicator is on {comm.device}, the model on {alloc.device}")
+        self.comm, self.stage, self.rank = comm, stage, comm.rank
+        self.device = alloc.device
+        self.plan = plan = ShardPlan(specs, comm.world_size)
+        self._index = {name: i for i, (name, _, _) in enumerate(plan.specs)}
+        self._pieces = plan.pieces(self.rank)
+        dt = _dtype(dtype)
+        layers = [b for b in plan.buckets if b.name.startswith("layers.")]
+        with alloc.context("Gradients"):
+            if stage < 2:
+                self.buffers = flat_buckets(plan, alloc.allocate(dt, "d.flat", (plan.total,)))
+                self.grad_shard = None
+            else:
+                _check_same_layout(layers)
+                alternate = [alloc.allocate(dt, f"d.layers.{k}", (layers[0].size,)) for k in range(min(2, len(layers)))]
+                self.buffers = {}
+                for b in plan.buckets:
+                    if b in layers:
+                        self.buffers[b.name] = alternate[int(b.name.split(".")[1]) % 2]
+                    else:
+                        self.buffers[b.name] = alloc.allocate(dt, f"d.{b.name}", (b.size,))
+                self.grad_shard = alloc.allocate(dt, "d.shard", (plan.shard_size,))
+        self.grads = bucket_views(plan, self.buffers)
+        self.m = self.v = None
+        if stage >= 1:
+            with alloc.context("Optimizer"):
+                self.m = alloc.allocate(_dtype(m_dtype), "m.shard", (plan.shard_size,))
+                self.v = alloc.allocate(_dtype(v_dtype), "v.shard", (plan.shard_size,))
+        with alloc.context("Activations"):
+            self.losses_all = alloc.allocate(FP32, "losses.all_ranks", (comm.world_size * tokens,))
+            self.losses_host = alloc.allocate(FP32, "losses.all_ranks_host", (comm.world_size * tokens,),
+                                              kind="pinned")  # fmt: skip
+        self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
+        self._micro, self._accum = 0, 1
+        self.zero()
+
+    def zero(self) -> None:
+        """Zero gradients (padding included: it is summed, never read) and moments."""
+        for t in {id(t): t for t in self.buffers.values()}.values():
+            t.fill_zero()
+        for t in (self.grad_shard, self.m, self.v):
+            if t is not None:
+                t.fill_zero()
+
+    # ---- backward hooks, in the order backward calls them -----------------------------------------
+    def begin_backward(self, micro_step: int, grad_accum_steps: int) -> None:
+        """Zero what this micro-step accumulates into: every gradient on micro-step 0 (stages 0
+        and 1), or (stage 2) the embedding and head buckets on every micro-step; layer buffers
+        are zeroed by `before_layer`."""
+        if self.stage == 2 and grad_accum_steps > 1:
+            raise ValueError("zero_stage=2 with grad_accum_steps > 1 is not supported yet; use zero_stage=1")
+        self._micro, self._accum = micro_step, grad_accum_steps
+        if self.stage < 2:
+            if micro_step == 0:
+                for b in self.plan.buckets:
+                    self.buffers[b.name].fill_zero()
+            return
+        for b in self.plan.buckets:
+            if not b.name.startswith("layers."):
+                self.buffers[b.name].fill_zero()
+
+    def before_layer(self, i: int) -> None:
+        """Stage 2: wait until the buffer layer i shares with layer i+2 has been reduce-scattered,
+        then zero it for layer i's gradients."""
+        if self.stage == 2:
+            self.device.stream.wait(self._layer_free[i % 2])
+            self.buffers[f"layers.{i}"].fill_zero()
+
+    def bucket_done(self, name: str) -> None:
+        """Backward has written its last gradient into bucket `name` ("head", "layers.<i>",
+        "embedding"): start its collective on the communication stream."""
+        last = self._micro == self._accum - 1
+        if self.stage < 2 and not last:
+            return
+        comm, b = self.comm, self.plan.bucket(name)
+        buf = self.buffers[name]
+        comm.wait_for()
+        s = comm.stream
+        if self.stage == 0:
+            comm.all_reduce(buf, stream=s)
+        elif self.stage == 1:
+            comm.reduce_scatter(buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), buf, stream=s)
+        else:
+            comm.reduce_scatter(self.grad_shard.rows(b.shard_offset, b.shard_offset + b.shard), buf, stream=s)
+            if name.startswith("layers."):
+                self._layer_free[int(name.split(".")[1]) % 2].record(s)
+
+    def end_backward(self, losses) -> None:
+        """The main stream waits for every collective of this backward; on the last micro-step the
+        per-token `losses` (B*T fp32) of all ranks are gathered, in rank order."""
+        if self._micro == self._accum - 1:
+            self.comm.all_gather(self.losses_all, losses.reshape(-1))
+        self.comm.join()
+
+    def loss_sum(self) -> float:
+        """Sum of every rank's per-token losses since micro-step 0, divided by world_size (so that
+        divided by one rank's B*T it is the mean over the whole batch); waits for the device."""
+        self.device.copy(self.losses_host, self.losses_all)
+        return float(np.sum(self.losses_host.array(), dtype=np.float64)) / self.comm.world_size
+
+    # ---- the optimizer step ------------------------------------------------------------------------
+    def _grad_piece(self, p):
+        if self.stage == 2:
+            return self.grad_shard.rows(p.shard_offset, p.shard_offset + p.numel)
+        return self.grads[p.name].flat().rows(p.lo, p.hi)
+
+    def global_norm(self, opt_state, max_norm: float) -> None:
+        """opt_state.norm_result = [‖g‖, clip scale] of the whole (summed) gradient, the same on
+        every rank: squares of this rank's pieces, all-reduced partials, then the finish."""
+        partials = opt_state.norm_partials
+        partials.fill_zero()
+        for p in self._pieces:
+            norm.global_norm_squared(partials, self._grad_piece(p))
+        self.comm.all_reduce(partials)
+        norm.global_norm_finish(opt_state.norm_result, partials, float(max_norm))
+
+    def update(self, weights: dict, weight_buckets: dict, opt_state, seed: int) -> None:
+        """AdamW (after `global_norm`) and, with stage >= 1, the all-gather of the updated weights.
+
+        Stage 0 updates every parameter with `opt_state`'s full moments, as one process would.
+        Stages 1 and 2 update this rank's pieces with the shard moments; a piece keeps the seed
+        of its parameter. `weight_buckets` maps each bucket name to its flat weight buffer (the
+        plan's layout), which the all-gather fills in place."""
+        if self.stage == 0:
+            opt_state.update(weights, self.grads, seed)
+            return
+        scale = opt_state.norm_result.rows(1, 2)
+        comm = self.comm
+        for b in self.plan.buckets:
+            for p in self.plan.pieces(self.rank, b.name):
+                i = self._index[p.name]
+                sl = slice(p.shard_offset, p.shard_offset + p.numel)
+                adamw.adamw_update(weights[p.name].flat().rows(p.lo, p.hi), self._grad_piece(p),
+                                   self.m.rows(sl.start, sl.stop), self.v.rows(sl.start, sl.stop), opt_state.hparams,
+                                   scale, p.decays, (seed + 7919 * i) & 0x7FFFFFFF)  # fmt: skip
+            buf = weight_buckets[b.name]
+            comm.wait_for()
+            comm.all_gather(buf, buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), stream=comm.stream)
+        comm.join()
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def gather_moments(self) -> dict[str, np.ndarray] | None:
+        """{"m.<name>": array, "v.<name>": array}: the full moments, as a one-process checkpoint
+        holds them, on rank 0 (None on the others). A collective, bucket by bucket through one
+        temporary device buffer of the largest bucket (this runs between steps, not inside one)."""
+        if self.stage == 0:
+            raise ValueError("gather_moments: with zero_stage 0 the moments are not sharded")
+        from ..tensor import Tensor
+
+        plan, out = self.plan, {}
+        for key, t in (("m", self.m), ("v", self.v)):
+            tmp = Tensor.empty(t.dtype, (max(b.size for b in plan.buckets),), self.device, name=f"{key}.gather")
+            flat = np.zeros(plan.total, t.dtype.np) if self.rank == 0 else None
+            for b in plan.buckets:
+                self.comm.all_gather(tmp.rows(0, b.size), t.rows(b.shard_offset, b.shard_offset + b.shard))
+                if flat is not None:
+                    for r in range(plan.world_size):  # chunk r of the bucket is rank r's
+                        flat[b.start + r * b.shard : b.start + (r + 1) * b.shard] = tmp.rows(
+                            r * b.shard, (r + 1) * b.shard
+                        ).numpy()
+            if flat is not None:
+                out.update({f"{key}.{n}": np.ascontiguousarray(a) for n, a in plan.unflatten(flat).items()})
+        return out if self.rank == 0 else None
+
+    def load_moments(self, moments: dict[str, np.ndarray]) -> None:
+        """Take this rank's shard of full moments {"m.<name>": ..., "v.<name>": ...}."""
+        for key, t in (("m", self.m), ("v", self.v)):
+            full = {n: moments[f"{key}.{n}"] for n in self.plan.params}
+            shard = np.zeros(self.plan.shard_size, t.dtype.np)
+            for p in self._pieces:
+                shard[p.shard_offset : p.shard_offset + p.numel] = full[p.name].reshape(-1)[p.lo : p.hi]
+            t.copy_from_numpy(shard)
+
+
+def bucket_views(plan: ShardPlan, buffers: dict) -> dict:
+    """{param name: view of its shape} into per-bucket flat buffers {bucket name: (bucket.size,) Tensor}."""
+    views = {}
+    for b in plan.buckets:
+        for p in b.params:
+            lo = p.offset - b.start
+            views[p.name] = buffers[b.name].rows(lo, lo + p.numel).reshape(p.shape)
+    return views
+
+
+def flat_buckets(plan: ShardPlan, flat) -> dict:
+    """{bucket name: view} of a (plan.total,) Tensor laid out by the plan."""
+    return {b.name: flat.rows(b.start, b.stop) for b in plan.buckets}
+
+
+def _check_same_layout(layers) -> None:
+    first = [(p.shape, p.offset - layers[0].start) for p in layers[0].params]
+    for b in layers[1:]:
+        if [(p.shape, p.offset - b.start) for p in b.params] != first:
+            raise ValueError(
+                f"DataParallel: bucket {b.name} is laid out unlike layers.0; zero_stage 2 needs equal layers"
+            )
