@@ -170,8 +170,9 @@ class RunState:
             return shared[key]
 
         def act(share, key, i, shape, quant_share=None):
-            """Activation `key` of layer i, and with FP8 matmuls its e4m3 copy (shared across layers
-            when `quant_share`), which is all backward reads when the value itself is shared."""
+            """Layer i's buffer for activation `key`, one for all layers when `share`. A matmul operand
+            (`quant_share` given) is a QuantTensor: with FP8 matmuls its e4m3 copy, one for all layers
+            when `quant_share`, is what backward reads."""
             value = buffer(share and not keep, key, dt, f"{key}.{i}", shape)
             if quant_share is None:
                 return value
@@ -190,7 +191,7 @@ class RunState:
                 att=act(o.rc_att, "att", i, (B, T, C), quant_share=True),  # backward re-quantizes att
                 res_att=act(o.recompute_block, "res_att", i, (B, T, C)),
                 swiglu=act(o.rc_swiglu or o.fp8, "swiglu", i, (B, T, H), quant_share=o.rc_swiglu),
-                # recomputed onto the stack in backward
+                # with rc_mlp_up a stack temporary in forward and backward (Blocks._mlp_up)
                 mlp_up=None if o.rc_mlp_up else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H)),
             )
             layers.append(a)
