@@ -123,6 +123,7 @@ def init_params(specs) -> dict:
 def dp_steps(preset: str, stage: int, steps: int) -> dict:
     """DataParallel without a model: each step every rank writes its gradients bucket by bucket in
     backward order, then the norm and the update run; returns the weights and the loss sums."""
+    from cuengine.dist.plan import ShardPlan
     from cuengine.dist.zero import DataParallel, bucket_views, flat_buckets
     from cuengine.model.config import TransformerConfig
     from cuengine.model.optimizer import AdamWState
@@ -131,7 +132,7 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
     comm = ce.dist.init()
     specs = param_specs(TransformerConfig.preset(preset))
     alloc = ce.TensorAllocator(comm.device)
-    dp = DataParallel(comm, stage, specs, "fp32", alloc, tokens=6)
+    dp = DataParallel(comm, stage, ShardPlan(specs, comm.world_size), "fp32", alloc, tokens=6)
     wflat = alloc.allocate("fp32", "weights", (dp.plan.total,)).fill_zero()
     buckets = flat_buckets(dp.plan, wflat)
     weights = bucket_views(dp.plan, buckets)

@@ -39,26 +39,27 @@ class DataParallel:
     Args:
         comm: the Communicator (world_size > 1), on the model's device.
         stage: zero_stage, 0, 1 or 2.
-        specs: [(name, shape, decays)] of the model's parameters (`weights.param_specs`).
+        plan: the ShardPlan of the model's parameters for comm.world_size ranks.
         dtype: the gradient dtype (the model dtype).
         alloc: the model's TensorAllocator.
         tokens: B*T, the tokens of one rank's micro-batch (for the gathered losses).
         m_dtype, v_dtype: AdamW moment dtypes (sharded with stage >= 1).
 
     Attributes:
-        plan: the ShardPlan.
         grads: {name: Tensor}: where backward accumulates each parameter's gradient (with
             stage 2, layer i's gradients share buffer i % 2 with every other layer of its parity).
     """
 
-    def __init__(self, comm, stage: int, specs, dtype, alloc, tokens: int, m_dtype="fp32", v_dtype="fp32"):
+    def __init__(self, comm, stage: int, plan: ShardPlan, dtype, alloc, tokens: int, m_dtype="fp32", v_dtype="fp32"):
         if stage not in STAGES:
             raise ValueError(f"DataParallel: zero_stage must be one of {STAGES}, got {stage!r}")
+        if plan.world_size != comm.world_size:
+            raise ValueError(f"DataParallel: the plan is for {plan.world_size} ranks, the job has {comm.world_size}")
         if comm.device is not alloc.device:
             raise ValueError(f"DataParallel: the communicator is on {comm.device}, the model on {alloc.device}")
         self.comm, self.stage, self.rank = comm, stage, comm.rank
         self.device = alloc.device
-        self.plan = plan = ShardPlan(specs, comm.world_size)
+        self.plan = plan
         self._index = {name: i for i, (name, _, _) in enumerate(plan.specs)}
         self._pieces = plan.pieces(self.rank)
         dt = _dtype(dtype)
@@ -88,7 +89,7 @@ class DataParallel:
             self.losses_host = alloc.allocate(FP32, "losses.all_ranks_host", (comm.world_size * tokens,),
                                               kind="pinned")  # fmt: skip
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
-        self._micro, self._accum = 0, 1
+        self._micro, self._accum, self._drained = 0, 1, set()
         self.zero()
 
     def zero(self) -> None:
@@ -107,6 +108,7 @@ class DataParallel:
         if self.stage == 2 and grad_accum_steps > 1:
             raise ValueError("zero_stage=2 with grad_accum_steps > 1 is not supported yet; use zero_stage=1")
         self._micro, self._accum = micro_step, grad_accum_steps
+        self._drained = set()  # stage 2: layer buffers whose reduce-scatter this backward enqueued
         if self.stage < 2:
             if micro_step == 0:
                 for b in self.plan.buckets:
@@ -120,7 +122,8 @@ class DataParallel:
         """Stage 2: wait until the buffer layer i shares with layer i+2 has been reduce-scattered,
         then zero it for layer i's gradients."""
         if self.stage == 2:
-            self.device.stream.wait(self._layer_free[i % 2])
+            if i % 2 in self._drained:  # else the buffer was last drained before the previous step's join
+                self.device.stream.wait(self._layer_free[i % 2])
             self.buffers[f"layers.{i}"].fill_zero()
 
     def bucket_done(self, name: str) -> None:
@@ -140,14 +143,20 @@ class DataParallel:
         else:
             comm.reduce_scatter(self.grad_shard.rows(b.shard_offset, b.shard_offset + b.shard), buf, stream=s)
             if name.startswith("layers."):
-                self._layer_free[int(name.split(".")[1]) % 2].record(s)
+                k = int(name.split(".")[1]) % 2
+                self._layer_free[k].record(s)
+                self._drained.add(k)
 
     def end_backward(self, losses) -> None:
         """The main stream waits for every collective of this backward; on the last micro-step the
-        per-token `losses` (B*T fp32) of all ranks are gathered, in rank order."""
+        per-token losses of all ranks are gathered (`gather_losses`)."""
         if self._micro == self._accum - 1:
-            self.comm.all_gather(self.losses_all, losses.reshape(-1))
+            self.gather_losses(losses)
         self.comm.join()
+
+    def gather_losses(self, losses) -> None:
+        """Every rank's per-token `losses` (B*T fp32), in rank order, into `losses_all`."""
+        self.comm.all_gather(self.losses_all, losses.reshape(-1))
 
     def loss_sum(self) -> float:
         """Sum of every rank's per-token losses since micro-step 0, divided by world_size (so that
