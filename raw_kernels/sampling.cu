@@ -1,4 +1,5 @@
-// On-device token sampling: one block of 1024 threads per logits row, the row re-read from L2 per pass.
+// On-device token sampling from logits rows: nb blocks of 1024 threads per row, the row re-read from L2
+// per pass.
 //
 //   tokens[r] = argmax_j logits[r, j]                          temperature 0 (lowest index on ties)   (=)
 //   tokens[r] = argmax_{j allowed} (x_j / T - log E_j)         otherwise (Gumbel-max)                  (=)
@@ -8,9 +9,14 @@
 //   allowed = { j : x_j >= tau },  tau = max(k-th largest x (top_k > 0), the top-p threshold): the
 //       largest value whose mass sum_{x >= tau} p reaches top_p of the top-k set's mass. Ties at a
 //       threshold are all kept.
-//   params (int32[8]): [0] temperature (float bits), [1] top_k, [2] top_p (float bits), [3..4] seed
-//       (low, high), [5] step, [6] ticket. The last block to finish (an atomic ticket) advances step and
-//       resets the ticket, so a replayed graph draws new numbers each step with no host write.
+//   params (int32[8 + 2 * MAX_SLOTS]): [0] temperature (float bits), [1] top_k, [2] top_p (float bits),
+//       [3..4] seed (low, high), [5] step, [6] ticket, [8 + 2r..] row r's 64-bit merge slot (zero between
+//       launches). The last block to finish (an atomic ticket) advances step and resets the ticket, so a
+//       replayed graph draws new numbers each step with no host write.
+// Greedy and unfiltered draws split each row over nb blocks (nb > 1 only for b <= MAX_SLOTS rows): each
+// block's best (value, index) goes into the row's slot by one 64-bit atomicMax of (ordered value key,
+// ~index), which keeps the larger value and the lower index on ties, and the last block moves the slots
+// into tokens and zeroes them. With top-k or top-p, block 0 of the row does the whole row alone.
 // Thresholds without a sort: a pass for the max M, a pass that bins every token by its gap
 // g = (M - x) / T (2048 bins of 1/64 over g < 32, counts and masses exp(-g)), a prefix scan to find the
 // bin holding the threshold, then a pass that gathers that bin's tokens (usually a few) into shared
@@ -27,6 +33,8 @@
 #define CAP 2048  // gathered tokens of one bin
 #define PARAM_STEP 5
 #define PARAM_TICKET 6
+#define PARAM_SLOTS 8  // MAX_SLOTS 64-bit slots from here (sampling.py: MAX_SLOTS)
+#define MAX_SLOTS 64
 
 // ---- helpers ------------------------------------------------------------------------------
 
@@ -57,18 +65,24 @@ __device__ __forceinline__ unsigned order_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// fn(j, x) for every element of the row: 16-byte loads when the row allows them.
-template <typename T, typename Fn> __device__ __forceinline__ void for_each(const T* row, int V, bool vec, Fn fn) {
+// fn(j, x) for every element j in [begin, end) of the row: 16-byte loads when the row allows them
+// (begin is then a multiple of the vector width).
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_range(const T* row, int begin, int end, bool vec, Fn fn) {
     constexpr int VN = Pack16<T>::N;
     if (vec) {
-        for (int jv = threadIdx.x; jv < V / VN; jv += blockDim.x) {
+        for (int jv = begin / VN + threadIdx.x; jv < end / VN; jv += blockDim.x) {
             const Pack16<T> p = Pack16<T>::load(row + (size_t)jv * VN);
 #pragma unroll
             for (int k = 0; k < VN; ++k) fn(jv * VN + k, to_float(p.v[k]));
         }
     } else {
-        for (int j = threadIdx.x; j < V; j += blockDim.x) fn(j, to_float(row[j]));
+        for (int j = begin + threadIdx.x; j < end; j += blockDim.x) fn(j, to_float(row[j]));
     }
+}
+
+template <typename T, typename Fn> __device__ __forceinline__ void for_each(const T* row, int V, bool vec, Fn fn) {
+    for_range(row, 0, V, vec, fn);
 }
 
 // Block argmax of (value, index): the larger value, the lower index on ties; every thread gets it.
@@ -92,15 +106,6 @@ __device__ __forceinline__ unsigned block_max_u(unsigned x, unsigned* s) {
     if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = x;
     __syncthreads();
     for (int w = 0; w < THREADS / 32; ++w) x = max(x, s[w]);
-    return x;
-}
-
-__device__ __forceinline__ unsigned block_min_u(unsigned x, unsigned* s) {
-    x = __reduce_min_sync(0xffffffffu, x);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = x;
-    __syncthreads();
-    for (int w = 0; w < THREADS / 32; ++w) x = min(x, s[w]);
     return x;
 }
 
@@ -202,7 +207,7 @@ __device__ unsigned refine(const T* row, int V, bool vec, float M, float invT, i
     unsigned lo = kmin, hi = kmax;
     if (above + sum_ge(lo, !count) >= target) {
         while (lo < hi) {
-            const unsigned mid = lo + (hi - lo + 1) / 2;
+            const unsigned mid = lo + ((hi - lo) >> 1) + ((hi - lo) & 1u);  // no overflow at hi - lo = 2^32 - 1
             if (above + sum_ge(mid, !count) >= target) lo = mid;
             else hi = mid - 1;
         }
@@ -213,94 +218,121 @@ __device__ unsigned refine(const T* row, int V, bool vec, float M, float invT, i
 
 // ---- kernel -------------------------------------------------------------------------------
 
+// The top-k / top-p threshold of one row (keys >= it are allowed), by the whole block: see the header.
+template <typename T>
+__device__ unsigned threshold(const T* row, int V, bool vec, float invT, int top_k, float top_p, Smem& s) {
+    const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
+    float M = -__int_as_float(0x7f800000);
+    int unused = 0;
+    for_each(row, V, vec, [&](int, float x) { M = fmaxf(M, x); });
+    block_argmax(M, unused, s.red, s.redi);
+    for (int i = threadIdx.x; i < NBINS; i += blockDim.x) s.cnt[i] = 0.f, s.mass[i] = 0.f;
+    __syncthreads();
+    float far_mass = 0.f;
+    for_each(row, V, vec, [&](int, float x) {
+        float w;
+        const int b = gap_bin(x, M, invT, w);
+        if (b < NBINS) {
+            atomicAdd(&s.cnt[b], 1.f);
+            atomicAdd(&s.mass[b], w);
+        } else {
+            far_mass += w;
+        }
+    });
+    far_mass = block_sum(far_mass, s.red);  // syncs: the histogram is complete
+    float mass_k = far_mass;
+    for (int i = 0; i < NBINS; ++i) mass_k += s.mass[i];  // fixed order, every thread alike
+    unsigned tau = 0u;
+    int bk = -1;
+    if (use_k) {
+        bk = find_bin(s.cnt, (float)top_k, s);
+        if (bk >= 0) {  // else the k-th value lies past the binned range: nothing drawable is dropped
+            float above_mass = 0.f, in_bin;
+            for (int i = 0; i < bk; ++i) above_mass += s.mass[i];
+            tau = refine(row, V, vec, M, invT, bk, 0u, true, s.above, (float)top_k, &in_bin, s);
+            mass_k = above_mass + in_bin;
+            __syncthreads();
+            if (threadIdx.x == 0) s.mass[bk] = in_bin;  // only the top-k part of its bin, nothing after
+            for (int i = bk + 1 + threadIdx.x; i < NBINS; i += blockDim.x) s.mass[i] = 0.f;
+            __syncthreads();
+        }
+    }
+    if (use_p) {
+        const float target = top_p * mass_k;
+        const int bp = find_bin(s.mass, target, s);
+        if (bp >= 0) {
+            float unused_mass;
+            tau = max(tau, refine(row, V, vec, M, invT, bp, bp == bk ? tau : 0u, false, s.above, target,
+                                  &unused_mass, s));
+        }
+    }
+    return tau;
+}
+
+// Grid (nb, b): block (part, r) draws over its slice of row r, or (top-k / top-p) part 0 over the row.
 template <typename T> __device__ void sample_impl(int* tokens, const T* logits, int* params, int V) {
     __shared__ Smem s;
     __shared__ unsigned s_step;
-    const int r = blockIdx.x;
+    __shared__ bool s_last;
+    const int r = blockIdx.y, part = blockIdx.x, nb = gridDim.x;
     const T* row = logits + (size_t)r * V;
-    const bool vec = V % Pack16<T>::N == 0 && ((size_t)logits & 15) == 0;
+    unsigned long long* slots = reinterpret_cast<unsigned long long*>(params + PARAM_SLOTS);
+    constexpr int VN = Pack16<T>::N;
+    const bool vec = V % VN == 0 && ((size_t)logits & 15) == 0;
     if (threadIdx.x == 0) s_step = (unsigned)params[PARAM_STEP];
     __syncthreads();
     const float temperature = __int_as_float(params[0]), top_p = __int_as_float(params[2]);
     const int top_k = params[1];
-    int token;
-    if (!(temperature > 0.f)) {  // greedy
-        float best = -__int_as_float(0x7f800000);
-        int arg = 0x7fffffff;
-        for_each(row, V, vec, [&](int j, float x) {
-            if (x > best || (x == best && j < arg)) best = x, arg = j;
-        });
-        block_argmax(best, arg, s.red, s.redi);
-        token = arg;
-    } else {
-        const float invT = 1.f / temperature;
-        const unsigned key = row_key((unsigned)params[3], (unsigned)params[4], (unsigned)r, s_step);
-        const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
-        unsigned tau = 0u;  // keys >= tau are allowed
-        if (use_k || use_p) {
-            float M = -__int_as_float(0x7f800000);
-            int unused = 0;
-            for_each(row, V, vec, [&](int j, float x) { M = fmaxf(M, x); });
-            block_argmax(M, unused, s.red, s.redi);
-            for (int i = threadIdx.x; i < NBINS; i += blockDim.x) s.cnt[i] = 0.f, s.mass[i] = 0.f;
-            __syncthreads();
-            float far_mass = 0.f;
-            for_each(row, V, vec, [&](int j, float x) {
-                float w;
-                const int b = gap_bin(x, M, invT, w);
-                if (b < NBINS) {
-                    atomicAdd(&s.cnt[b], 1.f);
-                    atomicAdd(&s.mass[b], w);
-                } else {
-                    far_mass += w;
-                }
-            });
-            far_mass = block_sum(far_mass, s.red);  // syncs: the histogram is complete
-            float mass_k = far_mass;
-            for (int i = 0; i < NBINS; ++i) mass_k += s.mass[i];  // fixed order, every thread alike
-            int bk = -1;
-            if (use_k) {
-                bk = find_bin(s.cnt, (float)top_k, s);
-                if (bk >= 0) {
-                    float in_bin;
-                    float above_mass = 0.f;
-                    for (int i = 0; i < bk; ++i) above_mass += s.mass[i];
-                    tau = refine(row, V, vec, M, invT, bk, 0u, true, s.above, (float)top_k, &in_bin, s);
-                    mass_k = above_mass + in_bin;
-                    __syncthreads();
-                    if (threadIdx.x == 0) s.mass[bk] = in_bin;  // the top-k part of its bin
-                    for (int i = bk + 1 + threadIdx.x; i < NBINS; i += blockDim.x) s.mass[i] = 0.f;
-                    __syncthreads();
-                }
-            }
-            if (use_p) {
-                const float target = top_p * mass_k;
-                const int bp = find_bin(s.mass, target, s);
-                if (bp >= 0) {
-                    float unused_mass;
-                    tau = max(tau, refine(row, V, vec, M, invT, bp, bp == bk ? tau : 0u, false, s.above, target,
-                                          &unused_mass, s));
-                }
-            }
+    const bool greedy = !(temperature > 0.f);
+    const bool filtered = !greedy && ((top_k > 0 && top_k < V) || top_p < 1.f);
+    float best = -__int_as_float(0x7f800000);
+    int arg = 0x7fffffff;  // no element seen
+    if (!filtered || part == 0) {
+        int begin = 0, end = V;
+        if (!filtered) {  // this block's slice, whole vectors
+            const int chunk = ((V + nb - 1) / nb + VN - 1) / VN * VN;
+            begin = min(V, part * chunk);
+            end = min(V, begin + chunk);
         }
-        float best = -__int_as_float(0x7f800000);
-        int arg = 0x7fffffff;
-        for_each(row, V, vec, [&](int j, float x) {
-            if (order_key(x) < tau) return;
-            const float z = __fadd_rn(__fmul_rn(x, invT), neg_log_exp(key, j));
-            if (z > best || (z == best && j < arg)) best = z, arg = j;
-        });
+        if (greedy) {
+            for_range(row, begin, end, vec, [&](int j, float x) {
+                if (x > best || (x == best && j < arg)) best = x, arg = j;
+            });
+        } else {
+            const float invT = 1.f / temperature;
+            const unsigned key = row_key((unsigned)params[3], (unsigned)params[4], (unsigned)r, s_step);
+            const unsigned tau = filtered ? threshold(row, V, vec, invT, top_k, top_p, s) : 0u;
+            for_range(row, begin, end, vec, [&](int j, float x) {
+                if (order_key(x) < tau) return;
+                const float z = __fadd_rn(__fmul_rn(x, invT), neg_log_exp(key, j));
+                if (z > best || (z == best && j < arg)) best = z, arg = j;
+            });
+        }
         block_argmax(best, arg, s.red, s.redi);
-        token = arg;
     }
     if (threadIdx.x == 0) {
-        tokens[r] = token;
+        if (nb == 1) {
+            tokens[r] = arg < V ? arg : 0;  // 0 when every logit is NaN
+        } else if (arg < V) {
+            const unsigned long long packed = (unsigned long long)order_key(best) << 32 | (0xffffffffu - (unsigned)arg);
+            atomicMax(slots + r, packed);
+        }
         __threadfence();
         const unsigned ticket = atomicAdd(reinterpret_cast<unsigned*>(params + PARAM_TICKET), 1u);
-        if (ticket == gridDim.x - 1) {  // every block has read the step: move it on for the next launch
-            params[PARAM_STEP] = (int)(s_step + 1u);
-            params[PARAM_TICKET] = 0;
+        __threadfence();
+        s_last = ticket == gridDim.x * gridDim.y - 1;  // every block has read the step and merged its best
+    }
+    __syncthreads();
+    if (!s_last) return;
+    if (nb > 1)
+        for (int rr = threadIdx.x; rr < (int)gridDim.y; rr += blockDim.x) {
+            const unsigned long long v = atomicExch(slots + rr, 0ull);
+            const unsigned j = 0xffffffffu - (unsigned)(v & 0xffffffffu);
+            tokens[rr] = v && j < (unsigned)V ? (int)j : 0;
         }
+    if (threadIdx.x == 0) {
+        params[PARAM_STEP] = (int)(s_step + 1u);
+        params[PARAM_TICKET] = 0;
     }
 }
 

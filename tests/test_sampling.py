@@ -6,7 +6,7 @@ import pytest
 from conftest import rng
 
 import cuengine as ce
-from cuengine.kernels.sampling import gumbel_np, sample_tokens, sample_tokens_np, sampling_params
+from cuengine.kernels.sampling import N_PARAMS, gumbel_np, sample_tokens, sample_tokens_np, sampling_params
 
 
 def exact_probs(x, temperature, top_k, top_p):
@@ -97,7 +97,7 @@ def test_gumbel_noise_is_standard_gumbel():
 
 def test_sampling_params_layout():
     p = sampling_params(0.5, 40, 0.9, 2**33 + 7)
-    assert p.dtype == np.int32 and p.shape == (8,)
+    assert p.dtype == np.int32 and p.shape == (N_PARAMS,) and not p[5:].any()
     assert p[:1].view(np.float32)[0] == np.float32(0.5) and p[1] == 40 and p[2:3].view(np.float32)[0] == np.float32(0.9)
     assert p[3:5].view(np.uint32).tolist() == [7, 2] and p[5] == 0
 
@@ -161,7 +161,9 @@ def test_bad_params(args, match):
         sampling_params(*args)
 
 
-def _call(tok=(2,), logits=(2, 10), params=(8,), tok_dt=np.int32, logits_dt=np.float32, params_dt=np.int32, p=None):
+def _call(
+    tok=(2,), logits=(2, 10), params=(N_PARAMS,), tok_dt=np.int32, logits_dt=np.float32, params_dt=np.int32, p=None
+):
     t = ce.Tensor.from_numpy(np.zeros(tok, tok_dt), "cpu", name="tokens")
     x = ce.Tensor.from_numpy(np.zeros(logits, logits_dt), "cpu", name="logits")
     pv = sampling_params(1.0, 0, 1.0, 0) if p is None else p
@@ -177,9 +179,9 @@ def _call(tok=(2,), logits=(2, 10), params=(8,), tok_dt=np.int32, logits_dt=np.f
         ({"logits": (2, 0)}, "at least one column"),
         ({"tok": (3,)}, r"tokens: expected shape \(2\)"),
         ({"tok_dt": np.float32}, "tokens: expected dtype int32"),
-        ({"params": (4,)}, r"params: expected shape \(8\)"),
+        ({"params": (8,)}, rf"params: expected shape \({N_PARAMS}\)"),
         ({"params_dt": np.float32}, "params: expected dtype int32"),
-        ({"p": np.r_[np.float32(-1.0).view(np.int32), np.zeros(7, np.int32)]}, "temperature = -1.0"),
+        ({"p": np.r_[np.float32(-1.0).view(np.int32), np.zeros(N_PARAMS - 1, np.int32)]}, "temperature = -1.0"),
     ],
 )
 def test_launcher_errors(over, match):
@@ -192,13 +194,26 @@ def test_launcher_errors(over, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES + [(0.7, 1, 1.0), (1.0, 151935, 1.0), (5.0, 0, 0.999)])
-def test_cuda_vocab_151936(cuda, dtype, mode):
-    """Qwen's vocabulary at 64 rows: the same tokens as the twin, and a moved-on step."""
-    x = (rng(3).standard_normal((64, 151936)) * 3).astype(ce.dtype(dtype).np)
+@pytest.mark.parametrize("b", [1, 3, 64])
+def test_cuda_vocab_151936(cuda, dtype, mode, b):
+    """Qwen's vocabulary, rows split over several blocks (greedy, temperature) or not (top-k, top-p): the
+    twin's tokens, a moved-on step, and the merge slots back at zero."""
+    x = (rng(3).standard_normal((b, 151936)) * 3).astype(ce.dtype(dtype).np)
     params = sampling_params(*mode, seed=2024)
     got, p = run_sampler(cuda, x, params, steps=2)
     np.testing.assert_array_equal(got, draw(x, params, 2))
-    assert p[5] == 2
+    assert p[5] == 2 and not p[6:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES[:3])
+def test_cuda_more_rows_than_slots(cuda, mode):
+    """70 rows: one block per row, no merge slots."""
+    x = rng(4).standard_normal((70, 30000)).astype(np.float32)
+    params = sampling_params(*mode, seed=5)
+    got, p = run_sampler(cuda, x, params, steps=2)
+    np.testing.assert_array_equal(got, draw(x, params, 2))
+    assert p[5] == 2 and not p[6:].any()
 
 
 @pytest.mark.gpu

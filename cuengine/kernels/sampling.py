@@ -10,7 +10,9 @@ between the device's log/exp and NumPy's).
 
 The parameters live in a small device buffer (`sampling_params` builds it on the host) together with a
 step counter that the kernel itself advances after each launch, so a replayed CUDA graph draws fresh
-numbers every step without any host write, and a run is reproducible from (seed, step).
+numbers every step without any host write, and a run is reproducible from (seed, step). Greedy and
+plain-temperature rows are split over several blocks (up to 16, while b <= 64) that merge through
+per-row slots in the same buffer; with top-k or top-p one block does the row (threshold passes).
 """
 
 from __future__ import annotations
@@ -21,23 +23,27 @@ import numpy as np
 
 from .._checks import expect, same_device
 from ..dtypes import BF16, FP32, INT32
-from ._build import launch
+from ._build import ceil_div, launch
 
 FAMILY = "sampling"
 FLOATS = (FP32, BF16)
-N_PARAMS = 8  # int32 slots: temperature, top_k, top_p, seed lo, seed hi, step, ticket, spare
+MAX_SLOTS = 64  # rows that can share their row among several blocks (MAX_SLOTS in sampling.cu)
+# int32 slots: temperature, top_k, top_p, seed lo, seed hi, step, ticket, spare, then a 64-bit merge slot per row
+N_PARAMS = 8 + 2 * MAX_SLOTS
 _STEP, _TICKET = 5, 6
 _THREADS = 1024
+_MAX_BLOCKS_PER_ROW = 16
 _SUFFIX = {"fp32": "f32", "bf16": "bf16"}
 _U32 = 0xFFFFFFFF
 
 
 # ---- parameters ---------------------------------------------------------------------------
 def sampling_params(temperature: float, top_k: int, top_p: float, seed: int) -> np.ndarray:
-    """The (8,) int32 host array to copy into the device params buffer of sample_tokens.
+    """The (N_PARAMS,) int32 host array to copy into the device params buffer of sample_tokens.
 
     temperature >= 0 (0 = greedy); top_k >= 0 (0 = no top-k); 0 < top_p <= 1 (1 = no nucleus);
-    0 <= seed < 2**64. Floats are stored as float32 bits; the step counter starts at 0.
+    0 <= seed < 2**64. Floats are stored as float32 bits; the step counter and the kernel's merge slots
+    start at 0 (the kernel leaves the slots at 0 after each launch).
     """
     t, p = float(temperature), float(top_p)
     if not math.isfinite(t) or t < 0:
@@ -140,10 +146,10 @@ def sample_tokens(tokens, logits, params, stream=None) -> None:
 
     Args:
         tokens: (b,) int32, written (=).
-        logits: (b, V) fp32 or bf16 (V up to a few hundred thousand; one block of 1024 threads per row).
-        params: (8,) int32 device buffer holding sampling_params(...); its step counter [5] is advanced
-            by one per launch (in place), so each call (or graph replay) draws new numbers. Checked on cpu
-            only (the device copy is not read back).
+        logits: (b, V) fp32 or bf16 (V up to a few hundred thousand).
+        params: (N_PARAMS,) int32 device buffer holding sampling_params(...), 8-byte aligned; its step
+            counter [5] is advanced by one per launch (in place), so each call (or graph replay) draws new
+            numbers. Its values are checked on cpu only (the device copy is not read back).
     NumPy equivalent: sample_tokens_np(logits, params).
     """
     expect(logits, "sample_tokens logits", FLOATS, (None, None))
@@ -163,5 +169,12 @@ def sample_tokens(tokens, logits, params, stream=None) -> None:
         return
     if b == 0:
         return
-    launch(FAMILY, f"sample_tokens_{_SUFFIX[logits.dtype.name]}", b, _THREADS, (tokens, logits, params, np.int32(V)),
-           dev, stream)  # fmt: skip
+    if params.ptr % 8:
+        raise ValueError(
+            f"sample_tokens params: device address {params.ptr:#x} of {params.name!r} is not 8-byte aligned"
+        )
+    nb = 1
+    if b <= MAX_SLOTS:
+        nb = max(1, min(_MAX_BLOCKS_PER_ROW, ceil_div(2 * dev.num_sms, b), ceil_div(V, 16 * _THREADS)))
+    name = f"sample_tokens_{_SUFFIX[logits.dtype.name]}"
+    launch(FAMILY, name, (nb, b), _THREADS, (tokens, logits, params, np.int32(V)), dev, stream)
