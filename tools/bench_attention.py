@@ -4,7 +4,7 @@ At a fixed number of tokens B*T (default 16k), for each T and head size: validat
 cuDNN), warm up, then time each pass with CUDA events and report the median. Causal FLOPs are half
 of the full 4*B*Hq*T^2*hs for the forward, and 2.5 times that for the backward (which therefore
 counts the forward's recomputation of P but not the raw backend's extra dq pass). The ceiling is
-the measured BF16 matmul rate (747 TFLOP/s on an H200, shared/DESIGN.md); the target is raw >= 60%
+the measured BF16 matmul rate (CEILINGS["bf16"] in cuengine.benchmark); the target is raw >= 60%
 of cuDNN on the same shapes.
 
     python tools/bench_attention.py
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,24 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
+from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
 from cuengine.kernels import attention as A  # noqa: E402
-
-MATMUL_CEILING = 747.0  # TFLOP/s, BF16 cuBLASLt at 8192^3 on the H200 (shared/DESIGN.md)
-
-
-def timed(dev, fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() on the device's main stream."""
-    for _ in range(warmup):
-        fn()
-    pairs = []
-    for _ in range(iters):
-        start, end = dev.event(timing=True), dev.event(timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    dev.synchronize()
-    return statistics.median(s.elapsed_ms(e) for s, e in pairs)
 
 
 def random_bf16(dev, shape, seed, name):
@@ -70,7 +53,7 @@ def main() -> int:
     Hq, Hkv = (int(x) for x in args.heads.split(":"))
     dev = ce.device("cuda")
     print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
-          f"median of {args.iters} after {args.warmup} warm-up; ceiling {MATMUL_CEILING:.0f} TFLOP/s "
+          f"median of {args.iters} after {args.warmup} warm-up; ceiling {CEILINGS['bf16'] / 1e12:.0f} TFLOP/s "
           f"(BF16 matmul)")  # fmt: skip
     t_start = time.time()
     rows = []
@@ -103,8 +86,8 @@ def main() -> int:
                 fwd()
                 bwd()
                 outputs[b] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
-                ms_f = timed(dev, fwd, args.warmup, args.iters)
-                ms_b = timed(dev, bwd, args.warmup, args.iters)
+                ms_f = time_ms(dev, fwd, args.warmup, args.iters)
+                ms_b = time_ms(dev, bwd, args.warmup, args.iters)
                 result[b] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
             if len(outputs) == 2:
                 (a1, d1), (a2, d2) = outputs.values()

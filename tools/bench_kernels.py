@@ -2,9 +2,9 @@
 
 Each case moves at least 64 MB (bytes read + bytes written, counting every tensor once: the
 algorithmic minimum, not what the kernel happens to re-read from L2). The ceiling is measured
-here, as a 1 GiB device-to-device copy timed the same way (known figure on an H200: 4.27 TB/s).
-Timing: CUDA events around a few back-to-back launches (about 200 MB of traffic) after a
-warm-up; the median over the samples is reported, per launch.
+here, as a 1 GiB device-to-device copy timed the same way (CEILINGS["copy"] in cuengine.benchmark
+is the known H200 figure). Timing: cuengine.benchmark.time_ms, CUDA events around a few
+back-to-back launches (about 200 MB of traffic) after a warm-up; the median per launch.
 
     python tools/bench_kernels.py                      # every family
     python tools/bench_kernels.py --family fp8,adamw   # some of them
@@ -13,9 +13,7 @@ warm-up; the median over the samples is reported, per launch.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
+from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
 
 FAMILIES = ("classifier", "fp8", "norm", "adamw", "encoder", "rmsnorm", "rope", "swiglu")
 MB = 1e6
@@ -56,31 +55,10 @@ def tensor(dev, dtype, shape, scale=1.0, seed=0, name="t"):
     return fill(ce.Tensor.empty(dtype, shape, dev, name=name), scale, seed)
 
 
-def time_ms(dev, fn, nbytes: int, warmup: int, iters: int) -> float:
-    """Median milliseconds per call of fn().
-
-    Each of the `iters` samples runs fn() several times between two CUDA events, enough for
-    about 200 MB of traffic, so that the GPU time of a sample outweighs Python's launch
-    overhead and the queue never drains (on cpu, host time: only good for checking this script).
-    """
-    reps = max(1, min(64, round(2e8 / max(nbytes, 1))))
-    for _ in range(warmup):
-        fn()
-    if dev.is_cpu:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    events = [(dev.event(timing=True), dev.event(timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-    dev.synchronize()
-    return statistics.median(start.elapsed_ms(end) for start, end in events) / reps
+def launch_ms(dev, fn, nbytes: int, warmup: int, iters: int) -> float:
+    """Median milliseconds per call of fn(), with enough calls per sample for about 200 MB of
+    traffic, so that the GPU time of a sample outweighs Python's launch overhead."""
+    return time_ms(dev, fn, warmup, iters, reps=max(1, min(64, round(2e8 / max(nbytes, 1)))))
 
 
 # ---- cases: each yields (family, case, bytes moved, fn) ------------------------------------------
@@ -269,13 +247,14 @@ def main(argv=None) -> int:
 
     rows = []
     ((_, _, nbytes, fn),) = copy_case(dev, args.shrink)
-    ceiling = nbytes / (time_ms(dev, fn, nbytes, args.warmup, args.iters) * 1e-3)
-    print(f"{dev.name}: device-to-device copy {ceiling / 1e12:.2f} TB/s (the ceiling; known figure 4.27 TB/s)")
+    ceiling = nbytes / (launch_ms(dev, fn, nbytes, args.warmup, args.iters) * 1e-3)
+    print(f"{dev.name}: device-to-device copy {ceiling / 1e12:.2f} TB/s (the ceiling; known figure "
+          f"{CEILINGS['copy'] / 1e12:.2f} TB/s)")  # fmt: skip
     failed = 0
     for family in families:
         try:
             for fam, case, nbytes, fn in CASES[family](dev, args.shrink):
-                ms = time_ms(dev, fn, nbytes, args.warmup, args.iters)
+                ms = launch_ms(dev, fn, nbytes, args.warmup, args.iters)
                 gbs = nbytes / (ms * 1e-3) / 1e9 if nbytes else float("nan")
                 rows.append((fam, case, nbytes / MB, ms * 1e3, gbs, 100 * gbs * 1e9 / ceiling))
                 print(f"  {fam:<10} {case:<48} {ms * 1e3:9.1f} us {gbs:8.0f} GB/s", flush=True)

@@ -2,11 +2,11 @@
 shapes of Qwen2.5-0.5B and Qwen2.5-1.5B, forward and both backward products.
 
 Validates every mode against the cpu twin on a small case first. Each figure is the median over
---iters calls timed with CUDA events, after --warmup calls. The calls are enqueued behind a spin
-kernel, so the GPU never waits for Python and the events time the GEMM alone. Input sets rotate
-(enough of them to hold 3× the 50 MB L2 between two uses of one set), so L2 does not flatter the
-small shapes. Ceilings are DESIGN.md's cuBLASLt measurements on the H200 at 8192³: BF16 747 and FP8
-1476 TFLOP/s.
+--iters calls timed with CUDA events, after --warmup calls (cuengine.benchmark.time_ms). The calls
+are enqueued behind a spin kernel (its hold_ms), so the GPU never waits for Python and the events
+time the GEMM alone. Input sets rotate (enough of them to hold 3× the 50 MB L2 between two uses of
+one set), so L2 does not flatter the small shapes. Ceilings are cuengine.benchmark.CEILINGS, the
+cuBLASLt measurements on the H200 at 8192³ (BF16 747 and FP8 1476 TFLOP/s).
 
 Products of a linear layer x (M, C) -> y (M, OC) with w (OC, C), as the engine runs them:
     fwd  y = x wᵀ          BF16 TN; FP8 e4m3 × e4m3
@@ -21,8 +21,8 @@ Outputs are bf16.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
 from cuengine import blas  # noqa: E402
+from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
 
-CEILING = {"bf16": 747.0, "fp8": 1476.0}  # TFLOP/s, DESIGN.md (cuBLASLt, H200, 8192³)
+CEILING = {dt: CEILINGS[dt] / 1e12 for dt in ("bf16", "fp8")}  # TFLOP/s
 L2_BYTES = 50 * 2**20
 VOCAB = 151936
 MODELS = {  # hidden, intermediate, q heads, kv heads, head size
@@ -41,13 +42,6 @@ MODELS = {  # hidden, intermediate, q heads, kv heads, head size
     "1.5b": (1536, 8960, 12, 2, 128),
 }
 MODES = {"fwd": (False, True), "dx": (False, False), "dw": (True, False)}
-
-SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
 
 
 def layers(model: str) -> list[tuple[str, int, int]]:
@@ -124,24 +118,17 @@ def validate(dtypes) -> None:
     print(f"validated {', '.join(dtypes)} × {', '.join(MODES)} against the cpu twin")
 
 
-def bench(dev, spin, dtype, product, M, N, K, warmup, iters) -> float:
+def bench(dev, dtype, product, M, N, K, warmup, iters) -> float:
     """Median milliseconds of one matmul."""
     set_bytes = 2 * (M * K + N * K) // (2 if dtype == "fp8" else 1) + 2 * M * N
     n_sets = max(2, min(8, 1 + math.ceil(3 * L2_BYTES / set_bytes)))
-    sets = [make_set(dev, dtype, product, M, N, K, seed) for seed in range(n_sets)]
-    for i in range(warmup):
-        out, a, b, kw = sets[i % n_sets]
+    sets = itertools.cycle([make_set(dev, dtype, product, M, N, K, seed) for seed in range(n_sets)])
+
+    def call():
+        out, a, b, kw = next(sets)
         blas.matmul(out, a, b, **kw)
-    events = [(dev.event(timing=True), dev.event(timing=True)) for _ in range(iters)]
-    dev.synchronize()
-    spin((1,), (1,), (np.int64(2_000_000 * (5 + iters // 4)),), stream=dev.stream.raw)  # ~1 ms per 2M cycles
-    for i, (start, end) in enumerate(events):
-        out, a, b, kw = sets[i % n_sets]
-        start.record()
-        blas.matmul(out, a, b, **kw)
-        end.record()
-    dev.synchronize()
-    return statistics.median(s.elapsed_ms(e) for s, e in events)
+
+    return time_ms(dev, call, warmup, iters, hold_ms=5 + iters // 4)
 
 
 def main() -> None:
@@ -155,9 +142,6 @@ def main() -> None:
     args = p.parse_args()
 
     dev = ce.device("cuda")
-    import cupy
-
-    spin = cupy.RawKernel(SPIN, "spin")
     blas.init(ce.TensorAllocator(dev))
     validate(args.dtypes)
     print(f"{dev.name}; median of {args.iters} after {args.warmup} warm-up calls; TFLOP/s (% of ceiling)")
@@ -178,7 +162,7 @@ def main() -> None:
     for i, (model, layer, product, (M, N, K)) in enumerate(cases):
         line = f"{model:<7}{layer:<9}{product:<5}{M:>7}{N:>8}{K:>7}"
         for dtype in args.dtypes:
-            t = ms[dtype, i] = bench(dev, spin, dtype, product, M, N, K, args.warmup, args.iters)
+            t = ms[dtype, i] = bench(dev, dtype, product, M, N, K, args.warmup, args.iters)
             tflops = 2 * M * N * K / t / 1e9
             line += f"{t:>11.3f}{f'{tflops:.0f} / {CEILING[dtype]:.0f} ({tflops / CEILING[dtype]:.0%})':>24}"
         print(line, flush=True)

@@ -1,9 +1,10 @@
 """Benchmark the MLP op (cuengine.ops.mlp): forward + backward time and memory, with and without recompute.
 
 Validates a small case against the cpu twin first, then for each activation and recompute mode
-times mlp_forward and mlp_backward with CUDA events after a warm-up (median of --iters) and reports
-TFLOP/s against the 747 TFLOP/s BF16 matmul ceiling (DESIGN.md, cuBLASLt at 8192³), and the peak
-activation memory: stack high-water mark + what forward saves for backward.
+times mlp_forward and mlp_backward with CUDA events after a warm-up (median of --iters,
+cuengine.benchmark.time_phases_ms) and reports TFLOP/s against the BF16 matmul ceiling
+(cuengine.benchmark.CEILINGS), and the peak activation memory: stack high-water mark + what forward
+saves for backward.
 
     python tools/bench_mlp.py                       # 8192 tokens, 4096 -> 11008 -> 4096, bf16
     python tools/bench_mlp.py --activations relu_sq --tokens 4096
@@ -12,7 +13,6 @@ activation memory: stack high-water mark + what forward saves for backward.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,10 +21,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
+from cuengine.benchmark import CEILINGS, time_phases_ms  # noqa: E402
 from cuengine.kernels.activations import GATED  # noqa: E402
 from cuengine.ops import mlp_backward, mlp_forward, mlp_stack_bytes  # noqa: E402
 
-CEILING = {"bf16": 747.0, "fp32": 747.0 / 16}  # TFLOP/s; fp32 has no tensor-core path worth quoting
 MiB = 2**20
 
 
@@ -87,20 +87,17 @@ def bench(args, act, recompute):
     mlp_backward(dx, dw1, dw2, dout, ctx, sim)
     stack = ce.DeviceMemoryStack.sized_from(sim, alloc)
 
-    events = [dev.event(timing=True) for _ in range(3)]
-    fwd_ms, bwd_ms = [], []
-    for i in range(args.warmup + args.iters):
-        events[0].record()
-        ctx = mlp_forward(o, preact, x, w1, w2, act, stack, matmul_dtype=args.matmul_dtype,
-                          fuse_grad_accum=args.fuse_grad_accum)  # fmt: skip
-        events[1].record()
-        mlp_backward(dx, dw1, dw2, dout, ctx, stack)
-        events[2].record()
-        events[2].synchronize()
-        if i >= args.warmup:
-            fwd_ms.append(events[0].elapsed_ms(events[1]))
-            bwd_ms.append(events[1].elapsed_ms(events[2]))
-    fwd, bwd = statistics.median(fwd_ms), statistics.median(bwd_ms)
+    saved = {}
+
+    def forward():
+        saved["ctx"] = mlp_forward(o, preact, x, w1, w2, act, stack, matmul_dtype=args.matmul_dtype,
+                                   fuse_grad_accum=args.fuse_grad_accum)  # fmt: skip
+
+    def backward():
+        mlp_backward(dx, dw1, dw2, dout, saved["ctx"], stack)
+
+    fwd, bwd = time_phases_ms(dev, [forward, backward], args.warmup, args.iters)
+    ctx = saved["ctx"]
     gemm_fwd = 2.0 * n * (inp * f1 + hidden * out)
     model = 3 * gemm_fwd  # forward + the four backward GEMMs
     executed = model + (2.0 * n * inp * f1 if recompute else 0.0)  # + the recomputed fc1
@@ -138,7 +135,7 @@ def main():
     for act in acts:
         validate(act, args.dtype, args.matmul_dtype)
     rows = [bench(args, act, rc) for act in acts for rc in (False, True)]
-    ceiling = CEILING[args.dtype]
+    ceiling = CEILINGS["bf16"] / 1e12  # fp32 has no tensor-core path worth quoting: its % is of this too
     out = args.out_features or args.in_features
     fp8 = ", e4m3 forward GEMMs" if args.matmul_dtype else ""
     print(f"MLP {args.tokens} tokens, {args.in_features} -> {args.hidden} -> {out}, {args.dtype}{fp8}; "

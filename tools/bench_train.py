@@ -3,9 +3,10 @@
 Random init, random tokens, B=8, T=1024 by default, CUDA graphs on. Each configuration runs
 `--warmup` steps (the first runs eagerly, the second captures the graphs), then `--steps` timed
 steps; a step is timed between CUDA events recorded at consecutive step starts, so it includes
-the update that train_step leaves running. MFU is against 989 TFLOP/s (H100/H200 dense BF16
-peak) with `LlamaModel.flops_per_token` (6 per matmul parameter + causal attention), the same
-count for FP8. Memory is the engine allocator's device total (nothing is allocated in a step).
+the update that train_step leaves running. MFU is against cuengine.benchmark.CEILINGS["bf16_peak"]
+(989 TFLOP/s, H100/H200 dense BF16) with `LlamaModel.flops_per_token` (6 per matmul parameter +
+causal attention), the same count for FP8. Memory is the engine allocator's device total
+(nothing is allocated in a step).
 
 When torch and transformers import, the same step runs in HF transformers (Qwen2ForCausalLM from
 the config, bf16 weights, SDPA, fused AdamW), eager and under torch.compile, and the ratio is
@@ -63,6 +64,8 @@ def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: b
         opt.zero_grad(set_to_none=True)
         return loss
 
+    # torch's own events on torch's stream (cuengine.benchmark's are on the engine's), the same rule:
+    # warm-up, events at consecutive step starts, median.
     for _ in range(warmup + (2 if compiled else 0)):
         fn()
     torch.cuda.synchronize()

@@ -2,6 +2,8 @@
 
 Uses torch.profiler only as a CUPTI front end (it records every CUDA kernel in the process,
 CuPy's and cuBLASLt's included); the engine itself never imports torch. Skips cleanly without it.
+Beside the kernel sum it prints the step's wall time on the GPU (cuengine.benchmark.time_ms: warm-up,
+CUDA events, median), so the gap between the two is the time the GPU waits for Python.
 
     python3 tools/profile_step.py --preset qwen2.5-0.5b --dtype bf16
 """
@@ -29,6 +31,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import cuengine as ce
+    from cuengine.benchmark import time_ms
     from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
 
     cfg = TransformerConfig.preset(args.preset)
@@ -40,9 +43,7 @@ def main(argv=None) -> int:
     g = np.random.default_rng(0)
     x = g.integers(0, cfg.vocab_size, (args.batch, args.seq), dtype=np.int32)
     y = np.roll(x, -1, axis=1)
-    for _ in range(2):
-        model.train_step(x, y, lr=1e-4)
-    dev.synchronize()
+    step_ms = time_ms(dev, lambda: model.train_step(x, y, lr=1e-4), warmup=2, iters=args.steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             model.train_step(x, y, lr=1e-4)
@@ -50,7 +51,9 @@ def main(argv=None) -> int:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events)
     events.sort(key=lambda e: -e.device_time_total)
-    print(f"{args.preset} {args.dtype}: GPU time per step {total / args.steps / 1e3:.2f} ms (kernels only, eager)")
+    kernels_ms = total / args.steps / 1e3
+    print(f"{args.preset} {args.dtype}: GPU time per step {kernels_ms:.2f} ms (kernels only, eager); step "
+          f"{step_ms:.2f} ms (events, median of {args.steps}): the GPU is busy {kernels_ms / step_ms:.0%}")  # fmt: skip
     print(f"{'kernel':<70}{'calls/step':>11}{'ms/step':>10}{'%':>7}")
     for e in events[: args.rows]:
         name = e.key if len(e.key) <= 68 else e.key[:65] + "..."

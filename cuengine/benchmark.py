@@ -1,0 +1,106 @@
+"""How every benchmark times and what it measures against: tools/bench_*.py, tools/profile_step.py
+and `cuengine bench` (which an installed wheel runs without tools/, hence this module's place).
+
+DESIGN rule 7: validate first, warm up, time with CUDA events, report the median, state the ceiling.
+One timer and one table of ceilings, so that no two scripts time differently or quote another peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+# Ceilings, in bytes/s and FLOP/s. Measured on the H200 (shared/DESIGN.md: a 1 GiB device-to-device
+# copy counting bytes read + written; cuBLASLt at 8192³), except the dense peak, NVIDIA's
+# H100/H200 SXM datasheet figure, which MFU divides by as everyone's MFU does.
+CEILINGS = {
+    "copy": 4.27e12,  # bytes/s, device-to-device copy (bytes read + bytes written)
+    "bf16": 747e12,  # FLOP/s, BF16 matmul
+    "fp8": 1476e12,  # FLOP/s, FP8 (E4M3) matmul
+    "bf16_peak": 989e12,  # FLOP/s, dense BF16 peak: the MFU denominator
+}
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+_CYCLES_PER_MS = 2_000_000  # about the H100/H200 SM clock; a hold only has to be long enough
+
+
+def mfu(flops_per_token: float, tokens_per_s: float) -> float:
+    """Model FLOP utilisation: the model's FLOP rate as a fraction of CEILINGS["bf16_peak"]."""
+    return flops_per_token * tokens_per_s / CEILINGS["bf16_peak"]
+
+
+def time_ms(device, fn: Callable[[], object], warmup: int = 3, iters: int = 10, reps: int = 1,
+            hold_ms: float = 0.0) -> float:  # fmt: skip
+    """Median milliseconds of one call of `fn()` on `device`'s main stream.
+
+    `warmup` untimed calls, then `iters` samples, each `reps` back-to-back calls between two CUDA
+    events (divide by reps: enough reps make a short kernel's sample outweigh Python's launch cost).
+    `hold_ms` > 0 first parks the stream in a spin kernel for about that long, so that the timed
+    calls queue up behind it and the GPU never waits for Python between them. On cpu the samples
+    are host wall-clock times (good for checking a script, not for numbers).
+    """
+    for _ in range(warmup):
+        fn()
+    if device.is_cpu:
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(samples) / reps
+    events = [(device.event(timing=True), device.event(timing=True)) for _ in range(iters)]
+    device.synchronize()
+    if hold_ms > 0:
+        _spin(device.index)((1,), (1,), (np.int64(hold_ms * _CYCLES_PER_MS),), stream=device.stream.raw)
+    for start, end in events:
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+    device.synchronize()
+    return statistics.median(start.elapsed_ms(end) for start, end in events) / reps
+
+
+def time_phases_ms(device, phases: list[Callable[[], object]], warmup: int = 3, iters: int = 10) -> list[float]:
+    """Median milliseconds of each phase of a step whose phases depend on each other (a forward
+    and the backward that consumes its context): each iteration runs them in order, with an event
+    between consecutive phases. Timing as in time_ms."""
+    for _ in range(warmup):
+        for f in phases:
+            f()
+    if device.is_cpu:
+        marks = []
+        for _ in range(iters):
+            marks.append([time.perf_counter()])
+            for f in phases:
+                f()
+                marks[-1].append(time.perf_counter())
+        ms = [[1e3 * (b - a) for a, b in zip(m, m[1:])] for m in marks]
+    else:
+        events = [[device.event(timing=True) for _ in range(len(phases) + 1)] for _ in range(iters)]
+        for ev in events:
+            ev[0].record()
+            for f, e in zip(phases, ev[1:]):
+                f()
+                e.record()
+        device.synchronize()
+        ms = [[a.elapsed_ms(b) for a, b in zip(ev, ev[1:])] for ev in events]
+    return [statistics.median(m[i] for m in ms) for i in range(len(phases))]
+
+
+@functools.cache
+def _spin(device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return cupy.RawKernel(_SPIN, "spin")

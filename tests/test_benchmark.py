@@ -1,0 +1,48 @@
+"""cuengine.benchmark: the one timer and ceilings table of the bench scripts and `cuengine bench`."""
+
+import time
+
+import pytest
+
+import cuengine as ce
+from cuengine.benchmark import CEILINGS, mfu, time_ms, time_phases_ms
+
+
+def test_ceilings_are_the_measured_figures():
+    assert CEILINGS == {"copy": 4.27e12, "bf16": 747e12, "fp8": 1476e12, "bf16_peak": 989e12}
+
+
+def test_mfu_is_against_the_dense_bf16_peak():
+    assert mfu(6e9, 989e12 / 6e9) == pytest.approx(1.0)
+    assert mfu(6e9, 1e5) == pytest.approx(6e14 / 989e12)
+
+
+def test_time_ms_warms_up_then_reports_the_median_per_call():
+    calls = []
+    ms = time_ms(ce.device("cpu"), lambda: calls.append(time.sleep(0.005)), warmup=2, iters=3, reps=4)
+    assert len(calls) == 2 + 3 * 4
+    assert 5 <= ms < 15  # per call, not per sample of 4 (20 ms)
+
+
+def test_time_phases_ms_times_each_phase_of_one_step():
+    order = []
+    phases = [lambda: order.append("fwd"), lambda: (order.append("bwd"), time.sleep(0.01))]
+    fwd, bwd = time_phases_ms(ce.device("cpu"), phases, warmup=1, iters=3)
+    assert order == ["fwd", "bwd"] * 4
+    assert fwd < 5 <= bwd
+
+
+def _copy(dev, nbytes):
+    src, dst = ce.Tensor.empty(ce.BYTE, (nbytes,), dev), ce.Tensor.empty(ce.BYTE, (nbytes,), dev)
+    return lambda: dev.copy_async(dst, src)
+
+
+@pytest.mark.gpu
+def test_cuda_events_time_the_device_work(cuda):
+    """A 256 MiB copy runs near the copy ceiling, held or not; four times the bytes take about four times as long."""
+    n = 256 << 20
+    for hold in (0.0, 5.0):
+        gbs = 2 * n / (time_ms(cuda, _copy(cuda, n), iters=5, hold_ms=hold) * 1e-3)
+        assert 0.5 * CEILINGS["copy"] < gbs < 1.2 * CEILINGS["copy"], gbs
+    small, big = time_phases_ms(cuda, [_copy(cuda, n // 4), _copy(cuda, n)], iters=5)
+    assert 3 < big / small < 5
