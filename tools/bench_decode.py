@@ -8,7 +8,8 @@ Sections (`--section`, any of them; default all):
          4096 / 14336, for `--arm-batches` (default 1 and 8), beside the copy ceiling. Bytes are the
          algorithmic minimum (weights + scales + x + out, each once). Weights rotate through copies
          totalling >= 256 MB so that the 50 MB L2 cannot serve them; 32+ launches are replayed from one
-         CUDA graph, as the decode step runs them. `--sweep-split` adds every K split of each gemv.
+         CUDA graph, as the decode step runs them (cuengine.benchmark.time_ms on the graph, median of
+         `--samples`). `--sweep-split` adds every K split of each gemv.
 - token: ms per token at batch 1 for the 0.5B and 1.5B shapes with bf16 and FP8 decode weights,
          beside the bound = weight bytes read per token / device-to-device copy bandwidth, the
          copy measured here (known on an H200: 4.27 TB/s); and the kernel launches of one step.
@@ -35,9 +36,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copy_case, fill, tensor, time_ms  # noqa: E402
+from bench_kernels import copy_case, fill, tensor  # noqa: E402
 
 import cuengine as ce  # noqa: E402
+from cuengine.benchmark import time_ms  # noqa: E402
 from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
 from cuengine.kernels import sampling  # noqa: E402
 
@@ -50,7 +52,7 @@ TARGET_BOUND = 1.5  # batch-1 bf16 per-token time target: 1.5 x the bound (0.5B)
 def copy_bandwidth(dev) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write), timed like the kernels."""
     _, _, nbytes, fn = next(copy_case(dev, 1))
-    return nbytes / (time_ms(dev, fn, nbytes, warmup=3, iters=10) / 1e3)
+    return nbytes / (time_ms(dev, fn, warmup=3, iters=10) / 1e3)
 
 
 def engine(preset: str, max_batch: int, max_seq: int, weights: str):
@@ -207,7 +209,7 @@ ROTATE_BYTES = 256e6  # weight copies per case total at least this: five times t
 GRAPH_LAUNCHES = 32  # launches per replayed graph (a multiple of the number of copies)
 
 
-def graph_us(dev, launch, copies: int, nbytes: int, samples: int) -> float:
+def graph_us(dev, launch, copies: int, samples: int) -> float:
     """Median µs per launch of `launch(i)`, i cycling through the weight copies, replayed from a CUDA
     graph (launched eagerly once per copy first: kernels compile, cuBLASLt plans and workspace exist)."""
     n = copies * -(-GRAPH_LAUNCHES // copies)
@@ -215,7 +217,7 @@ def graph_us(dev, launch, copies: int, nbytes: int, samples: int) -> float:
         launch(i)
     dev.synchronize()
     graph = dev.capture(lambda: [launch(i % copies) for i in range(n)])
-    return time_ms(dev, graph.launch, n * nbytes, warmup=3, iters=samples) / n * 1e3
+    return time_ms(dev, graph.launch, warmup=3, iters=samples) / n * 1e3
 
 
 class Weights:
@@ -317,7 +319,7 @@ def arms_section(args, dev, bw):
     yield f"{'case':<44}{'weights':>8}{'b':>4}{'MB':>9}{'copies':>7}{'us':>9}{'GB/s':>8}{'% copy':>8}"
     for b in args.arm_batches:
         for label, wd, nbytes, copies, fn in arm_cases(dev, b, args.sweep_split):
-            us = graph_us(dev, fn, copies, nbytes, args.samples)
+            us = graph_us(dev, fn, copies, args.samples)
             gbs = nbytes / us / 1e3
             yield (f"{label:<44}{wd:>8}{b:>4}{nbytes / 1e6:>9.1f}{copies:>7}{us:>9.2f}{gbs:>8.0f}"
                    f"{100 * gbs * 1e9 / bw:>7.0f}%")  # fmt: skip
