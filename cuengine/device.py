@@ -230,17 +230,6 @@ class Device:
             self.xp.cuda.runtime.memsetAsync(tensor.ptr, 0, tensor.nbytes, self._stream(stream).ptr)
 
     # ---- graphs ------------------------------------------------------------------------------
-    def begin_capture(self, stream: Stream | None = None) -> None:
-        """Start recording work on `stream` into a graph. On cpu work still runs eagerly."""
-        if self.is_cuda:
-            self._stream(stream).raw.begin_capture()
-
-    def end_capture(self, stream: Stream | None = None) -> Graph:
-        """Stop recording; on cpu the returned graph is empty (its work already ran)."""
-        if self.is_cuda:
-            return Graph(self, raw=self._stream(stream).raw.end_capture())
-        return Graph(self)
-
     def capture(self, fn: Callable[[], None], stream: Stream | None = None) -> Graph:
         """Record `fn`'s work into a graph without running it; `graph.launch()` runs it.
 

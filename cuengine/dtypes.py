@@ -1,9 +1,10 @@
-"""Element types the engine stores, with their NumPy, C and cuBLASLt names.
+"""Element types the engine stores, with their NumPy and cuBLASLt names.
 
 One table is the truth for every layer: NumPy twins round through the `np`
-dtype (ml_dtypes for bf16 and fp8), kernels are specialised on `c_name`, and
-cuBLASLt layouts take `cuda_type` (a `cudaDataType_t` value, kept as a plain
-int so that this module imports without any CUDA package).
+dtype (ml_dtypes for bf16 and fp8), and cuBLASLt layouts take `cuda_type` (a
+`cudaDataType_t` value, kept as a plain int so that this module imports without
+any CUDA package). Raw kernels are instantiated per type under a name suffix
+(`cuengine.kernels._build.kernel_name`), with the C types in raw_kernels/common.cuh.
 """
 
 from __future__ import annotations
@@ -19,17 +20,12 @@ class DType:
     name: str  # canonical short name, e.g. "bf16"
     itemsize: int  # bytes per element
     np: np.dtype  # NumPy storage type (ml_dtypes for bf16 and fp8)
-    c_name: str  # the C type kernels use
     cuda_type: int  # cudaDataType_t value for cuBLASLt layouts
     fp8_max: float = 0.0  # largest finite value for fp8 types, else 0
 
     @property
     def is_fp8(self) -> bool:
         return self.fp8_max > 0
-
-    @property
-    def is_float(self) -> bool:
-        return self.name in ("fp32", "fp16", "bf16", "e4m3", "e5m2")
 
     def __repr__(self) -> str:
         return f"cuengine.{self.name}"
@@ -38,13 +34,13 @@ class DType:
         return self.name
 
 
-FP32 = DType("fp32", 4, np.dtype(np.float32), "float", 0)
-FP16 = DType("fp16", 2, np.dtype(np.float16), "half", 2)
-BF16 = DType("bf16", 2, np.dtype(ml_dtypes.bfloat16), "nv_bfloat16", 14)
-FP8_E4M3 = DType("e4m3", 1, np.dtype(ml_dtypes.float8_e4m3fn), "__nv_fp8_e4m3", 28, 448.0)
-FP8_E5M2 = DType("e5m2", 1, np.dtype(ml_dtypes.float8_e5m2), "__nv_fp8_e5m2", 29, 57344.0)
-INT32 = DType("int32", 4, np.dtype(np.int32), "int", 10)
-BYTE = DType("byte", 1, np.dtype(np.uint8), "unsigned char", 8)
+FP32 = DType("fp32", 4, np.dtype(np.float32), 0)
+FP16 = DType("fp16", 2, np.dtype(np.float16), 2)
+BF16 = DType("bf16", 2, np.dtype(ml_dtypes.bfloat16), 14)
+FP8_E4M3 = DType("e4m3", 1, np.dtype(ml_dtypes.float8_e4m3fn), 28, 448.0)
+FP8_E5M2 = DType("e5m2", 1, np.dtype(ml_dtypes.float8_e5m2), 29, 57344.0)
+INT32 = DType("int32", 4, np.dtype(np.int32), 10)
+BYTE = DType("byte", 1, np.dtype(np.uint8), 8)
 
 ALL = (FP32, FP16, BF16, FP8_E4M3, FP8_E5M2, INT32, BYTE)
 

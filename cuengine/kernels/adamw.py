@@ -15,7 +15,6 @@ from .. import _checks
 from ..dtypes import BF16, FP32
 from . import _build
 
-HPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")  # the first slots of hparams (8,)
 _U32 = np.uint32
 
 
