@@ -66,8 +66,12 @@ class HFTokenizer:
 
         try:
             self._tok = Tokenizer.from_file(str(path))
-        except Exception as err:  # the package raises a plain Exception on bad JSON
-            raise DataError(f"{path}: not a readable tokenizer.json ({err})") from None
+        except BaseException as err:
+            # The package raises a plain Exception on bad JSON; a Rust panic would surface as
+            # pyo3's PanicException, which derives from BaseException.
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise DataError(f"{path}: not a readable tokenizer.json ({type(err).__name__}: {err})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str | bytes) -> np.ndarray:

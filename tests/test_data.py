@@ -252,3 +252,25 @@ def test_hf_tokenizer_json(tmp_path):
     (tmp_path / "bad" / "tokenizer.json").write_text("{broken")
     with pytest.raises(data.DataError, match="not a readable tokenizer.json"):
         data.load_tokenizer(tmp_path / "bad")
+
+
+def test_tokenizer_reader_panic_is_a_data_error(tmp_path, monkeypatch):
+    """A Rust panic inside `tokenizers` surfaces as pyo3's PanicException, a BaseException: it is
+    reported as a DataError naming the file like any other unreadable tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+
+    class PanicException(BaseException):
+        pass
+
+    class Panicking:
+        @staticmethod
+        def from_file(path):
+            raise PanicException("index out of bounds")
+
+    word_tokenizer(tmp_path)
+    monkeypatch.setattr(tokenizers, "Tokenizer", Panicking)
+    with pytest.raises(data.DataError, match=f"{tmp_path / 'tokenizer.json'}: .*PanicException: index out of bounds"):
+        data.load_tokenizer(tmp_path)
+    monkeypatch.setattr(Panicking, "from_file", staticmethod(lambda path: (_ for _ in ()).throw(KeyboardInterrupt)))
+    with pytest.raises(KeyboardInterrupt):  # an interrupt is not a bad file
+        data.load_tokenizer(tmp_path)

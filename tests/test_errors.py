@@ -427,3 +427,23 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, s
     m.save_checkpoint(tmp_path / "ckpt", extra={"save": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "first.npz"]
     assert make(cfg, seed=9).load_checkpoint(tmp_path / "ckpt") == {"save": 3}
+
+
+def test_a_panic_in_the_safetensors_reader_is_a_value_error(tmp_path, monkeypatch):
+    """safetensors is Rust: a panic surfaces as pyo3's PanicException, a BaseException."""
+    import safetensors
+
+    class PanicException(BaseException):
+        pass
+
+    def panic(*args, **kwargs):
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    cfg = tiny()
+    m = make(cfg, run_state=False)
+    m.export_weights(tmp_path)
+    before = model_state(m)
+    monkeypatch.setattr(safetensors, "safe_open", panic)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'model.safetensors'}: not a readable .*PanicException"):
+        m.import_weights(tmp_path)
+    assert model_state(m) == before
