@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP8_E4M3, FP32
-from ._build import ceil_div, launch
+from ._build import ceil_div, grid_size, kernel_name, launch
 from .activations import activation_forward_np
 from .rmsnorm import rmsnorm_forward_np
 
 FAMILY = "gemv"
 MODEL = (FP32, BF16)  # model dtypes: x, norm_weight and bias; also the weight unless it is e4m3
 ACTS = (None, "swiglu")
-_SUFFIX = {"fp32": "f32", "bf16": "bf16", "e4m3": "e4m3"}
 
 _WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
@@ -126,9 +125,9 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
     K = width // 2 if act else width
     expect(w, f"{what} w", (x.dtype, FP8_E4M3), (None, K))
     N = w.shape[0]
-    vw = 16 // w.dtype.itemsize
-    if K == 0 or K % vw:
-        raise ValueError(f"{what}: K = {K} must be a positive multiple of {vw} for 16-byte {w.dtype} weight vectors")
+    if K == 0:
+        raise ValueError(f"{what}: K = 0; x {x.name!r} {x.shape} has no input columns")
+    check_vector_width(what, "K", K, w.dtype)
     if K * x.dtype.itemsize > _SMEM_ROW:
         raise ValueError(
             f"{what}: K = {K} is too large: one input row of {x.dtype} is staged in shared memory "
@@ -157,17 +156,14 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
     if split not in (None, *_SPLITS):
         raise ValueError(f"{what}: split={split!r}; choose None (by shape) or one of {_SPLITS}")
     dev = same_device(out, x, w, w_scale, bias, residual, norm_weight)
-    if dev.is_cuda:
-        for t in (x, w, norm_weight):
-            if t is not None and t.ptr % 16:
-                raise ValueError(f"{what}: tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+    check_aligned(what, x, w, norm_weight)
     return b, K, N, dev
 
 
 def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream):
     bt = _tile(b, K, x.dtype.itemsize)
     s = split or _split(N, K * w.dtype.itemsize // 16)
-    name = f"gemv_{_SUFFIX[x.dtype.name]}_{_SUFFIX[w.dtype.name]}_{_SUFFIX[out.dtype.name]}_{bt}"
+    name = f"{kernel_name('gemv', x, w, out)}_{bt}"
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
             np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
     grid = ceil_div(N, _ROWS * _WARPS // s)
@@ -250,5 +246,4 @@ def quantize_rows(w8, w_scale, w, stream=None) -> None:
     if N == 0 or K == 0:
         return
     args = (w8, w_scale, w, np.int32(N), np.int32(K))
-    grid = min(ceil_div(N, _WARPS), dev.num_sms * 16)
-    launch(FAMILY, f"quantize_rows_{_SUFFIX[w.dtype.name]}", grid, 32 * _WARPS, args, dev, stream)
+    launch(FAMILY, kernel_name("quantize_rows", w), grid_size(dev, N, _WARPS), 32 * _WARPS, args, dev, stream)
