@@ -12,10 +12,6 @@ import numpy as np
 import pytest
 from conftest import assert_close
 
-pytest.importorskip("cuengine.kernels.gemv", reason="waiting for the decode kernel launchers")
-pytest.importorskip("cuengine.kernels.decode_attention", reason="waiting for the decode kernel launchers")
-pytest.importorskip("cuengine.kernels.sampling", reason="waiting for the decode kernel launchers")
-
 from cuengine.inference import InferenceMixin, decode
 from cuengine.inference.state import choose_ffn_arm
 from cuengine.kernels import sampling
@@ -292,7 +288,8 @@ BAD = [
     (dict(top_k=-2), "top_k must be an int >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\)"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(stop_tokens=[999]), "stop_tokens holds token id 999"),
     (dict(ffn_arm="mega"), "ffn_arm must be 'auto' or one of"),
 ]

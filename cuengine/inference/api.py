@@ -117,8 +117,8 @@ class InferenceMixin:
             raise ValueError(f"{what}: top_k must be an int >= 0 (0 = off), got {top_k!r}")
         if not isinstance(top_p, (int, float, np.floating)) or not 0 < top_p <= 1:
             raise ValueError(f"{what}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-            raise ValueError(f"{what}: seed must be an int in [0, 2**32), got {seed!r}")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError(f"{what}: seed must be an int in [0, 2**64), got {seed!r}")
         stops = frozenset(_check_ids(what, "stop_tokens", stop_tokens, V))
         longest = max(len(p) for p in prompts)
         need = longest + max_new_tokens

@@ -16,6 +16,7 @@ from .. import blas
 from ..alloc import TensorAllocator
 from ..device import device as _get_device
 from ..dtypes import dtype as _dtype
+from ..inference import InferenceMixin
 from ..kernels import encoder, rmsnorm
 from . import checkpoint
 from .blocks import RECORDING, Blocks
@@ -25,7 +26,7 @@ from .run_state import RunState
 from .weights import ModelWeights, hf_views
 
 
-class LlamaModel:
+class LlamaModel(InferenceMixin):
     """A LLaMA or Qwen2 causal LM on one device.
 
     Args:
