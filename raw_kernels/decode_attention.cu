@@ -110,7 +110,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     int p0, p1, nact;
     split_range(len, S, s, p0, p1, nact);
     const bool direct = S == 1;
-    if (s >= nact && !direct) return;  // the combine ignores splits past nact
+    if ((s >= nact && !direct) || gt <= 0) return;  // the combine ignores splits past nact
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, gi = threadIdx.x / LP;
     const size_t row = (size_t)(Hq + 2 * Hkv) * hs;

@@ -132,14 +132,15 @@ __device__ int find_bin(const float* h, float target, Smem& s) {
         const float y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
+    const float prev = __shfl_up_sync(0xffffffffu, x, 1);
     if (t == 0) s.bin = NBINS;
     if (lane == 31) s.scan[warp] = x;
     __syncthreads();
-    float before = 0.f;  // sum of earlier warps, in warp order
-    for (int w = 0; w < warp; ++w) before += s.scan[w];
-    const float incl = before + x, excl = incl - (h0 + h1);
-    const float c0 = excl + h0;
-    int mine = c0 >= target ? 2 * t : (incl >= target ? 2 * t + 1 : NBINS);
+    float excl = 0.f;  // sum of earlier warps in warp order, then of the earlier lanes
+    for (int w = 0; w < warp; ++w) excl += s.scan[w];
+    if (lane > 0) excl += prev;
+    const float c0 = excl + h0, c1 = c0 + h1;
+    const int mine = c0 >= target ? 2 * t : (c1 >= target ? 2 * t + 1 : NBINS);
     atomicMin(&s.bin, mine);
     __syncthreads();
     const int b = s.bin;

@@ -135,11 +135,11 @@ def _check_qkv(what, qkv, n, n_q_heads, n_kv_heads, hs):
         )
 
 
-def _check_aligned(dev, *tensors) -> None:
+def _check_aligned(dev, *tensors, nbytes: int = 16) -> None:
     if dev.is_cuda:
         for t in tensors:
-            if t.ptr % 16:
-                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not 16-byte aligned")
+            if t.ptr % nbytes:
+                raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not {nbytes}-byte aligned")
 
 
 def _overlap(a, b) -> bool:
@@ -263,7 +263,8 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         return
     if b == 0:
         return
-    _check_aligned(dev, out, qkv, k_cache, v_cache)
+    layout = _layout(qkv.dtype, hs)
+    _check_aligned(dev, qkv, k_cache, v_cache, nbytes=2 * qkv.dtype.itemsize if layout == "gen" else 16)
     group = n_q_heads // n_kv_heads
     tiles = ceil_div(group, _MAX_TILE_HEADS)
     tile_heads = ceil_div(group, tiles)
@@ -273,7 +274,7 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(hs))
     args = (scratch, out, qkv, k_cache, v_cache, lengths, np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs),
             np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(tile_heads), scale_log2)  # fmt: skip
-    name = f"decode_attention_split_{suf}_{_layout(qkv.dtype, hs)}_g{gm}"
+    name = f"decode_attention_split_{suf}_{layout}_g{gm}"
     launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream)
     if S > 1:
         args = (out, scratch, lengths, np.int32(n_q_heads), np.int32(hs), np.int32(max_seq), np.int32(S))
