@@ -148,6 +148,29 @@ def test_auto_allocation_and_a_training_model_share_weights():
     assert fresh.generate([[1, 2, 3]], 4) == b
 
 
+@pytest.mark.parametrize("arm,per_layer", [("fused", 6), ("split", 7), ("gemm", 8)])
+def test_launches_per_decode_step(monkeypatch, arm, per_layer):
+    """The fused decode step: 6 launcher calls per layer on the GEMV arms' fast path (the issue's
+    target is <= 7), plus the embedding, LM head, sampler and position update once per step."""
+    from cuengine import blas
+    from cuengine.kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm
+
+    m = model("tiny-llama", "bf16")
+    st = m.allocate_inference_state(max_batch=2, max_seq_len=16, ffn_arm=arm)
+    m.generate([[1, 2], [3]], 2)
+    calls = []
+    launchers = {gemv: ("gemv", "gemv_dual"), decode_attention: ("rope_kv_append", "decode_attention"),
+                 activations: ("swiglu_forward",), rmsnorm: ("rmsnorm_forward",), blas: ("matmul",),
+                 encoder: ("encoder_forward",), sampling: ("sample_tokens",),
+                 decode_step: ("advance_positions",)}  # fmt: skip
+    for mod, names in launchers.items():
+        for name in names:
+            fn = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+    decode.decode_step_rows(st, 2, arm)
+    assert len(calls) == per_layer * m.cfg.num_layers + 4, calls
+
+
 # ---- FFN arms and FP8 weights -----------------------------------------------------------------
 def test_choose_ffn_arm():
     assert [choose_ffn_arm(b, "bf16") for b in (1, 4, 8, 16, 32, 64)] == ["fused"] * 2 + ["split"] * 2 + ["gemm"] * 2
