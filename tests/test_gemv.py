@@ -109,7 +109,7 @@ def test_twin_matches_float64(dtype, wdtype, option):
     assert_close(y, ref64(c["x"], c["w"], act=opt.get("act"), **kw), dtype, option)
 
 
-def test_twin_rounds_bias_and_residual_after_the_product():
+def test_bias_and_residual_are_added_after_rounding(dev):
     """256 + 1 (the product) lies halfway between bf16 neighbours 256 and 258: rounding it first gives
     256, then + 0.5 gives 256 again; one rounding of 257.5 would give 258. Same for the residual."""
     x = np.zeros((1, 8), ml_dtypes.bfloat16)
@@ -119,6 +119,11 @@ def test_twin_rounds_bias_and_residual_after_the_product():
     half = np.full(8, 0.5, ml_dtypes.bfloat16)
     assert set(gemv_np(x, w, bias=half).astype(np.float64).ravel()) == {256.0}
     assert set(gemv_np(x, w, residual=half.reshape(1, 8)).astype(np.float64).ravel()) == {256.0}
+    t = tensors(dev, {"x": x, "w": w, "bias": half, "residual": half.reshape(1, 8)})
+    out = ce.Tensor.empty(ce.BF16, (1, 8), dev, name="out")
+    for kw in ({"bias": t["bias"]}, {"residual": t["residual"]}):
+        gemv(out, t["x"], t["w"], **kw)
+        assert set(out.numpy().astype(np.float64).ravel()) == {256.0}, kw
 
 
 def test_dual_twin_is_the_gemv_of_the_packed_weight():
@@ -310,6 +315,27 @@ def test_swiglu_prologue_equals_swiglu_forward_then_gemv(cuda, wdtype, b):
     split = ce.Tensor.empty(ce.BF16, (b, 128), cuda, name="split")
     gemv(split, h, t["w"], w_scale=t.get("w_scale"))
     np.testing.assert_array_equal(fused.numpy().view(np.uint16), split.numpy().view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_capturable_in_a_graph(cuda):
+    """No allocation or host sync inside: a captured gemv_dual + fused-SwiGLU gemv replays to the eager bits."""
+    c = case(3, 896, 2 * 256, "bf16", "e4m3")
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight")})
+    down = case(3, 256, 896, "bf16", "e4m3", seed=5)
+    td = tensors(cuda, {"w": down["w"], "w_scale": down["w_scale"], "res": c["x"]})
+    up = ce.Tensor.empty(ce.BF16, (3, 512), cuda, name="up")
+
+    def step():
+        gemv_dual(up, t["x"], t["w"], w_scale=t["w_scale"], norm_weight=t["norm_weight"], eps=EPS)
+        gemv(td["res"], up, td["w"], w_scale=td["w_scale"], act="swiglu", residual=td["res"])
+
+    step()
+    eager = td["res"].numpy()
+    td["res"].copy_from_numpy(c["x"])
+    graph = cuda.capture(step)
+    graph.launch()
+    np.testing.assert_array_equal(td["res"].numpy().view(np.uint16), eager.view(np.uint16))
 
 
 @pytest.mark.gpu
