@@ -92,8 +92,8 @@ def decode_arm(st, b: int) -> str:
     return choose_ffn_arm(b, st.weights) if st.ffn_arm == "auto" else st.ffn_arm
 
 
-def launches_per_step(st, b: int) -> int:
-    """Kernel launches (cuBLASLt calls included) of one eager decode step of b rows."""
+def launches(st, fn) -> int:
+    """Kernel launches (cuBLASLt calls included) that fn() makes, run eagerly."""
     from cuengine import blas
     from cuengine.kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm
 
@@ -102,20 +102,20 @@ def launches_per_step(st, b: int) -> int:
     saved = [getattr(m, name) for m, name in patched]
     count = [0]
 
-    def counting(fn):
+    def counting(launcher):
         def wrapped(*a, **k):
             count[0] += 1
-            return fn(*a, **k)
+            return launcher(*a, **k)
 
         return wrapped
 
-    for (m, name), fn in zip(patched, saved):
-        setattr(m, name, counting(fn))
+    for (m, name), launcher in zip(patched, saved):
+        setattr(m, name, counting(launcher))
     try:
-        decode.decode_step_rows(st, b, decode_arm(st, b))
+        fn()
     finally:
-        for (m, name), fn in zip(patched, saved):
-            setattr(m, name, fn)
+        for (m, name), launcher in zip(patched, saved):
+            setattr(m, name, launcher)
     st.device.synchronize()
     return count[0]
 
@@ -131,10 +131,11 @@ def token_section(args, dev, bw) -> list[str]:
             ms = step_ms(st, 1, args.steps, args.samples)
             nbytes = st.bytes_per_token()
             bound = nbytes / bw * 1e3
-            n = launches_per_step(st, 1)
-            per_layer = (n - 4) / m.cfg.num_layers  # embedding, LM head, sampler, advance
+            arm = decode_arm(st, 1)
+            n = launches(st, lambda st=st, arm=arm: decode.decode_step_rows(st, 1, arm))
+            per_layer = launches(st, lambda st=st, arm=arm: decode.layer(st, 0, 1, arm))
             rows.append(f"{preset:<14}{weights:>8}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
-                        f"{nbytes / ms / 1e6:>8.0f}{n:>10}{per_layer:>11.1f}")  # fmt: skip
+                        f"{nbytes / ms / 1e6:>8.0f}{n:>10}{per_layer:>11}")  # fmt: skip
             del m, st
     rows.append(f"target: 0.5B bf16 <= {TARGET_BOUND} x bound; fp8 <= 0.6 x the bf16 time")
     return rows
