@@ -208,6 +208,14 @@ class TensorAllocator:
                 t.stats = Tensor(FP32, (STATS_SLOTS,), self.device, raw, 0, f"{name}.stats").fill_zero()
         return t
 
+    def staging(self, tensor: Tensor, name: str) -> Tensor:
+        """A pinned host buffer of `tensor`'s dtype and shape, to fill on the host and copy to the
+        device asynchronously (or back). On cpu, where device memory is host memory, it is
+        `tensor` itself: no second buffer, and the copy between the two is a no-op."""
+        if self.device.is_cpu:
+            return tensor
+        return self.allocate(tensor.dtype, name, tensor.shape, kind="pinned", stats=False)
+
     def _raw(self, name: str, nbytes: int, kind: str):
         nbytes = _align(max(nbytes, 1))
         if kind == "device" and self.limit_bytes is not None and self._device_bytes + nbytes > self.limit_bytes:
