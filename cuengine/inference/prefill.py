@@ -37,7 +37,7 @@ def prefill_group(st, first: int, n: int, T: int, off: int, lens) -> None:
         rope.rope_forward(qkv3, qkv3, st.freqs, Hq, Hkv)
         decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], slots, positions, None, Hq, Hkv,
                                         rotate=False)  # fmt: skip
-        attention.attention_forward(att.reshape(n, T, -1), lse, qkv3, Hq, Hkv, backend="raw", workspace=st.p_workspace)
+        attention.attention_forward(att.reshape(n, T, -1), lse, qkv3, Hq, Hkv, backend="raw")  # no workspace
         blas.matmul(out, att, w["atto_w"])  # att_o (N, C)
         rmsnorm.fused_residual_rmsnorm_forward(res_att, ln, rstd, res, out, w["ln2_w"], eps)
         blas.matmul(up, ln, w["up_w"])  # (N, 2H)

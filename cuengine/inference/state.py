@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import blas
-from ..dtypes import BF16, BYTE, FP8_E4M3, FP16, FP32, INT32
+from ..dtypes import BF16, FP8_E4M3, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import attention, decode_attention, gemv, rope, sampling
+from ..kernels import decode_attention, gemv, rope, sampling
 from . import decode
 from .prefill import prefill_group
 
@@ -131,8 +131,6 @@ class InferenceState:
             self.p_act = a(dt, "prefill_swiglu", (S, H))
             # every group's tokens, cache slots and positions, packed one after the other
             self.p_index = a(INT32, "prefill_index", (3, B * S))
-            ws = attention.workspace_shape(B, S, Hq, Hkv, hs, backend="raw", dtype=dt, device=dev)[0]
-            self.p_workspace = a(BYTE, "prefill_attention_workspace", (ws,)) if ws else None
 
         with alloc.context("Decode host"):
             self.index_host = alloc.allocate(INT32, "prefill_index_host", (3, B * S), kind="pinned")
