@@ -299,6 +299,8 @@ def test_inference_only_memory(dev):
 BAD = [
     (dict(prompts=[]), "non-empty list"),
     (dict(prompts=[1, 2, 3]), r"for one prompt pass \[prompt\]"),
+    (dict(prompts="hello"), "non-empty list of token-id lists"),
+    (dict(prompts=["hello"]), "prompt 0 must be a list of token ids"),
     (dict(prompts=[[1], []]), "prompt 1 is empty"),
     (dict(prompts=[[1, 256]]), r"token id 256, outside the vocabulary \[0, 256\)"),
     (dict(prompts=[[-1]]), "token id -1, outside the vocabulary"),
@@ -349,6 +351,7 @@ def test_bad_arguments_allocate_nothing():
         (dict(max_seq_len=300), r"max_seq_len=300 outside \[2, 256\] \(max_position_embeddings"),
         (dict(max_batch=2.0), "max_batch must be an int"),
         (dict(max_seq_len=32, weights="int4"), "weights must be one of"),
+        (dict(max_seq_len=1), r"max_seq_len=1 outside \[2, 256\]"),
         (dict(max_seq_len=32, ffn_arm="gemv"), "ffn_arm must be 'auto' or one of"),
         (dict(max_seq_len=32, weights="fp8", ffn_arm="gemm"), "ffn_arm='gemm' cannot run with weights='fp8'"),
     ],
@@ -358,6 +361,10 @@ def test_bad_allocate_inference_state(kw, match):
     with pytest.raises(ValueError, match=match):
         m.allocate_inference_state(**kw)
     assert m.inference_state is None
+
+
+def test_default_cache_length_fits_the_config():
+    assert model("tiny").allocate_inference_state().max_seq == 256  # min(2048, max_position_embeddings)
 
 
 def test_fp8_state_refuses_the_gemm_arm_per_call_and_a_second_allocation():

@@ -38,7 +38,7 @@ class InferenceMixin:
     def inference_state(self) -> InferenceState | None:
         return self._inference
 
-    def allocate_inference_state(self, max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int = DEFAULT_MAX_SEQ,
+    def allocate_inference_state(self, max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None,
                                  weights: str = "bf16", ffn_arm: str = "auto",
                                  cuda_graphs: bool = True) -> InferenceState:  # fmt: skip
         """Allocate the KV cache (max_batch, max_seq_len), the decode scratch and, with
@@ -47,7 +47,8 @@ class InferenceMixin:
 
         Args:
             max_batch: prompts per generation, 1..64.
-            max_seq_len: prompt + new tokens, at most the config's max_position_embeddings.
+            max_seq_len: prompt + new tokens, at most the config's max_position_embeddings
+                (None: 2048, or max_position_embeddings when that is smaller).
             weights: "bf16" (the model's own weights, shared) or "fp8" (W8A16 decode GEMVs).
             ffn_arm: "auto", "split", "fused" or "gemm" (see inference.state.choose_ffn_arm).
             cuda_graphs: capture each decode step once per batch size and replay it.
@@ -58,6 +59,8 @@ class InferenceMixin:
                 f"allocate_inference_state: already allocated (max_batch={s.max_batch}, max_seq_len={s.max_seq}, "
                 f"weights={s.weights!r}); allocate it once, before the first generate, or make a new LlamaModel"
             )
+        if max_seq_len is None:
+            max_seq_len = min(DEFAULT_MAX_SEQ, self.cfg.max_position_embeddings)
         self._inference = InferenceState(self, max_batch, max_seq_len, weights, ffn_arm, cuda_graphs)
         return self._inference
 
