@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import assert_close
 
+import cuengine as ce
 from cuengine.inference import InferenceMixin, decode
 from cuengine.inference.state import choose_ffn_arm
 from cuengine.kernels import sampling
@@ -169,6 +170,19 @@ def test_launches_per_decode_step(monkeypatch, arm, per_layer):
             monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     decode.decode_step_rows(st, 2, arm)
     assert len(calls) == per_layer * m.cfg.num_layers + 4, calls
+
+
+def test_advance_positions(dev):
+    from cuengine.kernels.decode_step import advance_positions
+
+    pos = ce.Tensor.from_numpy(np.array([0, 5, 9], np.int32), dev, name="positions")
+    lengths = ce.Tensor.from_numpy(np.array([7, 7, 7], np.int32), dev, name="lengths")
+    advance_positions(pos.rows(0, 2), lengths.rows(0, 2))
+    assert pos.numpy().tolist() == [1, 6, 9] and lengths.numpy().tolist() == [2, 7, 7]  # row 2 untouched
+    with pytest.raises(ValueError, match=r"advance_positions lengths: expected shape \(3\)"):
+        advance_positions(pos, lengths.rows(0, 2))
+    with pytest.raises(ValueError, match="advance_positions positions: expected dtype int32"):
+        advance_positions(ce.Tensor.from_numpy(np.zeros(3, np.float32), dev), lengths)
 
 
 # ---- FFN arms and FP8 weights -----------------------------------------------------------------
