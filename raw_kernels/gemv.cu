@@ -9,15 +9,17 @@
 // prologue r_T(x * rstd * norm_weight) with rstd = 1 / sqrt(mean(x^2) + eps) summed exactly as
 // rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), or the SwiGLU
 // prologue r_T(silu(gate) * up) over x = [gate | up], computed as activations.cu computes it. The
-// input is staged in shared memory, in T, BT rows at a time, once per block.
+// input is staged in shared memory, in T, BT rows at a time.
 //
-// Work layout: a block of WARPS warps owns WARPS / S groups of R weight rows. The S warps of a group
-// each reduce one K-slice: lanes stride over 16-byte weight vectors, U per row in flight, fp32
-// accumulators for R rows x BT input rows, then a warp shuffle sum and, for S > 1, an ordered sum of
-// the S partials through shared memory. Every sum has a fixed order that depends only on (N, K, S),
-// never on timing or on b, so results are deterministic and batch-invariant; no float atomics.
-// gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over the
-// block's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
+// Work layout: a tile of WARPS / S groups of R weight rows is one block's work at a time; the grid is
+// at most one resident wave and blocks take tiles round-robin, so with b <= BT a block stages (and
+// normalises) its input once for all its tiles. The S warps of a group each reduce one K-slice:
+// lanes stride over 16-byte weight vectors, U per row in flight, fp32 accumulators for R rows x BT
+// input rows, then a warp shuffle sum and, for S > 1, an ordered sum of the S partials through shared
+// memory. Every sum has a fixed order that depends only on (N, K, S), never on timing, on the grid or
+// on b, so results are deterministic and batch-invariant; no float atomics.
+// gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over each
+// tile's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
 // byte reads as +-480, but quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
 // K: a multiple of one 16-byte weight vector (8 bf16, 4 fp32, 16 e4m3 elements).
 #include "common.cuh"
@@ -145,10 +147,15 @@ __device__ __forceinline__ void finish(O* out, const float* w_scale, const T* bi
 }
 
 
+// The weight row (and out column) of tile row q: gemv_dual pairs gate row q/2 (q even) with up row
+// N/2 + q/2 (q odd) in one warp.
+__device__ __forceinline__ int weight_row(int q, int N, int dual) { return dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q; }
+
+
 // ---- kernels ------------------------------------------------------------------------------
 
-// Rows q = 0..N-1 in tile order; dual maps q to gate row q/2 (q even) or up row N/2 + q/2 (q odd).
-// Dynamic shared memory: BT * K * sizeof(T) bytes.
+// Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
+// a tile's sums do not depend on which block runs it). Dynamic shared memory: BT * K * sizeof(T) bytes.
 template <typename T, typename W, typename O, int BT>
 __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__ w, const float* w_scale,
                           const T* bias, const O* residual, const T* __restrict__ norm_weight, float eps,
@@ -161,93 +168,103 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
     constexpr int NT = Pack16<T>::N;           // inputs per 16-byte vector
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int groups = WARPS / S, group = warp / S, slice = warp % S;
-    const int tile = blockIdx.x * groups * R;  // first row of the block
-    const W* wrow[R];
-    for (int r = 0; r < R; ++r) {
-        const int q = min(tile + group * R + r, N - 1);  // rows past N load a valid row, store nothing
-        const int n = dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q;
-        wrow[r] = w + (size_t)n * K;
-    }
     const int C = K / VW;
     const int c0 = (int)((long long)slice * C / S), c1 = (int)((long long)(slice + 1) * C / S);
+    const int tiles = (N + groups * R - 1) / (groups * R);
+    bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
 
-    for (int m0 = 0; m0 < b; m0 += BT) {
-        // The first weight vectors are in flight while the block stages its input.
-        uint4 wv[U][R];
-        for (int u = 0; u < U; ++u)
+    for (int tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
+        const int tile = tile_index * groups * R;  // first row of the tile
+        const W* wrow[R];
+        for (int r = 0; r < R; ++r) {
+            const int q = min(tile + group * R + r, N - 1);  // rows past N load a valid row, store nothing
+            const int n = weight_row(q, N, dual);
+            wrow[r] = w + (size_t)n * K;
+        }
+
+        for (int m0 = 0; m0 < b; m0 += BT) {
+            // The first weight vectors are in flight while the block stages its input.
+            uint4 wv[U][R];
+            for (int u = 0; u < U; ++u)
+                for (int r = 0; r < R; ++r)
+                    wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
+                                                       : make_uint4(0u, 0u, 0u, 0u);
+            // The previous pass or tile must be done with xs and s_partial; warps that only read the
+            // staged input and keep their sums in registers run ahead across tiles.
+            if (S > 1 || b > BT || !staged) __syncthreads();
+            if (b > BT || !staged) {
+                stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
+                __syncthreads();
+                staged = true;
+            }
+
+            float acc[R][BT];
             for (int r = 0; r < R; ++r)
-                wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
-                                                   : make_uint4(0u, 0u, 0u, 0u);
-        __syncthreads();  // the previous pass is done with xs and s_partial
-        stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
-        __syncthreads();
-
-        float acc[R][BT];
-        for (int r = 0; r < R; ++r)
-            for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
-        for (int c = c0 + lane; c < c1; c += 32 * U) {
-            if (c != c0 + lane)
-                for (int u = 0; u < U; ++u)
-                    for (int r = 0; r < R; ++r)
-                        wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
-                                                   : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int cu = c + 32 * u;
-                if (cu < c1) {
-                    static_assert(R == 2, "the word table lists two rows");
-                    const unsigned words[R][4] = {
-                        {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
-                        {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
-                    // one input vector (NT elements) at a time, so only NT weights per row are live
-#pragma unroll
-                    for (int h = 0; h < VW / NT; ++h) {
-                        float wf[R][NT];
-#pragma unroll
+                for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
+            for (int c = c0 + lane; c < c1; c += 32 * U) {
+                if (c != c0 + lane)
+                    for (int u = 0; u < U; ++u)
                         for (int r = 0; r < R; ++r)
-#pragma unroll
-                            for (int k = 0; k < NT; ++k) {
-                                const int e = h * NT + k;  // element of the weight vector
-                                wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
-                            }
-#pragma unroll
-                        for (int t = 0; t < BT; ++t) {
-                            const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
-#pragma unroll
-                            for (int k = 0; k < NT; ++k) {
-                                const float xk = to_float(xv.v[k]);
-#pragma unroll
-                                for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
+                            wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
+                                                       : make_uint4(0u, 0u, 0u, 0u);
+    #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int cu = c + 32 * u;
+                    if (cu < c1) {
+                        static_assert(R == 2, "the word table lists two rows");
+                        const unsigned words[R][4] = {
+                            {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
+                            {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
+                        // one input vector (NT elements) at a time, so only NT weights per row are live
+    #pragma unroll
+                        for (int h = 0; h < VW / NT; ++h) {
+                            float wf[R][NT];
+    #pragma unroll
+                            for (int r = 0; r < R; ++r)
+    #pragma unroll
+                                for (int k = 0; k < NT; ++k) {
+                                    const int e = h * NT + k;  // element of the weight vector
+                                    wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
+                                }
+    #pragma unroll
+                            for (int t = 0; t < BT; ++t) {
+                                const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
+    #pragma unroll
+                                for (int k = 0; k < NT; ++k) {
+                                    const float xk = to_float(xv.v[k]);
+    #pragma unroll
+                                    for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
+                                }
                             }
                         }
                     }
                 }
             }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
-
-        if (S == 1) {  // lane r * BT + t finishes (row r, input row t)
             for (int r = 0; r < R; ++r)
-                for (int t = 0; t < BT; ++t) {
-                    const int q = tile + group * R + r, m = m0 + t;
-                    if (lane == r * BT + t && q < N && m < b)
-                        finish<T, O>(out, w_scale, bias, residual, acc[r][t], m,
-                                     dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q, N);
-                }
-        } else {
-            if (lane == 0)
+                for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+
+            if (S == 1) {  // lane r * BT + t finishes (row r, input row t)
                 for (int r = 0; r < R; ++r)
-                    for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
-            __syncthreads();
-            const int i = threadIdx.x;
-            if (i < groups * R * BT) {
-                const int g = i / (R * BT), r = i / BT % R, t = i % BT;
-                const int q = tile + g * R + r, m = m0 + t;
-                float y = 0.f;
-                for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
-                if (q < N && m < b)
-                    finish<T, O>(out, w_scale, bias, residual, y, m, dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q, N);
+                    for (int t = 0; t < BT; ++t) {
+                        const int q = tile + group * R + r, m = m0 + t;
+                        if (lane == r * BT + t && q < N && m < b)
+                            finish<T, O>(out, w_scale, bias, residual, acc[r][t], m,
+                                         weight_row(q, N, dual), N);
+                    }
+            } else {
+                if (lane == 0)
+                    for (int r = 0; r < R; ++r)
+                        for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
+                __syncthreads();
+                const int i = threadIdx.x;
+                if (i < groups * R * BT) {
+                    const int g = i / (R * BT), r = i / BT % R, t = i % BT;
+                    const int q = tile + g * R + r, m = m0 + t;
+                    float y = 0.f;
+                    for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
+                    if (q < N && m < b)
+                        finish<T, O>(out, w_scale, bias, residual, y, m, weight_row(q, N, dual), N);
+                }
             }
         }
     }

@@ -30,11 +30,13 @@ ACTS = (None, "swiglu")
 _WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
 _SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
-_BLOCKS = 528  # split K while the grid stays within this many blocks (4 per SM on 132 SMs); a constant, so
-# the bits do not depend on the GPU
+_TILES_MAX = 528  # split K while the tiles stay within this many (4 per SM on 132 SMs); a constant, so the
+# bits do not depend on the GPU
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
 _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU = 0, 1, 2  # enum Prologue in gemv.cu
+_RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
+_SM_SHARED = 228 * 1024  # shared memory per SM (sm_90); each block also takes 1 KB reserved + its static arrays
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -93,15 +95,22 @@ def _tile(b: int, K: int, itemsize: int) -> int:
 
 
 def _split(rows: int, vectors: int) -> int:
-    """K-slices per row group: double them while the grid stays within _BLOCKS and a slice keeps 32 vectors.
+    """K-slices per row group: double them while the tiles stay within _TILES_MAX and a slice keeps 32 vectors.
 
-    A decode-sized GEMV is about one wave of short blocks, so small N (4864 -> 896) needs the split to
-    fill the GPU, and a grid past one wave would only add a tail.
+    A decode-sized GEMV is about one tile per resident block, so small N (4864 -> 896) needs the split
+    to fill the GPU, while more tiles than blocks would only add a tail.
     """
     s = 1
-    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // (2 * s)) <= _BLOCKS and vectors // (2 * s) >= 32:
+    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // (2 * s)) <= _TILES_MAX and vectors // (2 * s) >= 32:
         s *= 2
     return s
+
+
+def _grid(dev, tiles: int, bt: int, smem: int) -> int:
+    """One resident wave at most: blocks take tiles round-robin, so a grid larger than what fits the
+    GPU at once would only leave a tail, and each block stages (and normalises) its input once."""
+    per_sm = min(_RESIDENT[bt], _SM_SHARED // (smem + 2048))
+    return max(1, min(tiles, dev.num_sms * max(1, per_sm)))
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -166,8 +175,9 @@ def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual
     name = f"{kernel_name('gemv', x, w, out)}_{bt}"
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
             np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
-    grid = ceil_div(N, _ROWS * _WARPS // s)
-    launch(FAMILY, name, grid, 32 * _WARPS, args, dev, stream, shared_mem=bt * K * x.dtype.itemsize)
+    smem = bt * K * x.dtype.itemsize
+    launch(FAMILY, name, _grid(dev, ceil_div(N, _ROWS * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
+           shared_mem=smem)  # fmt: skip
 
 
 def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, split=None,
