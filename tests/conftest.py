@@ -48,6 +48,10 @@ def cuda():
     return ce.device("cuda")
 
 
+# Awkward row counts every kernel family is tested at: 1, primes, around a block and a wave, 8k.
+ROWS = (1, 37, 199, 760, 1128, 8192)
+
+
 def rng(seed=0):
     return np.random.default_rng(seed)
 
@@ -62,27 +66,71 @@ def assert_close(actual, expected, dtype, what="result", scale=1.0):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * scale, err_msg=what)
 
 
+def assert_bitwise(actual, expected, what="result"):
+    """The same bits (NaN payloads and signed zeros included), e.g. for determinism."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    assert a.dtype == e.dtype and a.shape == e.shape, f"{what}: {a.dtype} {a.shape} != {e.dtype} {e.shape}"
+    np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8), err_msg=what)
+
+
 def to_device(arrays: dict, device, dtypes: dict | None = None) -> dict:
     """Tensors on `device` from a dict of NumPy arrays (converted to dtypes[name] if given)."""
     dtypes = dtypes or {}
     return {k: ce.Tensor.from_numpy(v, device, name=k, dtype=dtypes.get(k)) for k, v in arrays.items()}
 
 
-def check_op(op, inputs: dict, outputs: dict, dtypes: dict | None = None, compare=None, **kwargs):
+def tensors(dev, **arrays) -> dict:
+    """Tensors on `dev` named after their keywords, in the arrays' own dtypes."""
+    return to_device(arrays, dev)
+
+
+def garbage(t: ce.Tensor) -> ce.Tensor:
+    """Fill `t` with 0xff bytes (NaN for floats, -1 for ints): stale contents a kernel must not read."""
+    t.copy_from_numpy(np.full(t.nbytes, 0xFF, np.uint8).view(t.dtype.np).reshape(t.shape))
+    return t
+
+
+def write_llmc(path, tokens, magic=20240520, version=1, count=None, dtype="<u2"):
+    """An llm.c .bin shard written byte by byte from its spec (256 int32 header: magic, version,
+    token count; then the tokens), independent of cuengine.data.write_bin. Returns path."""
+    header = np.zeros(256, "<i4")
+    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype).tobytes())
+    return path
+
+
+def check_op(op, inputs: dict, outputs: dict, dtypes: dict | None = None, compare=None, *, inplace=None,
+             scratch=None, repeat=False, scale=None, **kwargs):  # fmt: skip
     """Run `op(**outputs, **inputs, **kwargs)` on cpu and cuda from the same inputs and compare.
 
-    `outputs` maps output names to initial arrays (outputs that accumulate start from them);
-    `compare` maps output names to the dtype whose tolerance applies (default: its own dtype).
+    outputs: output name -> initial array (outputs that accumulate start from it).
+    dtypes: name -> dtype the array is converted to on upload (default: its own).
+    compare: output name -> the dtype whose tolerance applies (default: the output's own dtype).
+    inplace: output name -> input name: that output is the input's tensor itself, so the op runs in
+        place, and it is compared afterwards; it needs no entry in outputs.
+    scratch: argument name -> (dtype, shape) of a work buffer the op may overwrite: passed, not
+        compared, and filled with garbage() first, so a kernel that reads stale scratch shows.
+    repeat: run the op on cuda once more, from fresh copies of everything, and require every output
+        bitwise equal to the first run (determinism).
+    scale: output name -> factor on its absolute tolerance (e.g. sqrt(N) for a sum over N rows).
     Returns the cpu and cuda results as dicts of NumPy arrays.
     """
-    results = {}
-    for name in ("cpu", "cuda"):
+
+    def run(name):
         d = ce.device(name)
         ins = to_device(inputs, d, dtypes)
         outs = to_device(outputs, d, dtypes)
-        op(**outs, **ins, **kwargs)
-        results[name] = {k: t.numpy() for k, t in outs.items()}
-    for k in outputs:
-        dt = (compare or {}).get(k) or ce.dtype(results["cpu"][k].dtype)
-        assert_close(results["cuda"][k].astype(np.float64), results["cpu"][k].astype(np.float64), dt, what=k)
-    return results["cpu"], results["cuda"]
+        outs.update({o: ins[i] for o, i in (inplace or {}).items()})
+        work = {k: garbage(ce.Tensor.empty(dt, shape, d, name=k)) for k, (dt, shape) in (scratch or {}).items()}
+        op(**outs, **ins, **work, **kwargs)
+        return {k: t.numpy() for k, t in outs.items()}
+
+    cpu, cuda = run("cpu"), run("cuda")
+    for k in cpu:
+        dt = (compare or {}).get(k) or ce.dtype(cpu[k].dtype)
+        what = k if k not in (inplace or {}) else f"{k} (in place)"
+        assert_close(cuda[k].astype(np.float64), cpu[k].astype(np.float64), dt, what, (scale or {}).get(k, 1.0))
+    if repeat:
+        for k, v in run("cuda").items():
+            assert_bitwise(v, cuda[k], f"{k}: a second cuda run")
+    return cpu, cuda

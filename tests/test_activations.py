@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_close, check_op, rng
+from conftest import ROWS, assert_close, check_op, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.activations import (
@@ -22,7 +22,6 @@ from cuengine.kernels.activations import (
 
 PLAIN = tuple(a for a in ACTIVATIONS if a not in GATED)
 VARIANTS = [(a, "split") for a in PLAIN] + [(a, lay) for a in GATED for lay in ("split", "interleaved")]
-ROWS = (1, 37, 199, 760, 1128, 8192)
 
 
 # ---- float64 reference, written independently of the twins ----------------------------------------
@@ -60,10 +59,6 @@ def away_from_kinks(x, activation):
     if activation == "swiglu_oai":
         x = np.where(np.abs(np.abs(x) - 7.0) < 1e-2, 6.0, x)
     return x
-
-
-def tensors(dev, **arrays):
-    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
 
 
 # ---- cpu: the twins against float64 -----------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import assert_close, rng
+from conftest import ROWS, assert_bitwise, assert_close, check_op, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.encoder import (
@@ -13,8 +13,6 @@ from cuengine.kernels.encoder import (
     encoder_scratch_shape,
 )
 
-ROWS = (1, 37, 199, 760, 1128, 8192)
-
 
 def make(n, v, c, dout_dtype="fp32", dwte_dtype="fp32", seed=0):
     """tokens (1, n) drawn from a small vocabulary part so that ids repeat; dout, dwte in their dtypes."""
@@ -24,10 +22,6 @@ def make(n, v, c, dout_dtype="fp32", dwte_dtype="fp32", seed=0):
     dout = r.standard_normal((1, n, c)).astype(ce.dtype(dout_dtype).np)
     dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
     return tokens, dout, dwte
-
-
-def tensors(dev, **arrays):
-    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
 
 
 def backward(dev, dwte, dout, tokens, scratch_fill=0):
@@ -157,14 +151,11 @@ def test_errors(call, match):
 @pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
     tokens, dout, dwte = make(rows, 1000, 896, dout_dtype, dwte_dtype, seed=rows)
-    cpu = backward(ce.device("cpu"), dwte, dout, tokens)
-    gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=-12345)
-    assert_close(gpu, cpu, dwte_dtype, "dwte")
-    np.testing.assert_array_equal(gpu.view(np.uint8), cpu.view(np.uint8))  # the twin mirrors the sum order
-    t = tensors(ce.device("cuda"), tokens=tokens, wte=dwte)
-    out = ce.Tensor.empty(dwte_dtype, (1, rows, 896), ce.device("cuda"), name="out")
-    encoder_forward(out, t["tokens"], t["wte"])
-    np.testing.assert_array_equal(out.numpy(), encoder_forward_np(tokens, dwte))
+    ins, scratch = {"dout": dout, "tokens": tokens}, {"scratch": ("int32", encoder_scratch_shape(1, rows))}
+    cpu, gpu = check_op(encoder_backward, ins, {"dwte": dwte}, scratch=scratch, repeat=True)
+    assert_bitwise(gpu["dwte"], cpu["dwte"], "dwte")  # the twin mirrors the sum order
+    cpu, gpu = check_op(encoder_forward, {"tokens": tokens, "wte": dwte}, {"out": np.zeros((1, rows, 896), dwte.dtype)})
+    assert_bitwise(gpu["out"], cpu["out"], "out")
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@ aliasing, deterministic dweight, and cpu vs cuda."""
 
 import numpy as np
 import pytest
-from conftest import assert_close, check_op, rng
+from conftest import ROWS, assert_close, check_op, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.rmsnorm import (
@@ -17,7 +17,6 @@ from cuengine.kernels.rmsnorm import (
 )
 
 EPS = 1e-5
-ROWS = (1, 37, 199, 760, 1128, 8192)
 
 
 def ref64(x, w, eps=EPS):
@@ -35,10 +34,6 @@ def make(n, c, dtype, seed=0):
     g = r.standard_normal((n, c)).astype(np_dt)
     dres = r.standard_normal((n, c)).astype(np_dt)
     return x, w, g, dres
-
-
-def tensors(dev, **arrays):
-    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
 
 
 # ---- cpu: the twins against float64 -----------------------------------------------------------
@@ -183,29 +178,16 @@ def test_too_wide_for_the_backward():
 
 
 # ---- gpu: cuda against the twin ---------------------------------------------------------------
-def _backward_on(device, x, w, g, dres, rstd, dw0, dtype):
-    n, c = x.shape
-    t = {k: ce.Tensor.from_numpy(v, device, name=k, dtype=dtype) for k, v in
-         (("x", x), ("w", w), ("g", g), ("d", dres), ("dw", dw0))}  # fmt: skip
-    t["rstd"] = ce.Tensor.from_numpy(rstd, device, name="rstd")
-    t["amax"] = ce.Tensor.from_numpy(np.zeros(1, np.float32), device, name="amax")
-    t["scratch"] = ce.Tensor.empty(ce.FP32, rmsnorm_scratch_shape(n, c), device, name="scratch")
-    rmsnorm_backward(t["d"], t["dw"], t["scratch"], t["d"], t["g"], t["x"], t["w"], t["rstd"], abs_max=t["amax"])
-    return {k: t[k].numpy() for k in ("d", "dw", "amax")}
-
-
 def check_backward(n, c, dtype, seed=0):
+    """cuda against the twin, in place on dresidual (as the model runs it), over garbage scratch, and
+    bitwise repeatable; dweight sums n rows, so its fp32 summation-order error grows like sqrt(n)."""
     x, w, g, dres = make(n, c, dtype, seed)
     _, rstd = rmsnorm_forward_np(x, w, EPS)
-    dw0 = rng(seed + 1).standard_normal(c).astype(np.float32)
-    cpu = _backward_on(ce.device("cpu"), x, w, g, dres, rstd, dw0, dtype)
-    gpu = _backward_on(ce.device("cuda"), x, w, g, dres, rstd, dw0, dtype)
-    assert_close(gpu["d"], cpu["d"], dtype, "dinp")
-    assert_close(gpu["amax"], cpu["amax"], dtype, "abs_max")
-    # dweight sums n rows: allow fp32 summation-order error that grows like sqrt(n)
-    assert_close(gpu["dw"], cpu["dw"], dtype, "dweight", scale=max(1.0, np.sqrt(n)))
-    again = _backward_on(ce.device("cuda"), x, w, g, dres, rstd, dw0, dtype)
-    np.testing.assert_array_equal(again["dw"].view(np.uint8), gpu["dw"].view(np.uint8))  # deterministic
+    dw0 = rng(seed + 1).standard_normal(c).astype(ce.dtype(dtype).np)
+    check_op(rmsnorm_backward, {"dresidual": dres, "dout": g, "inp": x, "weight": w, "rstd": rstd},
+             {"dweight": dw0, "abs_max": np.zeros(1, np.float32)}, inplace={"dinp": "dresidual"},
+             scratch={"scratch": ("fp32", rmsnorm_scratch_shape(n, c))}, compare={"abs_max": dtype},
+             scale={"dweight": max(1.0, np.sqrt(n))}, repeat=True)  # fmt: skip
 
 
 def forward_both(out, rstd, residual, out2, rstd2, abs_max, inp, inp2, weight, eps):

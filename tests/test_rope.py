@@ -3,7 +3,7 @@ in place and out of place, and cpu vs cuda."""
 
 import numpy as np
 import pytest
-from conftest import assert_close, rng
+from conftest import assert_close, check_op, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.rope import rope_backward, rope_forward, rope_freqs, rope_np
@@ -31,10 +31,6 @@ def ref64(qkv, hq, hkv, hs, theta):
     qk = x[:, :, : hq + hkv]
     y[:, :, : hq + hkv] = qk * cos[None, :, None] + rotate_half(qk) * sin[None, :, None]
     return y.reshape(qkv.shape)
-
-
-def tensors(dev, **arrays):
-    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
 
 
 # ---- cpu: the table and the twin ---------------------------------------------------------------
@@ -159,14 +155,17 @@ def test_freqs_errors():
 
 
 # ---- gpu: cuda against the twin ---------------------------------------------------------------
-def run_rope(device, x, freqs, hq, hkv):
-    t = {"x": ce.Tensor.from_numpy(x, device, name="x"), "f": ce.Tensor.from_numpy(freqs, device, name="f")}
-    t["out"] = ce.Tensor.empty(t["x"].dtype, x.shape, device, name="out")
-    t["amax"] = ce.Tensor.from_numpy(np.zeros(1, np.float32), device, name="amax")
-    t["bamax"] = ce.Tensor.from_numpy(np.zeros(1, np.float32), device, name="bamax")
-    rope_forward(t["out"], t["x"], t["f"], hq, hkv, abs_max=t["amax"])
-    rope_backward(t["x"], t["x"], t["f"], hq, hkv, abs_max=t["bamax"])  # in place, as the seed does
-    return {k: t[k].numpy() for k in ("out", "amax", "x", "bamax")}
+def check_rope(x, freqs, hq, hkv):
+    """Forward out of place, then backward in place on x (as the seed does), cuda against the twin."""
+
+    def fwd_bwd(out, amax, dx, bamax, x, freqs):
+        rope_forward(out, x, freqs, hq, hkv, abs_max=amax)
+        rope_backward(dx, x, freqs, hq, hkv, abs_max=bamax)
+
+    zero = np.zeros(1, np.float32)
+    dt = ce.dtype(x.dtype).name
+    check_op(fwd_bwd, {"x": x, "freqs": freqs}, {"out": np.zeros_like(x), "amax": zero, "bamax": zero},
+             inplace={"dx": "x"}, compare={"amax": dt, "bamax": dt})  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -175,10 +174,7 @@ def run_rope(device, x, freqs, hq, hkv):
 def test_cuda_matches_cpu(T, dtype):
     hq, hkv, hs = 14, 2, 64  # Qwen2.5-0.5B heads
     freqs = rope_freqs(4096, hs, 1e6, np.float16 if dtype == "bf16" else np.float32)
-    x = rng(T).standard_normal((2, T, (hq + 2 * hkv) * hs)).astype(ce.dtype(dtype).np)
-    cpu, gpu = run_rope(ce.device("cpu"), x, freqs, hq, hkv), run_rope(ce.device("cuda"), x, freqs, hq, hkv)
-    for k in cpu:
-        assert_close(gpu[k], cpu[k], dtype, k)
+    check_rope(rng(T).standard_normal((2, T, (hq + 2 * hkv) * hs)).astype(ce.dtype(dtype).np), freqs, hq, hkv)
 
 
 @pytest.mark.gpu
@@ -186,7 +182,4 @@ def test_cuda_matches_cpu(T, dtype):
 def test_cuda_other_tables_and_head_size(dtype, table):
     hq, hkv, hs = 12, 4, 128
     freqs = rope_freqs(300, hs, 1e4, table)
-    x = rng(7).standard_normal((3, 300, hq + 2 * hkv, hs)).astype(ce.dtype(dtype).np)
-    cpu, gpu = run_rope(ce.device("cpu"), x, freqs, hq, hkv), run_rope(ce.device("cuda"), x, freqs, hq, hkv)
-    for k in cpu:
-        assert_close(gpu[k], cpu[k], dtype, k)
+    check_rope(rng(7).standard_normal((3, 300, hq + 2 * hkv, hs)).astype(ce.dtype(dtype).np), freqs, hq, hkv)
