@@ -2,16 +2,9 @@
 
 import numpy as np
 import pytest
+from conftest import write_llmc
 
 from cuengine import data
-
-
-def write_llmc(path, tokens, magic=20240520, version=1, count=None, dtype="<u2"):
-    """An llm.c shard written here byte by byte from its spec, independent of data.write_bin."""
-    header = np.zeros(256, "<i4")
-    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
-    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype).tobytes())
-    return path
 
 
 # ---- readers --------------------------------------------------------------------------------
