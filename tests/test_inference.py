@@ -288,12 +288,14 @@ def test_cuda_graph_equals_eager(cuda, arm, weights):
 
 
 @pytest.mark.gpu
-def test_cuda_decode_equals_cpu_decode():
-    """The decode kernels on the GPU follow their NumPy twins through a whole generation."""
+@pytest.mark.parametrize("arm,weights", [("split", "bf16"), ("fused", "bf16"), ("gemm", "bf16"), ("split", "fp8"),
+                                         ("fused", "fp8")])  # fmt: skip
+def test_cuda_decode_equals_cpu_decode(arm, weights):
+    """Each FFN arm and weight format on the GPU follows its NumPy twins through a generation."""
     lens = [5, 2, 9]
     seqs = sequences(256, lens)
-    cpu = decode_logits(model("tiny-hs64", "bf16", "cpu"), seqs, lens, "fused")
-    gpu = decode_logits(model("tiny-hs64", "bf16", "cuda"), seqs, lens, "fused")
+    cpu = decode_logits(model("tiny-hs64", "bf16", "cpu"), seqs, lens, arm, weights=weights)
+    gpu = decode_logits(model("tiny-hs64", "bf16", "cuda"), seqs, lens, arm, weights=weights)
     assert_logits_close(gpu[:, 8:], cpu[:, 8:], "bf16", "cuda vs cpu")
 
 
