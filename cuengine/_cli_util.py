@@ -3,6 +3,7 @@ input (a device, a model directory, its weights or tokenizer, a number) into a U
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -92,17 +93,24 @@ def read_weights(model, model_dir) -> None:
         raise UsageError(f"--model {model_dir}: {err}") from None
 
 
-def token_stream(model_dir, cfg, dtype, dev):
-    """A model read from `model_dir`, and its token stream: the inference engine's `model.stream`,
-    or the logits sampler while the model has none."""
+def token_stream(model_dir, cfg, dtype, dev, prompt: list[int], max_new_tokens: int, **sampling_kw):
+    """An iterator over the new tokens after `prompt` from the model in `model_dir`, each as it is
+    made: the inference engine's `model.stream`, or the logits sampler while the model has none.
+    Arguments the generator refuses (a prompt too long for its context) are a UsageError."""
     _, TrainOptions, LlamaModel = model_api()
     model = LlamaModel(cfg, TrainOptions(model_dtype=dtype), dev)
     read_weights(model, model_dir)
     if hasattr(model, "stream"):
-        return model.stream
-    from .model import sampling
+        stream = model.stream
+    else:
+        from .model import sampling
 
-    return lambda *a, **kw: sampling.stream(model, *a, **kw)
+        stream = functools.partial(sampling.stream, model)
+    try:
+        steps = stream([prompt], max_new_tokens, **sampling_kw)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return (token for step in steps for _, token in step)
 
 
 def engine_flags(p, dtype_default: str) -> None:

@@ -81,11 +81,11 @@ def cmd_generate(args) -> int:
             f"--prompt of {len(prompt)} tokens + --max-new-tokens {args.max_new_tokens} exceed the model's context "
             f"of {cfg.max_position_embeddings} tokens (max_position_embeddings)"
         )
-    stream = token_stream(model_dir, cfg, args.dtype, dev)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    stream = token_stream(model_dir, cfg, args.dtype, dev, prompt, args.max_new_tokens, **kw)
     tokens, shown = list(prompt), ""
     t0 = time.perf_counter()
-    for token in stream([prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed):  # fmt: skip
+    for token in stream:
         tokens.append(int(token))
         text = tokenizer.decode(tokens)
         if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next bytes

@@ -349,8 +349,9 @@ def _write_sample(out: Path, run, cfg, dev, val, tokenizer) -> None:
     """<out>/sample.txt: the first tokens of the validation data, continued by the exported model."""
     prompt = [int(t) for t in val.shards[0][: min(32, run["seq_len"] // 2)]]
     n = min(run["sample_tokens"], cfg.max_position_embeddings - len(prompt))
-    stream = token_stream(out / EXPORT, cfg, run["dtype"], dev)
-    new = list(stream([prompt], n, temperature=0.8, top_k=40, seed=run["seed"]))
+    new = list(
+        token_stream(out / EXPORT, cfg, run["dtype"], dev, prompt, n, temperature=0.8, top_k=40, seed=run["seed"])
+    )
     text = tokenizer.decode([*prompt, *new])
     (out / SAMPLE_FILE).write_text(text + "\n", encoding="utf-8")
     print(f"--- sample ({out / SAMPLE_FILE}) ---\n{text}\n---")

@@ -84,15 +84,11 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_dir: str | os.PathLike | None):
-    """The tokenizer of a model directory: its tokenizer.json when present and the `tokenizers`
-    package imports, else `ByteTokenizer` (so a model without one still trains on bytes)."""
+    """The tokenizer of a model directory: its tokenizer.json when present (an unreadable one is a
+    DataError, never a silent fall-back), else `ByteTokenizer` (a model without one trains on bytes)."""
     if model_dir is not None:
         path = Path(model_dir) / "tokenizer.json"
         if path.is_file():
-            try:
-                import tokenizers  # noqa: F401
-            except ImportError:
-                return ByteTokenizer()
             return HFTokenizer(path)
     return ByteTokenizer()
 

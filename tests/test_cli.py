@@ -1,11 +1,17 @@
 """`cuengine train | generate | bench | info` on the cpu device: training on the default corpus,
 exact resumption, bad input (exit 2, one line, nothing written), sampling and the schedule."""
 
+import argparse
 import importlib.util
 import json
 import math
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +37,13 @@ def run_cli(capsys, *argv):
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def cli_proc(*argv, cwd, timeout=300, **kw):
+    """`python -m cuengine.cli *argv` as a real process on this source tree."""
+    env = dict(os.environ, PYTHONPATH=str(Path(cli.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "cuengine.cli", *map(str, argv)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def read_log(path):
@@ -97,7 +110,9 @@ def test_fallback_sampler_counts_seeds_and_context(trained):
     model = LlamaModel(cfg, TrainOptions(model_dtype="fp32"), _cli_util.open_device("cpu"))
     model.import_weights(out / "model")
     prompt = list(data.ByteTokenizer().encode("import os\nimport sys\n"))
-    new = list(sampling.stream(model, [prompt], 10, temperature=1.0, seed=0))
+    steps = list(sampling.stream(model, [prompt], 10, temperature=1.0, seed=0))
+    assert all(len(step) == 1 and step[0][0] == 0 for step in steps)  # (prompt index, token) pairs
+    new = [step[0][1] for step in steps]
     assert model.rs.B == 1 and model.rs.T == len(prompt) + 10  # allocated on first use
     assert len(new) == 10 and all(0 <= t < 256 for t in new)
     assert sampling.generate(model, [prompt], 10, temperature=1.0, seed=0) == [new]
@@ -105,11 +120,11 @@ def test_fallback_sampler_counts_seeds_and_context(trained):
     row = model.logits(np.asarray([prompt], np.int32))[0, -1]
     assert greedy[0] == int(np.argmax(row))
     stop = greedy[-1]
-    assert list(sampling.stream(model, [prompt], 6, stop_tokens=[stop])) == greedy[: greedy.index(stop) + 1]
+    assert sampling.generate(model, [prompt], 6, stop_tokens=[stop])[0] == greedy[: greedy.index(stop) + 1]
     with pytest.raises(ValueError, match="exceed the run state"):
-        list(sampling.stream(model, [prompt], 11))
+        sampling.stream(model, [prompt], 11)  # checked at the call, as the inference engine does
     with pytest.raises(ValueError, match="exceed the model's context"):
-        list(sampling.stream(model, [prompt], cfg.max_position_embeddings))
+        sampling.stream(model, [prompt], cfg.max_position_embeddings)
 
 
 @needs_model
@@ -367,14 +382,7 @@ def test_other_commands_bad_input(capsys, argv, message):
 
 def test_command_line_process_exit_code(tmp_path):
     """The real process: `python -m cuengine.cli` exits 2 with one line for bad input."""
-    import subprocess
-    import sys
-
-    import cuengine
-
-    env = dict(os.environ, PYTHONPATH=str(Path(cuengine.__file__).parents[1]))
-    cmd = [sys.executable, "-m", "cuengine.cli", "train", "--device", "cpu", "--steps", "0"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = cli_proc("train", "--device", "cpu", "--steps", "0", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "cuengine train: error: --steps must be an integer >= 1, got 0\n"
     assert list(tmp_path.iterdir()) == []
@@ -407,3 +415,210 @@ def test_sample_next():
     p1 = math.exp(3.0) / (math.exp(3.0) + math.exp(2.9))
     assert abs(draws.count(1) / 2000 - p1) < 0.04
     assert set(sampling.sample_next(logits, 100.0, 0, rng) for _ in range(300)) == {0, 1, 2, 3}
+
+
+# ---- no traceback, no stranded run, help and output (issue 14) ----------------------------------------
+@needs_model
+def test_resume_from_a_truncated_checkpoint_is_one_line_and_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    assert cli_proc("train", *FAST, "--steps", 4, "--stop-after", 2, "--out", run, cwd=tmp_path).returncode == 0
+    weights = run / "checkpoint" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    proc = cli_proc("train", "--resume", "--out", run, "--device", "cpu", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("cuengine train: error: --resume: ") and "weights.safetensors" in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_info_on_a_missing_gpu_is_one_line(tmp_path):
+    import cuengine as ce
+
+    if ce.cuda_available():
+        pytest.skip("a CUDA device is present")
+    proc = cli_proc("info", "--device", "cuda", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no CUDA device" in proc.stderr, proc.stderr
+
+
+@needs_model
+def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(Path(cli.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "cuengine.cli", "train", *FAST, "--steps", "2000", "--eval-every", "0", "--out", run]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ((run / "log.jsonl").is_file() and len((run / "log.jsonl").read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    steps = [r["step"] for r in read_log(run / "log.jsonl")]
+    n = steps[-1]
+    assert steps == list(range(1, n + 1)) and n < 2000
+    assert f"interrupted after step {n} of 2000; checkpoint written" in err and "Traceback" not in err
+    assert json.loads((run / "checkpoint" / "state.json").read_text())["extra"]["step"] == n
+    proc = cli_proc("train", "--resume", "--out", run, "--device", "cpu", "--stop-after", n + 2, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in read_log(run / "log.jsonl")] == list(range(1, n + 3))
+
+
+@needs_model
+def test_checkpoint_by_time_is_the_default_cadence(tmp_path, monkeypatch, capsys):
+    saved = []
+    monkeypatch.setattr(train_loop.Trainer, "save", lambda self: saved.append(self.step))
+    assert run_cli(capsys, "train", *FAST, "--steps", 4, "--out", tmp_path / "a")[0] == 0
+    assert json.loads((tmp_path / "a" / "run.json").read_text())["save_minutes"] == 10.0
+    assert saved == [4]  # four quick steps: only the final checkpoint
+    saved.clear()
+    assert run_cli(capsys, "train", *FAST, "--steps", 4, "--save-minutes", 1e-9, "--out", tmp_path / "b")[0] == 0
+    assert saved == [1, 2, 3, 4]
+    saved.clear()
+    assert run_cli(capsys, "train", *FAST, "--steps", 4, "--save-every", 3, "--out", tmp_path / "c")[0] == 0
+    assert saved == [3, 4]
+
+
+@needs_model
+def test_a_run_without_a_checkpoint_can_be_started_again(tmp_path, monkeypatch, capsys):
+    """A non-finite loss at step 2 leaves run.json and the log but no checkpoint: the same command,
+    or --resume, starts it again instead of refusing the directory."""
+    real_step = train_loop.optimizer_step
+
+    def nan_at_step_2(model, *args):
+        if model.step == 1:
+            raise FloatingPointError("the loss is nan (non-finite); the update was skipped")
+        return real_step(model, *args)
+
+    run, argv = tmp_path / "run", ["train", *FAST, "--steps", 3, "--warmup", 1]
+    monkeypatch.setattr(train_loop, "optimizer_step", nan_at_step_2)
+    code, _, err = run_cli(capsys, *argv, "--out", run)
+    assert code == 1 and "step 2: the loss is nan" in err and "no checkpoint yet; run it again" in err
+    assert sorted(p.name for p in run.iterdir()) == ["log.jsonl", "run.json"]
+    monkeypatch.setattr(train_loop, "optimizer_step", real_step)
+    code, _, err = run_cli(capsys, *argv, "--out", run)
+    assert code == 0, err
+    first = read_log(run / "log.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3]
+    monkeypatch.setattr(train_loop, "optimizer_step", nan_at_step_2)
+    assert run_cli(capsys, *argv, "--out", tmp_path / "again")[0] == 1
+    monkeypatch.setattr(train_loop, "optimizer_step", real_step)
+    code, out, err = run_cli(capsys, "train", "--resume", "--out", tmp_path / "again", "--device", "cpu")
+    assert code == 0 and "no checkpoint yet; starting the run again from step 0" in out, err
+    assert [r["loss"] for r in read_log(tmp_path / "again" / "log.jsonl")] == [r["loss"] for r in first]
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--batch-size", 8], "--resume: --batch-size 8 differs from the run's 4"),
+        (["--seq-len", 32], "--resume: --seq-len 32 differs from the run's 64"),
+        (["--grad-accum", 2], "--resume: --grad-accum 2 differs from the run's 1"),
+        (["--data", "{tmp}/other.txt"], "--resume: --data ['"),
+    ],
+)
+def test_resume_keeps_data_and_batch_shape(tmp_path, capsys, argv, message):
+    run = tmp_path / "run"
+    (tmp_path / "other.txt").write_text("other text " * 500)
+    assert run_cli(capsys, "train", *FAST, "--steps", 4, "--stop-after", 2, "--out", run)[0] == 0
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    argv = [str(a).format(tmp=tmp_path) for a in argv]
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", run, "--device", "cpu", *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err and "keeps its data and batch shape" in err, err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    code, _, err = run_cli(capsys, "train", "--resume", "--out", run, "--device", "cpu", "--batch-size", 4)
+    assert code == 0, err  # the same value again is fine
+
+
+@needs_model
+def test_plot_or_one_line_on_how_to_get_it(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "train", *FAST, "--steps", 2, "--warmup", 1, "--out", tmp_path / "r")
+    assert code == 0
+    if importlib.util.find_spec("matplotlib") is None:
+        assert out.count("pip install 'cuengine[plot]'") == 1 and not (tmp_path / "r" / "log.png").exists()
+    else:
+        assert (tmp_path / "r" / "log.png").is_file() and "cuengine[plot]" not in out
+
+
+@needs_model
+def test_unreadable_tokenizer_is_an_error_not_bytes(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TransformerConfig.preset("tiny").to_hf_dict()))
+    (model / "tokenizer.json").write_text("{not a tokenizer")
+    for argv in (["train", "--device", "cpu", "--model", model, "--out", tmp_path / "r"],
+                 ["generate", "--device", "cpu", "--model", model, "--prompt", "x"]):  # fmt: skip
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and "tokenizer.json: not a readable tokenizer.json" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_every_option_shows_its_default():
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == {"train", "generate", "bench", "info"}
+    for name, sub in subs.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert "default" in formatter._expand_help(action), (name, action.option_strings)
+
+
+def test_version_and_no_command(tmp_path):
+    import cuengine
+
+    proc = cli_proc("--version", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == f"cuengine {cuengine.__version__}\n"
+    proc = cli_proc(cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: cuengine") and proc.stderr == ""
+    assert all(cmd in proc.stdout for cmd in ("train", "generate", "bench", "info"))
+    proc = cli_proc("train", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "--save-minutes" in proc.stdout and "(default: 10.0)" in proc.stdout
+
+
+@needs_model
+def test_generate_from_a_run_directory_streams_and_reports_speed(trained, tmp_path):
+    _, out = trained
+    argv = ["generate", "--prompt", "def ", "--max-new-tokens", 8, "--device", "cpu", "--temperature", 0]
+    by_run = cli_proc(*argv, "--model", out, cwd=tmp_path)
+    by_model = cli_proc(*argv, "--model", out / "model", cwd=tmp_path)
+    assert by_run.returncode == 0 and by_run.stdout == by_model.stdout and by_run.stdout.startswith("def ")
+    assert re.fullmatch(r"\[8 tokens in [0-9.]+ s, [0-9.]+ tokens/s\]\n", by_run.stderr), by_run.stderr
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x" * 250, "--max-new-tokens", 10], "--prompt of 250 tokens + --max-new-tokens 10 exceed"),
+        (["--prompt", "x", "--top-p", 0], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_generate_bad_prompt(trained, capsys, argv, message):
+    _, out = trained
+    code, text, err = run_cli(capsys, "generate", "--model", out, "--device", "cpu", *argv)
+    assert code == 2 and text == "" and err.count("\n") == 1 and message in err, err
+
+
+@needs_model
+def test_files_follow_the_umask(tmp_path):
+    proc = cli_proc("train", *FAST, "--steps", 2, "--warmup", 1, "--out", tmp_path / "r", cwd=tmp_path,
+                    preexec_fn=lambda: os.umask(0o027))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in (tmp_path / "r").rglob("*")}
+    assert modes["r/checkpoint"] == modes["r/model"] == 0o750
+    assert modes["r/checkpoint/weights.safetensors"] == modes["r/model/model.safetensors"] == 0o640
+    assert set(modes.values()) == {0o750, 0o640}, modes
+
+
+def test_test_command_output_has_no_skip_lines(tmp_path):
+    """The README's test command (`pytest -q` under this project's settings): skips are counted in
+    the summary line, not listed one line each (without a GPU there are many)."""
+    (tmp_path / "test_skips.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(5))\n"
+                                            "def test_gpu(i):\n    pytest.skip('no CUDA device')\n")  # fmt: skip
+    config = Path(cli.__file__).parents[1] / "pyproject.toml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", config, tmp_path / "test_skips.py"]
+    proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "5 skipped" in proc.stdout and "no CUDA device" not in proc.stdout, proc.stdout

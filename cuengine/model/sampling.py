@@ -34,11 +34,13 @@ def sample_next(
 
 def stream(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            seed: int = 0, stop_tokens=()):  # fmt: skip
-    """Yield the new tokens of one prompt as they are made (`prompts` holds exactly one token list).
+    """The new tokens of one prompt (`prompts` holds exactly one token list) as they are made, each
+    step as `[(0, token)]`: the (prompt index, token) pairs of the inference engine's stream.
 
-    A run state of (1, prompt + max_new_tokens) is allocated when the model has none; a prompt that
-    leaves no room in max_position_embeddings, or in an existing smaller run state, raises ValueError.
-    Stops early after a token of `stop_tokens` (which is yielded).
+    As there, the arguments are checked when stream() is called and the work starts at the first
+    next(): a run state of (1, prompt + max_new_tokens) is allocated when the model has none; a
+    prompt that leaves no room in max_position_embeddings, or in an existing smaller run state,
+    raises ValueError. Stops early after a token of `stop_tokens` (which is yielded).
     """
     if len(prompts) != 1:
         raise ValueError(f"stream: this sampler takes one prompt, got {len(prompts)}")
@@ -52,17 +54,20 @@ def stream(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top
     elif model.rs.T < need:
         raise ValueError(f"stream: prompt {len(ctx)} + max_new_tokens {max_new_tokens} tokens exceed the run state's "
                          f"T={model.rs.T}")  # fmt: skip
+    return _steps(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, {int(t) for t in stop_tokens})
+
+
+def _steps(model, ctx: list[int], n: int, temperature, top_k, top_p, seed, stop: set[int]):
     rng = np.random.default_rng(seed)
-    stop = {int(t) for t in stop_tokens}
-    for _ in range(max_new_tokens):
+    for _ in range(n):
         row = model.logits(np.asarray([ctx], np.int32))[0, -1]  # (V,)
         token = sample_next(row, temperature, top_k, rng, top_p)
         ctx.append(token)
-        yield token
+        yield [(0, token)]
         if token in stop:
             return
 
 
 def generate(model, prompts, max_new_tokens: int, **kw) -> list[list[int]]:
     """The new tokens of each prompt (`stream` over each one in turn)."""
-    return [list(stream(model, [p], max_new_tokens, **kw)) for p in prompts]
+    return [[t for step in stream(model, [p], max_new_tokens, **kw) for _, t in step] for p in prompts]
