@@ -21,6 +21,7 @@
 // gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over each
 // tile's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
 // byte reads as +-480, but quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
+// Ready for programmatic dependent launch: only weights are read before griddepcontrol.wait.
 // K: a multiple of one 16-byte weight vector (8 bf16, 4 fp32, 16 e4m3 elements).
 #include "common.cuh"
 
@@ -171,6 +172,9 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
     const int C = K / VW;
     const int c0 = (int)((long long)slice * C / S), c1 = (int)((long long)(slice + 1) * C / S);
     const int tiles = (N + groups * R - 1) / (groups * R);
+    // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
+    // Both griddepcontrol instructions do nothing in a launch without programmatic dependencies.
+    asm volatile("griddepcontrol.launch_dependents;");
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
 
     for (int tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
@@ -193,6 +197,9 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
             // staged input and keep their sums in registers run ahead across tiles.
             if (S > 1 || b > BT || !staged) __syncthreads();
             if (b > BT || !staged) {
+                // Under programmatic dependent launch everything above (weights only) overlaps the previous
+                // kernel; its outputs (x, residual, out's memory) are touched only after this wait.
+                if (!staged) asm volatile("griddepcontrol.wait;" ::: "memory");
                 stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
                 __syncthreads();
                 staged = true;
