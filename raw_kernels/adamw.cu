@@ -8,7 +8,7 @@
 // Rounding points: every fp32 operation is an explicitly rounded intrinsic (no FMA contraction)
 // and beta^step is taken in double, so the NumPy twin reproduces the fp32 values exactly.
 // bf16 stores (param, m, v) round stochastically: 16 random bits from a counter-based hash of
-// (seed, step, which array, element index) are added below the bf16 mantissa before truncating,
+// (seed, step, which array, element index + off) are added below the bf16 mantissa before truncating,
 // which rounds up with probability equal to the discarded fraction (unbiased, reproducible,
 // independent of the launch grid). fp32 stores are plain. The `_scalar` kernels take arrays
 // that are not all 16-byte aligned.
@@ -98,7 +98,7 @@ __device__ __forceinline__ float adam_element(float p, float g, float& m, float&
 
 template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
 __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float* hp, const float* grad_scale,
-                           int wd_on, u32 seed, long long n) {
+                           int wd_on, u32 seed, long long n, long long off) {
     const AdamParams a = adam_params(hp, grad_scale, wd_on, seed);
     const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
@@ -118,9 +118,9 @@ __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float*
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 const float np = adam_element(xp[k], xg[k], xm[k], xv[k], a);
-                op.v[k] = round_store<Tp>(np, a.kp, i0 + k);
-                om.v[k] = round_store<Tm>(xm[k], a.km, i0 + k);
-                ov.v[k] = round_store<Tv>(xv[k], a.kv, i0 + k);
+                op.v[k] = round_store<Tp>(np, a.kp, off + i0 + k);
+                om.v[k] = round_store<Tm>(xm[k], a.km, off + i0 + k);
+                ov.v[k] = round_store<Tv>(xv[k], a.kv, off + i0 + k);
             }
             // Vec<T, 8> of fp32 is 32 bytes: two 16-byte stores on a 16-byte aligned address.
 #pragma unroll
@@ -141,22 +141,22 @@ __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float*
     for (long long i = done + tid; i < n; i += nthreads) {
         float xm = to_float(m[i]), xv = to_float(v[i]);
         const float np = adam_element(to_float(param[i]), to_float(grad[i]), xm, xv, a);
-        param[i] = round_store<Tp>(np, a.kp, i);
-        m[i] = round_store<Tm>(xm, a.km, i);
-        v[i] = round_store<Tv>(xv, a.kv, i);
+        param[i] = round_store<Tp>(np, a.kp, off + i);
+        m[i] = round_store<Tm>(xm, a.km, off + i);
+        v[i] = round_store<Tv>(xv, a.kv, off + i);
     }
 }
 
 #define ADAMW_KERNEL(PS, TP, GS, TG, MS, TM, VS, TV)                                                          \
     extern "C" __global__ void __launch_bounds__(256) adamw_##PS##_##GS##_##MS##_##VS(                        \
         TP* param, const TG* grad, TM* m, TV* v, const float* hp, const float* grad_scale, int wd_on,         \
-        u32 seed, long long n) {                                                                              \
-        adamw_impl<TP, TG, TM, TV, true>(param, grad, m, v, hp, grad_scale, wd_on, seed, n);                  \
+        u32 seed, long long n, long long off) {                                                               \
+        adamw_impl<TP, TG, TM, TV, true>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);             \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) adamw_##PS##_##GS##_##MS##_##VS##_scalar(               \
         TP* param, const TG* grad, TM* m, TV* v, const float* hp, const float* grad_scale, int wd_on,         \
-        u32 seed, long long n) {                                                                              \
-        adamw_impl<TP, TG, TM, TV, false>(param, grad, m, v, hp, grad_scale, wd_on, seed, n);                 \
+        u32 seed, long long n, long long off) {                                                               \
+        adamw_impl<TP, TG, TM, TV, false>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);            \
     }
 #define ADAMW_MV(PS, TP, GS, TG)                                                                              \
     ADAMW_KERNEL(PS, TP, GS, TG, f32, float, f32, float)                                                      \

@@ -485,6 +485,32 @@ def reference_steps(preset, world, steps):
     return {n: t.numpy() for n, t in weights.items()}, opt
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
+def test_adamw_on_pieces_rounds_like_the_whole_tensor(dev):
+    """A rank updates its pieces of a parameter; with index_offset bf16 rounds as the whole would."""
+    from cuengine.kernels import adamw
+
+    rng = np.random.default_rng(0)
+    n, cuts = 1000, [0, 296, 304, 1000]
+    host = {k: rng.standard_normal(n).astype(np.float32) for k in ("p", "g", "m")}
+    host["v"] = np.abs(rng.standard_normal(n)).astype(np.float32)
+    hp = ce.Tensor.from_numpy(adamw.make_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, 3), dev)
+
+    def tensors():
+        return [ce.Tensor.from_numpy(host[k], dev, dtype="bf16") for k in ("p", "g", "m", "v")]
+
+    whole = tensors()
+    adamw.adamw_update(*whole, hp, None, True, 77)
+    parts = tensors()
+    for a, b in zip(cuts, cuts[1:]):
+        adamw.adamw_update(*[t.rows(a, b) for t in parts], hp, None, True, 77, index_offset=a)
+    for w, p in zip(whole, parts):
+        np.testing.assert_array_equal(p.numpy().view(np.uint16), w.numpy().view(np.uint16))
+    shifted = tensors()
+    adamw.adamw_update(*[t.rows(296, 1000) for t in shifted], hp, None, True, 77)  # no offset: other draws
+    assert not np.array_equal(shifted[0].numpy()[296:].view(np.uint16), whole[0].numpy()[296:].view(np.uint16))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel_stages_agree_with_one_process(world):
     steps = 3

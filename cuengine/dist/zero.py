@@ -185,8 +185,9 @@ class DataParallel:
 
         Stage 0 updates every parameter with `opt_state`'s full moments, as one process would.
         Stages 1 and 2 update this rank's pieces with the shard moments; a piece keeps the seed
-        of its parameter. `weight_buckets` maps each bucket name to its flat weight buffer (the
-        plan's layout), which the all-gather fills in place."""
+        of its parameter and its element indices, so bf16 rounds stochastically as in stage 0.
+        `weight_buckets` maps each bucket name to its flat weight buffer (the plan's layout),
+        which the all-gather fills in place."""
         if self.stage == 0:
             opt_state.update(weights, self.grads, seed)
             return
@@ -198,7 +199,7 @@ class DataParallel:
                 sl = slice(p.shard_offset, p.shard_offset + p.numel)
                 adamw.adamw_update(weights[p.name].flat().rows(p.lo, p.hi), self._grad_piece(p),
                                    self.m.rows(sl.start, sl.stop), self.v.rows(sl.start, sl.stop), opt_state.hparams,
-                                   scale, p.decays, (seed + 7919 * i) & 0x7FFFFFFF)  # fmt: skip
+                                   scale, p.decays, (seed + 7919 * i) & 0x7FFFFFFF, index_offset=p.lo)  # fmt: skip
             buf = weight_buckets[b.name]
             comm.wait_for()
             comm.all_gather(buf, buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), stream=comm.stream)

@@ -53,13 +53,13 @@ def stochastic_round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(x), raw.view(np.float32), x).astype(BF16.np)
 
 
-def _store(x: np.ndarray, dtype, seed: int, step: int, which: int) -> np.ndarray:
+def _store(x: np.ndarray, dtype, seed: int, step: int, which: int, offset: int = 0) -> np.ndarray:
     if dtype == BF16.np:
-        return stochastic_round_bf16(x, sr_bits(seed, step, which, np.arange(x.size)).reshape(x.shape))
+        return stochastic_round_bf16(x, sr_bits(seed, step, which, np.arange(offset, offset + x.size)).reshape(x.shape))
     return x.astype(dtype)
 
 
-def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int):
+def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int, index_offset: int = 0):
     """The NumPy twin: returns new (param, m, v) in their own dtypes.
 
     Arrays may be of any shape with equal sizes; hparams as in `adamw_update`; grad_scale a
@@ -80,12 +80,14 @@ def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: boo
         v32 = b2 * v.astype(f32).reshape(-1) + (f32(1) - b2) * (g * g)
         upd = (m32 / bc1) / (np.sqrt(v32 / bc2) + eps) + wd * p
         p = p - lr * upd
-    return (_store(p, param.dtype, seed, step, 0).reshape(param.shape),
-            _store(m32, m.dtype, seed, step, 1).reshape(m.shape),
-            _store(v32, v.dtype, seed, step, 2).reshape(v.shape))  # fmt: skip
+    k = index_offset
+    return (_store(p, param.dtype, seed, step, 0, k).reshape(param.shape),
+            _store(m32, m.dtype, seed, step, 1, k).reshape(m.shape),
+            _store(v32, v.dtype, seed, step, 2, k).reshape(v.shape))  # fmt: skip
 
 
-def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int, stream=None) -> None:
+def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int, index_offset: int = 0,
+                 stream=None) -> None:  # fmt: skip
     """One AdamW step, in place on param, m and v.
 
     Args:
@@ -100,6 +102,9 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
         weight_decay_on: False for norms and biases.
         seed: constant per tensor (it is baked into a captured graph); the step in hparams
             varies the draws. bf16 outputs round stochastically from these; fp32 ones do not.
+        index_offset: the index of element 0 in the random draws: a slice [k, k+N) of a tensor
+            updated with index_offset=k rounds exactly as that slice of the whole tensor (a
+            rank updating its shard of a parameter rounds as one process would).
 
     Update: g = grad*scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
     p -= lr * ((m/(1-b1^step)) / (sqrt(v/(1-b2^step)) + eps) + wd p).
@@ -128,7 +133,7 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
     if dev.is_cpu:
         gs = None if grad_scale is None else grad_scale.array()[0]
         p2, m2, v2 = adamw_reference(param.array(), grad.array(), m.array(), v.array(), hparams.array(), gs,
-                                     weight_decay_on, seed)  # fmt: skip
+                                     weight_decay_on, seed, index_offset)  # fmt: skip
         param.array()[...] = p2
         m.array()[...] = m2
         v.array()[...] = v2
@@ -136,5 +141,6 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
     vec = _checks.is_aligned(param, grad, m, v)
     name = _build.kernel_name("adamw", param, grad, m, v, scalar=not vec)
     grid = _build.grid_size(dev, n, 256 * (8 if vec else 1), 8)
-    args = (param, grad, m, v, hparams, grad_scale, np.int32(bool(weight_decay_on)), np.uint32(seed), np.int64(n))
+    args = (param, grad, m, v, hparams, grad_scale, np.int32(bool(weight_decay_on)), np.uint32(seed), np.int64(n),
+            np.int64(index_offset))  # fmt: skip
     _build.launch("adamw", name, grid, 256, args, dev, stream)
