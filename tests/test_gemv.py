@@ -3,6 +3,7 @@ awkward shape on both devices, the FP8 arm against BF16, and the fused prologues
 unfused kernels bit for bit."""
 
 import functools
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +13,9 @@ from conftest import assert_close, check_op, rng
 import cuengine as ce
 from cuengine.kernels.activations import swiglu_forward
 from cuengine.kernels.gemv import (
+    _grid,
     _split,
+    _tile,
     gemv,
     gemv_dual,
     gemv_dual_np,
@@ -176,6 +179,20 @@ def test_split_is_chosen_by_shape_alone():
     assert _split(896, 4864 * 2 // 16) == 8  # 4864 -> 896: 56 blocks unsplit, 448 at S = 8
     assert _split(4096, 14336 * 2 // 16) == 2  # 512 blocks
     assert _split(896, 64 * 2 // 16) == 1  # 8 vectors per row: nothing to split
+
+
+def test_input_tile_and_grid_sizes():
+    """Input rows per pass: the smallest compiled tile holding b (at most 8) whose staged rows fit; the
+    grid: at most one resident wave (3 single-row or 2 multi-row blocks per SM, fewer when shared memory
+    runs out)."""
+    assert [_tile(b, 896, 2) for b in (1, 2, 3, 4, 5, 8, 17, 64)] == [1, 4, 4, 4, 8, 8, 8, 8]
+    assert _tile(8, 14336, 2) == 4 and _tile(8, 14336, 4) == 1  # 115 KB of bf16, or one fp32 row
+    sm132 = SimpleNamespace(num_sms=132)
+    assert _grid(sm132, 304, 1, 1792) == 304  # 896 -> 4864: one tile per block
+    assert _grid(sm132, 9496, 1, 1792) == 396  # the LM head: 24 tiles per block
+    assert _grid(sm132, 9496, 8, 8 * 1792) == 264
+    assert _grid(sm132, 512, 4, 4 * 28672) == 264  # two blocks with 112 KB of staged input fit an SM
+    assert _grid(sm132, 512, 1, 150 * 1024) == 132  # one with 150 KB
 
 
 # ---- launchers: both devices -------------------------------------------------------------------
