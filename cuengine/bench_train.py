@@ -3,20 +3,18 @@ tools/bench_train.py, kept in the package so an installed wheel (which has no to
 same way.
 
 Random init, random tokens. `warmup` untimed steps first (on cuda with graphs: the first runs
-eagerly, the second captures). On cuda a step is timed between events recorded at consecutive
-step starts, so it includes the update that train_step leaves running; on cpu each step is timed
-on the host clock. MFU is against the H200 dense BF16 peak with `LlamaModel.flops_per_token`
-(6 per matmul parameter + causal attention), the same count for FP8.
+eagerly, the second captures), then the median of `steps` timed by `benchmark.time_ms`; the end
+event of a step follows the update that train_step leaves running. MFU is `benchmark.mfu` with
+`LlamaModel.flops_per_token` (6 per matmul parameter + causal attention), the same count for FP8.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
 
-from .train import H200_BF16_DENSE_FLOPS
+from .benchmark import mfu, time_ms
 
 
 def random_batch(vocab: int, B: int, T: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,24 +37,10 @@ def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int)
     losses = [model.train_step(x, y, lr=1e-4) for _ in range(warmup)]
     device.synchronize()
     setup_s = time.perf_counter() - t0
-    if device.is_cuda:
-        events = [device.event(timing=True) for _ in range(steps + 1)]
-        for i in range(steps):
-            device.stream.record(events[i])
-            losses.append(model.train_step(x, y, lr=1e-4))
-        device.stream.record(events[steps])
-        events[steps].synchronize()
-        ms = [events[i].elapsed_ms(events[i + 1]) for i in range(steps)]
-    else:
-        ms = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            losses.append(model.train_step(x, y, lr=1e-4))
-            ms.append(1e3 * (time.perf_counter() - t))
-    step_ms = statistics.median(ms)
+    step_ms = time_ms(device, lambda: losses.append(model.train_step(x, y, lr=1e-4)), warmup=0, iters=steps)
     tok_s = B * T / (step_ms / 1e3)
-    mfu = model.flops_per_token(T) * tok_s / H200_BF16_DENSE_FLOPS if device.is_cuda else float("nan")
+    mfu_ = mfu(model.flops_per_token(T), tok_s) if device.is_cuda else float("nan")
     rep = model.memory_report()
-    return {"ms": step_ms, "tok_s": tok_s, "mfu": mfu, "mem_gib": rep.device_bytes / 2**30,
+    return {"ms": step_ms, "tok_s": tok_s, "mfu": mfu_, "mem_gib": rep.device_bytes / 2**30,
             "params": model.num_parameters(), "first_loss": losses[0], "loss": losses[-1], "setup_s": setup_s,
             "report": rep}  # fmt: skip

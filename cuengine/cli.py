@@ -27,8 +27,8 @@ from ._cli_util import (
     open_device,
     token_stream,
 )
+from .benchmark import CEILINGS
 from .cli_train import EXPORT, add_train_parser
-from .train import H200_BF16_DENSE_FLOPS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +126,7 @@ def cmd_bench(args) -> int:
             f"{' (CUDA graphs)' if graphs else ''}: {r['params'] / 1e6:.1f}M parameters, median step "
             f"{r['ms']:.2f} ms over {args.steps} steps, {human(r['tok_s'])} tok/s")  # fmt: skip
     if dev.is_cuda:
-        line += f", MFU {100 * r['mfu']:.1f}% of {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s, {r['mem_gib']:.2f} GiB"
+        line += f", MFU {100 * r['mfu']:.1f}% of {CEILINGS['bf16_peak'] / 1e12:.0f} TFLOP/s, {r['mem_gib']:.2f} GiB"
     print(line)
     print(str(r["report"]) if args.report else str(r["report"]).split("\n\n")[0])
     return 0

@@ -27,7 +27,8 @@ from ._cli_util import (
     read_weights,
     token_stream,
 )
-from .train import H200_BF16_DENSE_FLOPS, Schedule, Trainer
+from .benchmark import mfu
+from .train import Schedule, Trainer
 
 CHECKPOINT = "checkpoint"  # sub-directories and files of a run's --out
 EXPORT = "model"
@@ -250,7 +251,7 @@ class _Progress:
         line = f"step {step:>{len(str(self.total))}}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
         line += f"{human(tok_s)} tok/s"
         if self.flops_per_token is not None:
-            line += f" | MFU {100 * self.flops_per_token * tok_s / H200_BF16_DENSE_FLOPS:.1f}%"
+            line += f" | MFU {100 * mfu(self.flops_per_token, tok_s):.1f}%"
         line += f" | mem {rec['memory'] / 2**30:.2f} GiB"
         if "val_loss" in rec:
             line += f" | val {rec['val_loss']:.4f}"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-H200_BF16_DENSE_FLOPS = 989e12  # MFU denominator: H100/H200 SXM dense BF16 peak
+from .benchmark import mfu
 
 
 def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int, schedule: str) -> float:
@@ -189,7 +189,7 @@ class Trainer:
             rec = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * tokens_per_step,
                    "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3, "memory": memory_bytes(dev)}  # fmt: skip
             if flops_tok is not None:
-                rec["mfu"] = flops_tok * rec["tok_per_s"] / H200_BF16_DENSE_FLOPS
+                rec["mfu"] = mfu(flops_tok, rec["tok_per_s"])
             if self.val is not None and (
                 (self.eval_every and self.step % self.eval_every == 0) or self.step == self.steps
             ):
