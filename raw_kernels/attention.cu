@@ -84,6 +84,21 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int row0, int 
     }
 }
 
+// One step of a double-buffered K/V pipeline of 64-row key blocks: starts copying block j + 1 (if
+// any) into the other stage, then waits until block j has landed in stage j & 1 for every thread.
+template <int BC, int HS, int NT>
+__device__ __forceinline__ void kv_pipeline_step(bf16* sK, bf16* sV, const bf16* gK, const bf16* gV, int j, int n_kv,
+                                                 int T, long ld) {
+    if (j + 1 < n_kv) {
+        const int nb = (j + 1) & 1;
+        load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
+        load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the block just requested has landed
+    __syncthreads();
+}
+
 // A operand (16 rows x 16 k) at rows r0.., k chunk pair kc.. (2 chunks = 16 elements).
 template <int HS> __device__ __forceinline__ void ld_a(unsigned (&a)[4], const bf16* s, int r0, int kc, int lane) {
     ldsm_x4(a, smem_u32(s + swz<HS>(r0 + (lane & 15), kc + (lane >> 4))));
@@ -217,14 +232,7 @@ __device__ __forceinline__ void flash_forward(bf16* __restrict__ att, float* __r
     float m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f};
 
     for (int j = 0; j < n_kv; ++j) {
-        if (j + 1 < n_kv) {
-            const int nb = (j + 1) & 1;
-            load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
-            load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();  // everything but the block just requested has landed
-        __syncthreads();
+        kv_pipeline_step<BC, HS, NT>(sK, sV, gK, gV, j, n_kv, T, ld);
         if (j == 0) {
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) ld_a<HS>(qf[kk], sQ, warp * 16, kk * 2, lane);
@@ -332,14 +340,7 @@ __device__ __forceinline__ void flash_backward_dq(bf16* __restrict__ dqkv, const
     for (int nt = 0; nt < HS / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
 
     for (int j = 0; j < n_kv; ++j) {
-        if (j + 1 < n_kv) {
-            const int nb = (j + 1) & 1;
-            load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
-            load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        kv_pipeline_step<BC, HS, NT>(sK, sV, gK, gV, j, n_kv, T, ld);
         if constexpr (QREG) {
             if (j == 0) {
 #pragma unroll

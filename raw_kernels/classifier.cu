@@ -160,33 +160,18 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
 // what pass 2 re-reads from global memory stays small enough to hit L2. Warp per row (`_warp`,
 // 8 rows per 256-thread block) for short rows, where a block per row would leave most threads idle;
 // there one access per trip keeps the registers at 32, so that 64 rows are in flight per SM.
-#define CLASSIFIER_KERNELS(SUF, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(1024)                                                        \
-        fused_classifier_##SUF(T* logits, float* losses, float* lse, const int* targets, float d_loss,        \
-                               float z_loss, int write_dlogits, int N, int V, int cache_n) {                  \
-        fused_classifier_impl<T, 16 / sizeof(T), 4, false>(logits, losses, lse, targets, d_loss, z_loss,      \
-                                                          write_dlogits, N, V, cache_n);                      \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(1024)                                                        \
-        fused_classifier_##SUF##_scalar(T* logits, float* losses, float* lse, const int* targets,             \
-                                        float d_loss, float z_loss, int write_dlogits, int N, int V,          \
-                                        int cache_n) {                                                        \
-        fused_classifier_impl<T, 1, 4, false>(logits, losses, lse, targets, d_loss, z_loss, write_dlogits, N, \
-                                              V, cache_n);                                                    \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                                         \
-        fused_classifier_##SUF##_warp(T* logits, float* losses, float* lse, const int* targets, float d_loss, \
-                                      float z_loss, int write_dlogits, int N, int V, int cache_n) {           \
-        fused_classifier_impl<T, 16 / sizeof(T), 1, true>(logits, losses, lse, targets, d_loss, z_loss,       \
-                                                         write_dlogits, N, V, cache_n);                       \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                                         \
-        fused_classifier_##SUF##_scalar_warp(T* logits, float* losses, float* lse, const int* targets,        \
-                                             float d_loss, float z_loss, int write_dlogits, int N, int V,     \
-                                             int cache_n) {                                                   \
-        fused_classifier_impl<T, 1, 2, true>(logits, losses, lse, targets, d_loss, z_loss, write_dlogits, N,  \
-                                             V, cache_n);                                                     \
+#define CLASSIFIER_KERNEL(NAME, T, THREADS, P, UNROLL, WARP)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
+        NAME(T* logits, float* losses, float* lse, const int* targets, float d_loss, float z_loss,            \
+             int write_dlogits, int N, int V, int cache_n) {                                                  \
+        fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, targets, d_loss, z_loss, write_dlogits, \
+                                                  N, V, cache_n);                                             \
     }
+#define CLASSIFIER_KERNELS(SUF, T)                                                                            \
+    CLASSIFIER_KERNEL(fused_classifier_##SUF, T, 1024, 16 / sizeof(T), 4, false)                              \
+    CLASSIFIER_KERNEL(fused_classifier_##SUF##_scalar, T, 1024, 1, 4, false)                                  \
+    CLASSIFIER_KERNEL(fused_classifier_##SUF##_warp, T, 256, 16 / sizeof(T), 1, true)                         \
+    CLASSIFIER_KERNEL(fused_classifier_##SUF##_scalar_warp, T, 256, 1, 2, true)
 
 CLASSIFIER_KERNELS(f32, float)
 CLASSIFIER_KERNELS(bf16, bf16)
