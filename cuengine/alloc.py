@@ -78,9 +78,14 @@ class MemoryReport:
 OOM_TABLE_ROWS = 24  # buffer lines in an out-of-memory message (the largest; the rest in one line)
 
 
+# The memory limit of the container this process runs in, cgroup v2 and v1 as a container sees
+# them mounted: (limit file, usage file) under the cgroup root; v1 writes ~2**63 for "no limit".
+_CGROUP_LIMITS = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+
+
 def host_available_bytes(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup") -> int:
     """Host memory this process can still take: MemAvailable (free plus reclaimable cache, what
-    the kernel can give before it kills), capped by the cgroup v2 limit a container runs under.
+    the kernel can give before it kills), capped by the cgroup limit a container runs under.
     Falls back to free pages where /proc is absent."""
     avail = None
     with contextlib.suppress(OSError, ValueError):
@@ -90,11 +95,12 @@ def host_available_bytes(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup") -> in
                 break
     if avail is None:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with contextlib.suppress(OSError, ValueError):
-        limit = (Path(cgroup) / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((Path(cgroup) / "memory.current").read_text())
-            avail = min(avail, max(int(limit) - used, 0))
+    for limit_file, usage_file in _CGROUP_LIMITS:
+        with contextlib.suppress(OSError, ValueError):
+            limit = (Path(cgroup) / limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 62:
+                used = int((Path(cgroup) / usage_file).read_text())
+                avail = min(avail, max(int(limit) - used, 0))
     return avail
 
 

@@ -128,6 +128,12 @@ def test_host_available_bytes_reads_meminfo_and_the_cgroup_limit(tmp_path):
     assert alloc_mod.host_available_bytes(meminfo, tmp_path) == 5 << 30
     (tmp_path / "memory.max").write_text("max\n")
     assert alloc_mod.host_available_bytes(meminfo, tmp_path) == 20000000 * 1024
+    (tmp_path / "memory").mkdir()  # cgroup v1
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{6 << 30}\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text(f"{2 << 30}\n")
+    assert alloc_mod.host_available_bytes(meminfo, tmp_path) == 4 << 30
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert alloc_mod.host_available_bytes(meminfo, tmp_path) == 20000000 * 1024
     assert 0 < alloc_mod.host_available_bytes() and alloc_mod.available_bytes("cpu")[0] > 0
 
 
