@@ -112,6 +112,16 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def write_twin_results(results, abs_max=None, amax_of=None) -> None:
+    """A launcher's cpu path: each (tensor, array) of `results` into its tensor, and |amax_of|
+    max-accumulated into the optional (1,) abs_max slot, NaN-propagating like the kernels' integer max."""
+    for t, a in results:
+        t.array()[...] = a
+    if abs_max is not None and amax_of.size:
+        slot = abs_max.array()
+        slot[...] = np.maximum(slot, np.max(np.abs(amax_of.astype(np.float32))))
+
+
 def kernel_name(base: str, *types, scalar: bool = False) -> str:
     """The name of one instantiation of kernel `base`: base_<suffix>..., one suffix per type.
 

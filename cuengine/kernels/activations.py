@@ -15,7 +15,7 @@ import numpy as np
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP8_E4M3, FP16, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
-from ._build import grid_size, kernel_name, launch
+from ._build import grid_size, kernel_name, launch, write_twin_results
 
 FAMILY = "activations"
 FLOATS = (FP32, BF16, FP16)
@@ -137,11 +137,6 @@ def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, a
 
 
 # ---- launchers ----------------------------------------------------------------------------
-def _accumulate_abs_max(slot, values) -> None:
-    if values.size:
-        slot[...] = np.maximum(slot, np.max(np.abs(values.astype(np.float32))))
-
-
 def _shapes(what, out_like, inp, activation, layout):
     """(N, H) after checking activation, layout and the (N, H) / (N, 2H) shapes.
 
@@ -196,9 +191,7 @@ def activation_forward(out, inp, activation: str, layout: str = "split", abs_max
     dev = same_device(out, inp, abs_max)
     if dev.is_cpu:
         y = activation_forward_np(inp.array(), activation, layout)
-        out.array()[...] = y
-        if abs_max is not None:
-            _accumulate_abs_max(abs_max.array(), y)
+        write_twin_results(((out, y),), abs_max, y)
         return
     if N * H == 0:
         return
@@ -256,9 +249,7 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
     dev = same_device(dinp, dout, inp, abs_max)
     if dev.is_cpu:
         dx = activation_backward_np(dout.array(), inp.array(), activation, layout)
-        dinp.array()[...] = dx
-        if abs_max is not None:
-            _accumulate_abs_max(abs_max.array(), dx)
+        write_twin_results(((dinp, dx),), abs_max, dx)
         return
     if N * H == 0:
         return

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
-from ._build import ceil_div, grid_size, kernel_name, launch
+from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 
 FAMILY = "rmsnorm"
 FLOATS = (FP32, BF16, FP16)
@@ -59,12 +59,6 @@ def rmsnorm_backward_np(dresidual, dout, inp, weight, rstd) -> tuple[np.ndarray,
     dinp = (dresidual.astype(np.float32) + r * (w * g - xh * coef)).astype(inp.dtype)
     dweight = np.sum((g * xh).reshape(-1, C), axis=0, dtype=np.float64).astype(np.float32)
     return dinp, dweight
-
-
-def _accumulate_abs_max(slot, values) -> None:
-    """slot[0] = max(slot[0], max|values|), NaN-propagating like the kernels' integer max."""
-    if values.size:
-        slot[...] = np.maximum(slot, np.max(np.abs(values.astype(np.float32))))
 
 
 # ---- sizes --------------------------------------------------------------------------------
@@ -118,10 +112,7 @@ def rmsnorm_forward(out, rstd, inp, weight, eps: float, abs_max=None, stream=Non
     dev = same_device(out, rstd, inp, weight, abs_max)
     if dev.is_cpu:
         y, r = rmsnorm_forward_np(inp.array(), weight.array(), eps)
-        out.array()[...] = y
-        rstd.array()[...] = r
-        if abs_max is not None:
-            _accumulate_abs_max(abs_max.array(), y)
+        write_twin_results(((out, y), (rstd, r)), abs_max, y)
         return
     if N == 0:
         return
@@ -153,11 +144,7 @@ def fused_residual_rmsnorm_forward(
     dev = same_device(residual, out, rstd, inp1, inp2, weight, abs_max)
     if dev.is_cpu:
         res, y, r = fused_residual_rmsnorm_forward_np(inp1.array(), inp2.array(), weight.array(), eps)
-        residual.array()[...] = res
-        out.array()[...] = y
-        rstd.array()[...] = r
-        if abs_max is not None:
-            _accumulate_abs_max(abs_max.array(), y)
+        write_twin_results(((residual, res), (out, y), (rstd, r)), abs_max, y)
         return
     if N == 0:
         return
@@ -189,10 +176,8 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     dev = same_device(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max)
     if dev.is_cpu:
         dx, dw = rmsnorm_backward_np(dresidual.array(), dout.array(), inp.array(), weight.array(), rstd.array())
-        dinp.array()[...] = dx
-        dweight.array()[...] = (dweight.array().astype(np.float32) + dw).astype(dweight.dtype.np)
-        if abs_max is not None:
-            _accumulate_abs_max(abs_max.array(), dx)
+        dw = (dweight.array().astype(np.float32) + dw).astype(dweight.dtype.np)
+        write_twin_results(((dinp, dx), (dweight, dw)), abs_max, dx)
         return
     if N == 0:
         return

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
-from ._build import grid_size, kernel_name, launch
+from ._build import grid_size, kernel_name, launch, write_twin_results
 
 FAMILY = "rope"
 FLOATS = (FP32, BF16, FP16)
@@ -92,9 +92,7 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
         )
     if dev.is_cpu:
         y = rope_np(inp.array(), freqs.array(), n_q_heads, n_kv_heads, inverse)
-        out.array()[...] = y
-        if abs_max is not None and y.size:
-            abs_max.array()[...] = np.maximum(abs_max.array(), np.max(np.abs(y.astype(np.float32))))
+        write_twin_results(((out, y),), abs_max, y)
         return
     if inp.nelem == 0:
         return
