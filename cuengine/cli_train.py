@@ -322,7 +322,7 @@ def cmd_train(args) -> int:
             print(f"\ncuengine train: {err}; stopping ({kept})", file=sys.stderr)
             return 1
     _plot(log_path)
-    if trainer.stop_requested:
+    if trainer.stop_requested and step < stop:  # (a Ctrl-C in the last step lets the run finish)
         print(f"\ncuengine train: interrupted after step {step} of {total}; checkpoint written; continue with: "
               f"cuengine train --resume --out {out}", file=sys.stderr)  # fmt: skip
         return 130

@@ -465,6 +465,23 @@ def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_resumes(tmp_path):
 
 
 @needs_model
+def test_ctrl_c_in_the_last_step_lets_the_run_finish(tmp_path, monkeypatch, capsys):
+    real_step = train_loop.optimizer_step
+
+    def ctrl_c_at_step_3(model, *args):
+        if model.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-step: the step finishes
+        return real_step(model, *args)
+
+    monkeypatch.setattr(train_loop, "optimizer_step", ctrl_c_at_step_3)
+    code, _, err = run_cli(capsys, "train", *FAST, "--steps", 3, "--warmup", 1, "--out", tmp_path / "last")
+    assert code == 0 and (tmp_path / "last" / "model" / "config.json").is_file(), err
+    code, _, err = run_cli(capsys, "train", *FAST, "--steps", 4, "--warmup", 1, "--out", tmp_path / "mid")
+    assert code == 130 and "interrupted after step 3 of 4; checkpoint written" in err
+    assert not (tmp_path / "mid" / "model").exists() and (tmp_path / "mid" / "checkpoint").is_dir()
+
+
+@needs_model
 def test_checkpoint_by_time_is_the_default_cadence(tmp_path, monkeypatch, capsys):
     saved = []
     monkeypatch.setattr(train_loop.Trainer, "save", lambda self: saved.append(self.step))
