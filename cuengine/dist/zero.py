@@ -7,7 +7,10 @@ reduce-scatters each bucket as soon as backward is done with it; each rank then 
 its shard only (moments for the shard alone) and all-gathers the updated weights. zero_stage 2
 keeps only the gradient shard: each layer's gradients go into one of two alternating bucket
 buffers, which are reduce-scattered into the shard after every micro-step, so backward of
-layer i-1 fills one buffer while layer i's reduce-scatter drains the other.
+layer i-1 fills one buffer while layer i's reduce-scatter drains the other. To accumulate over
+micro-steps without an add kernel, a bucket buffer starts a later micro-step holding the shard
+so far in this rank's own chunk (zeros elsewhere): backward adds its gradients on top (every
+parameter gradient is `+=`), and the reduce-scatter's sum then carries the shard forward.
 
 Collectives run on the communicator's stream: `comm.wait_for()` orders each after the main
 stream's work that produced its bucket, so it overlaps with the backward of the next layer,
@@ -102,11 +105,9 @@ class DataParallel:
 
     # ---- backward hooks, in the order backward calls them -----------------------------------------
     def begin_backward(self, micro_step: int, grad_accum_steps: int) -> None:
-        """Zero what this micro-step accumulates into: every gradient on micro-step 0 (stages 0
-        and 1), or (stage 2) the embedding and head buckets on every micro-step; layer buffers
-        are zeroed by `before_layer`."""
-        if self.stage == 2 and grad_accum_steps > 1:
-            raise ValueError("zero_stage=2 with grad_accum_steps > 1 is not supported yet; use zero_stage=1")
+        """Prepare what this micro-step accumulates into: zero every gradient on micro-step 0
+        (stages 0 and 1), or (stage 2) the embedding and head buckets on every micro-step, holding
+        the shard so far in this rank's chunk after the first; layer buffers: `before_layer`."""
         self._micro, self._accum = micro_step, grad_accum_steps
         self._drained = set()  # stage 2: layer buffers whose reduce-scatter this backward enqueued
         if self.stage < 2:
@@ -116,7 +117,7 @@ class DataParallel:
             return
         for b in self.plan.buckets:
             if not b.name.startswith("layers."):
-                self.buffers[b.name].fill_zero()
+                self._start_bucket(b)
 
     def before_layer(self, i: int) -> None:
         """Stage 2: wait until the buffer layer i shares with layer i+2 has been reduce-scattered,
@@ -124,7 +125,14 @@ class DataParallel:
         if self.stage == 2:
             if i % 2 in self._drained:  # else the buffer was last drained before the previous step's join
                 self.device.stream.wait(self._layer_free[i % 2])
-            self.buffers[f"layers.{i}"].fill_zero()
+            self._start_bucket(self.plan.bucket(f"layers.{i}"))
+
+    def _start_bucket(self, b) -> None:
+        buf = self.buffers[b.name]
+        buf.fill_zero()
+        if self._micro > 0:  # carry the shard so far (the last micro-step's reduce-scatter has joined)
+            own = buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard)
+            self.device.copy_async(own, self.grad_shard.rows(b.shard_offset, b.shard_offset + b.shard))
 
     def bucket_done(self, name: str) -> None:
         """Backward has written its last gradient into bucket `name` ("head", "layers.<i>",
