@@ -44,6 +44,18 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops in an ordinary launch, left out for older targets).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // Element j of a 32-bit word of W, as a float, exactly.
 template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
 template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
@@ -173,8 +185,7 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
     const int c0 = (int)((long long)slice * C / S), c1 = (int)((long long)(slice + 1) * C / S);
     const int tiles = (N + groups * R - 1) / (groups * R);
     // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
-    // Both griddepcontrol instructions do nothing in a launch without programmatic dependencies.
-    asm volatile("griddepcontrol.launch_dependents;");
+    launch_dependents();
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
 
     for (int tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
@@ -199,7 +210,7 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
             if (b > BT || !staged) {
                 // Under programmatic dependent launch everything above (weights only) overlaps the previous
                 // kernel; its outputs (x, residual, out's memory) are touched only after this wait.
-                if (!staged) asm volatile("griddepcontrol.wait;" ::: "memory");
+                if (!staged) grid_dependency_wait();
                 stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
                 __syncthreads();
                 staged = true;
