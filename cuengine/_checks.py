@@ -6,16 +6,18 @@ from .dtypes import dtype as _dtype
 from .tensor import Tensor
 
 
-def expect(t, what: str, dtype=None, shape=None, device=None) -> Tensor:
+def expect(t, what: str, dtype=None, shape=None, device=None, simulated_ok: bool = False) -> Tensor:
     """Check that `t` is a Tensor with the given dtype(s), shape and device.
 
     `dtype` may be one type or a tuple of allowed types; `shape` may contain None
     for "any size here". Raises ValueError naming `what`, the tensor and both
-    the expected and the seen dtype and shape.
+    the expected and the seen dtype and shape. A tensor of a simulated stack (layout,
+    no memory) is refused unless `simulated_ok`: code that sizes a stack by running
+    itself checks its layouts the same way and launches nothing.
     """
     if not isinstance(t, Tensor):
         raise ValueError(f"{what}: expected a cuengine Tensor, got {type(t).__name__}")
-    if t.storage is None:
+    if t.storage is None and not simulated_ok:
         raise ValueError(f"{what}: tensor {t.name!r} has no memory (simulated stack)")
     if dtype is not None:
         allowed = tuple(_dtype(d) for d in (dtype if isinstance(dtype, (tuple, list)) else (dtype,)))

@@ -27,13 +27,13 @@ import math
 
 import numpy as np
 
-from ._checks import expect, same_device
+from ._checks import VECTOR_BYTES, expect, is_aligned, same_device
 from .alloc import TensorAllocator
 from .dtypes import BF16, BYTE, FP8_E4M3, FP8_E5M2, FP16, FP32
 from .tensor import Tensor
 
 WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper (split-K and stream-K reductions)
-ROW_ALIGN = 16  # bytes: rows (leading dimensions) and pointers; below it FP8 fails and 16-bit types go slow
+ROW_ALIGN = VECTOR_BYTES  # rows (leading dimensions) and pointers; below it FP8 fails and 16-bit types go slow
 
 _FLOAT_TYPES = (FP32, FP16, BF16)
 # alpha and beta: host scalars that cuBLASLt reads by pointer when a call is enqueued; module-level,
@@ -187,10 +187,10 @@ def _check(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum) -> tuple[i
                 "elements): FP8 fails without it and 16/32-bit types fall back to slow kernels. Pad that dimension"
             )
     ptrs = (out.ptr, a.ptr, b.ptr, 0 if bias is None else bias.ptr)
-    for t, what, ptr in zip((out, a, b, bias), ("out", "a", "b", "bias"), ptrs):
-        if ptr % ROW_ALIGN:
+    for t, what in zip((out, a, b, bias), ("out", "a", "b", "bias")):
+        if not is_aligned(t, nbytes=ROW_ALIGN):
             raise ValueError(
-                f"matmul: {what} is {_describe(t)} at address {ptr:#x}, not {ROW_ALIGN}-byte aligned "
+                f"matmul: {what} is {_describe(t)} at address {t.ptr:#x}, not {ROW_ALIGN}-byte aligned "
                 f"(byte offset {t.offset} into its storage)"
             )
     for t, what in ((a, "a"), (b, "b"), (bias, "bias")):
