@@ -421,6 +421,24 @@ def test_rank_batches_split_the_global_batch_and_resume():
                                                       for r in range(2)]), x)  # fmt: skip
     with pytest.raises(ValueError, match="rank 2 outside"):
         dist.rank_batch(single, 2, 16, 2, 2)
+    # RankSource: the same rule behind the TokenSource interface
+    wrapped = [dist.RankSource(source(), r, 2) for r in range(2)]
+    for w in wrapped:
+        w.load_state(state)
+    np.testing.assert_array_equal(
+        np.concatenate([w.batch(3, 16)[1] for w in wrapped]), source_after(state).batch(6, 16)[1]
+    )
+    assert wrapped[1].state() == wrapped[0].source.state() and wrapped[0].name == "t"
+    with pytest.raises(ValueError, match="RankSource: rank 2 outside"):
+        dist.RankSource(single, 2, 2)
+
+
+def source_after(state):
+    from cuengine.data import TokenSource
+
+    s = TokenSource([np.arange(5000, dtype=np.int32) % 251], "t", seed=3)
+    s.load_state(state)
+    return s
 
 
 # ---- NCCL on two GPUs ------------------------------------------------------------------------------

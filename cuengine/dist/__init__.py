@@ -18,13 +18,13 @@ every NCCL call to avoid deadlocks, and finalising NCCL could hang at exit. NVLi
 
 from .checkpoint import load_full, load_shard, read_manifest, save_shard, shard_of, write_manifest
 from .comm import Communicator, SoloComm, init
-from .data import rank_batch
+from .data import RankSource, rank_batch
 from .launch import WorkerError, launch
 from .plan import Bucket, ParamSlot, Piece, ShardPlan, bucket_name
 from .rendezvous import DistError
 
 __all__ = [
-    "Bucket", "Communicator", "DistError", "ParamSlot", "Piece", "ShardPlan", "SoloComm", "WorkerError",
+    "Bucket", "Communicator", "DistError", "ParamSlot", "Piece", "RankSource", "ShardPlan", "SoloComm", "WorkerError",
     "bucket_name", "init", "launch", "load_full", "load_shard", "rank_batch", "read_manifest", "save_shard",
     "shard_of", "write_manifest",
 ]  # fmt: skip

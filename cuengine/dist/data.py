@@ -22,3 +22,20 @@ def rank_batch(source, B: int, T: int, rank: int, world_size: int) -> tuple[np.n
     inputs, targets = source.batch(B * world_size, T)
     rows = slice(rank * B, (rank + 1) * B)
     return np.ascontiguousarray(inputs[rows]), np.ascontiguousarray(targets[rows])
+
+
+class RankSource:
+    """A token source as one rank sees it: `batch(B, T)` is `rank_batch`, and the rest (`state`,
+    `load_state`, `reset`, `name`, ...) is the wrapped source's, so a `Trainer` (or any loop written
+    for one process) runs unchanged on every rank."""
+
+    def __init__(self, source, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RankSource: rank {rank} outside [0, {world_size})")
+        self.source, self.rank, self.world_size = source, rank, world_size
+
+    def batch(self, B: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        return rank_batch(self.source, B, T, self.rank, self.world_size)
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
