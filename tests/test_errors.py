@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -109,6 +110,18 @@ def test_a_plan_that_cannot_fit_is_refused_before_memory_runs_out(dev, monkeypat
     assert alloc.report() == before
     with alloc.all_or_nothing("a plan that fits"):
         alloc.allocate("fp32", "small", (1 << 20,))
+
+
+def test_a_plan_larger_than_the_free_memory_is_refused(dev):
+    """The same against the real figure: two buffers of just over half the free memory. The second is
+    refused by the plan's check, before the device (or, on cpu, the kernel) runs out."""
+    free, source = alloc_mod.available_bytes(dev)
+    alloc = ce.TensorAllocator(dev)
+    refused = pytest.raises(MemoryError, match=f"'second'.*does not fit.*of {re.escape(source)}")
+    with refused, alloc.all_or_nothing("plan"):
+        alloc.allocate("byte", "first", (free // 2 + (64 << 20),))  # never written: costs no memory on cpu
+        alloc.allocate("byte", "second", (free // 2 + (64 << 20),))
+    assert alloc.report().total == 0
 
 
 def test_cpu_plan_counts_pinned_and_device_in_one_pool(monkeypatch):
