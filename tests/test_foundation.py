@@ -305,3 +305,73 @@ def test_stack_simulation_sizes_real_stack(dev):
     assert alloc.report().by_context["Stack"][0] >= real.capacity
     with pytest.raises(ValueError, match="free\\('late'\\) but nothing is allocated"):
         real.free(ce.Tensor.from_numpy(np.zeros(1, np.float32), dev, name="late"))
+
+
+# ---- boundary checks and kernel names shared by the launchers ------------------------------------
+class _Cuda:
+    """A device that says it is cuda, over host memory: the address rules apply, nothing launches."""
+
+    kind, index, name, is_cuda, is_cpu = "cuda", 0, "fake cuda", True, False
+
+
+def _view(byte_offset, dtype=ce.BF16, n=16, device=None):
+    """A tensor `byte_offset` bytes past a 256-byte boundary of its buffer."""
+    raw = np.zeros(512 + n * dtype.itemsize, np.uint8)
+    base = -raw.ctypes.data % 256
+    return ce.Tensor(dtype, (n,), device or _Cuda(), raw, base + byte_offset, name=f"at{byte_offset}")
+
+
+def test_alignment_checks():
+    from cuengine._checks import check_aligned, is_aligned
+
+    assert is_aligned(_view(0), None, _view(32)) and not is_aligned(_view(0), _view(2))
+    assert is_aligned(_view(8), nbytes=8) and not is_aligned(_view(8))
+    check_aligned("op", _view(0), None, _view(2, device=ce.device("cpu")))  # the twins have no address rule
+    with pytest.raises(ValueError, match=r"op: tensor 'at2' bf16 \(16,\) at device address 0x[0-9a-f]+ is not 16-byte"):
+        check_aligned("op", _view(0), _view(2))
+
+
+def test_vector_width_check():
+    from cuengine._checks import check_vector_width
+
+    check_vector_width("op", "C", 24, ce.BF16)
+    check_vector_width("op", "C", 4, ce.FP32)
+    with pytest.raises(ValueError, match="op: C = 12 must be a multiple of 8 for 16-byte bf16 vectors"):
+        check_vector_width("op", "C", 12, ce.BF16)
+    with pytest.raises(ValueError, match="op: head size = 8 must be a multiple of 16 for 16-byte bf16 vectors"):
+        check_vector_width("op", "head size", 8, ce.BF16, vectors=2)
+
+
+def test_kernel_names_and_grid_size():
+    from cuengine.kernels._build import grid_size, kernel_name
+
+    x = ce.Tensor.empty(ce.BF16, (4,), "cpu")
+    assert kernel_name("quantize", x, ce.FP8_E4M3) == "quantize_bf16_e4m3"
+    assert kernel_name("adamw", ce.FP32, ce.FP16, scalar=True) == "adamw_f32_f16_scalar"
+    sms = type("D", (), {"num_sms": 132})()
+    assert grid_size(sms, 0, 256) == 1 and grid_size(sms, 257, 256) == 2
+    assert grid_size(sms, 10**9, 256) == 132 * 16 and grid_size(sms, 10**9, 256, 4) == 132 * 4
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_without_a_scalar_variant_refuse_unaligned_views(cuda):
+    """A view that starts 2 bytes into a 16-byte vector is refused by name, not read misaligned."""
+    from cuengine.kernels import activations, encoder, rmsnorm, rope
+
+    def at2(shape, dtype=ce.BF16):
+        t = ce.Tensor.from_numpy(np.zeros(int(np.prod(shape)) + 8, dtype.np), cuda, name="x")
+        return t[1 : 1 + int(np.prod(shape))].reshape(*shape)
+
+    def ok(shape, dtype=ce.BF16, name="ok"):
+        return ce.Tensor.from_numpy(np.zeros(shape, dtype.np), cuda, name=name)
+
+    calls = [
+        lambda: activations.activation_forward(ok((4, 8)), at2((4, 16)), "swiglu"),
+        lambda: activations.activation_backward(ok((4, 8)), ok((4, 8)), at2((4, 8)), "relu"),
+        lambda: rmsnorm.rmsnorm_forward(ok((4, 8)), ok((4,), ce.FP32), at2((4, 8)), ok((8,)), 1e-5),
+        lambda: rope.rope_forward(ok((1, 4, 48)), at2((1, 4, 48)), ok((4, 16), ce.FP32), 1, 1),
+        lambda: encoder.encoder_forward(ok((1, 4, 8)), ok((1, 4), ce.INT32), at2((10, 8))),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="tensor 'x' .* is not 16-byte aligned"):
+            call()
