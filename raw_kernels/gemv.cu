@@ -85,7 +85,7 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* __restrict__ x, const
     if (prologue == PRO_SWIGLU) {
         for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
             Pack16<T> v[SU];
-#pragma unroll
+            #pragma unroll
             for (int j = 0; j < SU; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
                 if (i >= total || m >= b) {
@@ -99,7 +99,7 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* __restrict__ x, const
                     }
                 }
             }
-#pragma unroll
+            #pragma unroll
             for (int j = 0; j < SU; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs;
                 if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
@@ -225,7 +225,7 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
                         for (int r = 0; r < R; ++r)
                             wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
                                                        : make_uint4(0u, 0u, 0u, 0u);
-    #pragma unroll
+                #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int cu = c + 32 * u;
                     if (cu < c1) {
@@ -234,23 +234,23 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
                             {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
                             {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
                         // one input vector (NT elements) at a time, so only NT weights per row are live
-    #pragma unroll
+                        #pragma unroll
                         for (int h = 0; h < VW / NT; ++h) {
                             float wf[R][NT];
-    #pragma unroll
+                            #pragma unroll
                             for (int r = 0; r < R; ++r)
-    #pragma unroll
+                                #pragma unroll
                                 for (int k = 0; k < NT; ++k) {
                                     const int e = h * NT + k;  // element of the weight vector
                                     wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
                                 }
-    #pragma unroll
+                            #pragma unroll
                             for (int t = 0; t < BT; ++t) {
                                 const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
-    #pragma unroll
+                                #pragma unroll
                                 for (int k = 0; k < NT; ++k) {
                                     const float xk = to_float(xv.v[k]);
-    #pragma unroll
+                                    #pragma unroll
                                     for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
                                 }
                             }
