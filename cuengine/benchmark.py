@@ -38,6 +38,27 @@ def mfu(flops_per_token: float, tokens_per_s: float) -> float:
     return flops_per_token * tokens_per_s / CEILINGS["bf16_peak"]
 
 
+def fill_random(t, scale: float = 1.0, seed: int = 0):
+    """Benchmark data written in place on t's own device, without a host round trip: N(0, scale²)
+    values; bf16 by truncating fp32 bits (plenty for timing); FP8 as random codes of |x| < 2 of either
+    sign (never NaN or inf), with unit scales. Returns t."""
+    xp = t.device.xp
+    rng = xp.random.default_rng(seed)
+    a = t.array()
+    if t.dtype.is_fp8:
+        bits = rng.integers(0, 128, a.shape, dtype=xp.int32).astype(xp.uint8)
+        a.view(xp.uint8)[...] = (bits & 0x3F) | ((bits & 0x40) << 1)  # magnitude bits 0x00-0x3f, bit 6 the sign
+        if t.stats is not None:
+            t.set_fp8_stats(1.0, 1.0, 1.0)
+        return t
+    x = rng.standard_normal(a.shape, dtype=xp.float32) * xp.float32(scale)
+    if a.dtype.kind == "u":  # bf16 on cuda: the array holds the raw bits
+        a[...] = (x.view(xp.uint32) >> 16).astype(xp.uint16)
+    else:
+        a[...] = x
+    return t
+
+
 def time_ms(device, fn: Callable[[], object], warmup: int = 3, iters: int = 10, reps: int = 1,
             hold_ms: float = 0.0) -> float:  # fmt: skip
     """Median milliseconds of one call of `fn()` on `device`'s main stream.

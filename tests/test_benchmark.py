@@ -2,6 +2,7 @@
 
 import time
 
+import numpy as np
 import pytest
 
 import cuengine as ce
@@ -46,3 +47,18 @@ def test_cuda_events_time_the_device_work(cuda):
         assert 0.5 * CEILINGS["copy"] < gbs < 1.2 * CEILINGS["copy"], gbs
     small, big = time_phases_ms(cuda, [_copy(cuda, n // 4), _copy(cuda, n)], iters=5)
     assert 3 < big / small < 5
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "e4m3", "e5m2"])
+def test_fill_random(dev, dtype):
+    from cuengine.benchmark import fill_random
+
+    t = fill_random(ce.Tensor.empty(dtype, (64, 64), dev, name="t"), 3.0, seed=1)
+    x = t.numpy().astype(np.float64)
+    assert np.isfinite(x).all() and (x > 0).any() and (x < 0).any()
+    if t.dtype.is_fp8:
+        assert np.abs(x).max() < 2 and list(t.fp8_stats()) == [1.0, 1.0, 1.0]
+    else:
+        assert 2.5 < x.std() < 3.5
+    again = fill_random(ce.Tensor.empty(dtype, (64, 64), dev, name="t"), 3.0, seed=1).numpy()
+    np.testing.assert_array_equal(again.view(np.uint8), t.numpy().view(np.uint8))

@@ -23,26 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
+from cuengine.benchmark import fill_random as fill  # noqa: E402
 
 FAMILIES = ("classifier", "fp8", "norm", "adamw", "encoder", "rmsnorm", "rope", "swiglu")
 MB = 1e6
-
-
-def fill(t, scale=1.0, seed=0):
-    """Random normal values in place (fp8: random finite positive codes). On cuda, bf16 arrays
-    are raw bits, filled by truncating fp32 bits."""
-    xp = t.device.xp
-    rng = xp.random.default_rng(seed)
-    a = t.array()
-    if t.dtype.is_fp8:
-        a.view(xp.uint8)[...] = rng.integers(0, 0x7F, a.shape, dtype=xp.int32).astype(xp.uint8)
-        return t
-    x = rng.standard_normal(a.shape, dtype=xp.float32) * xp.float32(scale)
-    if a.dtype.kind == "u":  # bf16 bits on cuda
-        a[...] = (x.view(xp.uint32) >> 16).astype(xp.uint16)
-    else:
-        a[...] = x
-    return t
 
 
 def randint(t, high, seed=0):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
 from cuengine import blas  # noqa: E402
-from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
+from cuengine.benchmark import CEILINGS, fill_random, time_ms  # noqa: E402
 
 CEILING = {dt: CEILINGS[dt] / 1e12 for dt in ("bf16", "fp8")}  # TFLOP/s
 L2_BYTES = 50 * 2**20
@@ -68,28 +68,13 @@ def operands(dtype: str, product: str, M: int, N: int, K: int):
     return ("e4m3" if product == "fwd" else "e5m2", (M, K), "e4m3", (N, K), False, True)
 
 
-def fill(t, seed: int) -> None:
-    """Random values of about unit size, straight into device memory (no NaN or Inf bit patterns)."""
-    import cupy
-
-    g = cupy.random.default_rng(seed)
-    if t.dtype.is_fp8:  # magnitude bits 0x00-0x3f (|x| < 2 in e4m3 and e5m2), bit 6 becomes the sign
-        bits = (g.random(t.shape, dtype=cupy.float32) * 128).astype(cupy.uint8)
-        t.cupy()[...] = (bits & 0x3F) | ((bits & 0x40) << 1)
-        t.set_fp8_stats(1.0, 1.0, 1.0)
-    else:  # bf16 by truncating fp32 bits
-        t.cupy().view(cupy.uint16)[...] = (
-            g.standard_normal(t.shape, dtype=cupy.float32).view(cupy.uint32) >> 16
-        ).astype(cupy.uint16)
-
-
 def make_set(dev, dtype, product, M, N, K, seed):
     a_dt, a_shape, b_dt, b_shape, trans_a, trans_b = operands(dtype, product, M, N, K)
     a = ce.Tensor.empty(a_dt, a_shape, dev, name="a")
     b = ce.Tensor.empty(b_dt, b_shape, dev, name="b")
     out = ce.Tensor.empty("bf16", (M, N), dev, name="out")
     for i, t in enumerate((a, b, out)):
-        fill(t, seed * 3 + i)
+        fill_random(t, 1.0, seed * 3 + i)
     return out, a, b, {"trans_a": trans_a, "trans_b": trans_b, "accumulate": product == "dw"}
 
 

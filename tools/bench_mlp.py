@@ -21,22 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuengine as ce  # noqa: E402
-from cuengine.benchmark import CEILINGS, time_phases_ms  # noqa: E402
+from cuengine.benchmark import CEILINGS, fill_random, time_phases_ms  # noqa: E402
 from cuengine.kernels.activations import GATED  # noqa: E402
 from cuengine.ops import mlp_backward, mlp_forward, mlp_stack_bytes  # noqa: E402
 
 MiB = 2**20
-
-
-def fill_random(t, scale, seed):
-    """Fill a device tensor with N(0, scale²) values without a host round trip."""
-    import cupy
-
-    vals = cupy.random.default_rng(seed).standard_normal(t.shape, dtype=cupy.float32) * np.float32(scale)
-    if t.dtype == ce.FP32:
-        t.cupy()[...] = vals
-    else:  # bf16 by truncating fp32 bits: plenty for benchmark data
-        t.cupy()[...] = (vals.view(cupy.uint32) >> 16).astype(cupy.uint16)
 
 
 def validate(act, dtype, matmul_dtype):
