@@ -204,7 +204,8 @@ def _prepare_train(args):
         model.allocate_run_state(run["batch_size"], T)
     except ValueError as err:  # e.g. --lmhead-chunks that does not divide B*T
         raise UsageError(str(err)) from None
-    trainer = Trainer(model, train, batch_size=run["batch_size"], seq_len=T, steps=run["steps"], lr=1.0,
+    # lr and steps are set below, once a resumed checkpoint has said its schedule
+    trainer = Trainer(model, train, batch_size=run["batch_size"], seq_len=T, steps=run["steps"], lr=0.0,
                       grad_accum=run["grad_accum"], val=val, eval_every=run["eval_every"],
                       eval_batches=run["eval_batches"], checkpoint_dir=out / CHECKPOINT, save_every=run["save_every"],
                       save_seconds=60.0 * run["save_minutes"])  # fmt: skip

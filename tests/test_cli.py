@@ -630,6 +630,18 @@ def test_files_follow_the_umask(tmp_path):
     assert set(modes.values()) == {0o750, 0o640}, modes
 
 
+def test_the_wheel_holds_every_package():
+    """pyproject lists the packages by name: a new sub-package missing there installs from a source
+    tree (-e) but breaks `import cuengine` from a wheel. The package never reads tools/ either."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(cli.__file__).parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "cuengine").rglob("__init__.py")}
+    assert found | {"cuengine.raw_kernels"} == listed
+    assert not [p for p in (root / "cuengine").rglob("*.py") if '"tools"' in p.read_text()]
+
+
 def test_test_command_output_has_no_skip_lines(tmp_path):
     """The README's test command (`pytest -q` under this project's settings): skips are counted in
     the summary line, not listed one line each (without a GPU there are many)."""
