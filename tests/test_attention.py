@@ -520,3 +520,56 @@ def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     _compare(t["att"].numpy(), att.astype(dt.np), dtype_name, "att")
     _compare(t["lse"].numpy(), lse, dtype_name, "lse")
     _compare(t["dqkv"].numpy(), dx.astype(dt.np), dtype_name, "dqkv")
+
+
+# ---- the non-deterministic cuDNN backward (TrainOptions.attention_deterministic=False) ---------------
+def test_deterministic_flag_is_checked_and_plain_on_cpu(cpu_set):
+    with pytest.raises(ValueError, match="attention_backward: deterministic must be True or False, got 'no'"):
+        _bwd(cpu_set, deterministic="no")
+    with pytest.raises(ValueError, match="workspace_shape: deterministic must be True or False, got 1"):
+        workspace_shape(1, 8, 4, 2, 16, "raw", device="cpu", deterministic=1)
+    # on cpu (and with the raw backend) the flag changes nothing: the same workspace, the same bits
+    assert workspace_shape(1, 8, 4, 2, 16, "raw", device="cpu", deterministic=False) == workspace_shape(
+        1, 8, 4, 2, 16, "raw", device="cpu"
+    )
+    _fwd(cpu_set)
+    _bwd(cpu_set)
+    want = cpu_set["dqkv"].numpy().copy()
+    cpu_set["dqkv"].fill_zero()
+    _bwd(cpu_set, deterministic=False)
+    np.testing.assert_array_equal(cpu_set["dqkv"].numpy(), want)
+
+
+NONDET_CASES = [(2, 128, 14, 2, 64), (1, 1000, 14, 2, 64), (2, 128, 12, 2, 128), (1, 2048, 16, 2, 128)]
+
+
+@pytest.mark.gpu
+@needs_cudnn
+@pytest.mark.parametrize("case", NONDET_CASES, ids=str)
+def test_gpu_cudnn_nondeterministic_backward_matches_deterministic(case):
+    """cuDNN's atomic-dQ backward against its deterministic one (bf16 TOL) and the twin; its own
+    workspace size (an fp32 dQ accumulator), and a CUDA graph replay of it."""
+    B, T, Hq, Hkv, hs = case
+    qkv, datt = _reference(case, "bf16")[:2]
+    ref = dict(zip(("att", "lse", "dqkv"), _reference(case, "bf16")[2:]))
+    dev = ce.device("cuda")
+    det = _on_cuda(case, "bf16", "cudnn")
+    t = _tensors(dev, qkv, datt, Hq, Hkv, ce.BF16, "cudnn")
+    need = workspace_shape(B, T, Hq, Hkv, hs, "cudnn", device=dev, deterministic=False)
+    t["ws"] = ce.Tensor.empty(ce.BYTE, (max(need[0], t["ws"].nelem),), dev, name="workspace")
+    attention_forward(t["att"], t["lse"], t["qkv"], Hq, Hkv, backend="cudnn", workspace=t["ws"])
+
+    def bwd():
+        attention_backward(t["dqkv"], t["datt"], t["att"], t["lse"], t["qkv"], Hq, Hkv, backend="cudnn",
+                           workspace=t["ws"], deterministic=False)  # fmt: skip
+
+    bwd()
+    got = t["dqkv"].numpy()
+    assert np.all(np.isfinite(got.astype(np.float32)))
+    _compare(got, det["dqkv"], "bf16", "non-deterministic vs deterministic dqkv")
+    _compare(got, ref["dqkv"], "bf16", "non-deterministic dqkv vs twin")
+    graph = dev.capture(bwd)
+    t["dqkv"].fill_zero()
+    graph.launch()
+    dev.synchronize()
+    _compare(t["dqkv"].numpy(), det["dqkv"], "bf16", "graph replay of the non-deterministic backward")

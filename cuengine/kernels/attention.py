@@ -13,7 +13,9 @@ Backends:
   deterministic (dq in its own pass, GQA reduction in registers) and needs a workspace for
   D = rowsum(dO * O).
 - "cudnn" (nvidia-cudnn-frontend, optional, imported lazily): SDPA forward with stats and SDPA
-  backward (deterministic algorithm), bf16; graphs built once per shape and device and cached.
+  backward, bf16; graphs built once per shape and device and cached. The backward runs cuDNN's
+  deterministic algorithm unless `deterministic=False`: then cuDNN's default one, which adds dQ
+  over key tiles with fp32 atomics (no separate dQ pass; bits may differ from run to run).
 - "auto": cuDNN when it is importable and supports the call (bf16, hs a multiple of 8 up to 128),
   else raw. On the cpu device "auto" means raw.
 The same checks run on both devices; on cpu every backend then runs the NumPy twin (exact causal
@@ -150,24 +152,27 @@ def _resolve_backend(backend, device, dtype, hs: int, T: int) -> str:
     return backend
 
 
-def _workspace_bytes(kind: str, backend: str, device, B: int, T: int, Hq: int, Hkv: int, hs: int) -> int:
+def _workspace_bytes(kind: str, backend: str, device, B: int, T: int, Hq: int, Hkv: int, hs: int,
+                     deterministic: bool = True) -> int:  # fmt: skip
     if backend == "cudnn" and device.is_cuda:
-        return _cudnn_graph(kind, B, T, Hq, Hkv, hs, device).workspace
+        return _cudnn_graph(kind, B, T, Hq, Hkv, hs, device, deterministic).workspace
     if kind == "bwd":  # raw: D = rowsum(dO * O), fp32 (B, Hq, T)
         return -(-B * Hq * T * 4 // _ALIGN) * _ALIGN
     return 0
 
 
 def workspace_shape(B: int, T: int, n_q_heads: int, n_kv_heads: int, head_size: int, backend: str = "auto",
-                    dtype=BF16, device=None) -> tuple[int]:  # fmt: skip
+                    dtype=BF16, device=None, passes=("forward", "backward"),
+                    deterministic: bool = True) -> tuple[int]:  # fmt: skip
     """Shape (nbytes,) of the BYTE workspace that attention_forward and attention_backward need.
 
-    The run state allocates it once and passes it to both; the larger of the forward and backward
-    needs is returned. `dtype` and `device` (default: "auto") decide what backend="auto" resolves
+    The run state allocates it once and passes it to both; the largest need of `passes` ("forward",
+    "backward" or both) is returned. `dtype` and `device` (default: "auto") decide what backend="auto" resolves
     to. On the cpu device the size is the raw backend's, whatever the backend, so cpu runs plan the
     same buffer. For cuDNN this builds (and caches) the graphs of the shape: call it, before any
     graph capture, for every batch size that will run (the forward's B and, when the backward runs
-    in shard_view chunks, the chunk's B), and allocate the largest answer.
+    in shard_view chunks, the chunk's B), and allocate the largest answer. `deterministic` as for
+    attention_backward (cuDNN's non-deterministic backward needs an fp32 dQ accumulator in the workspace).
     """
     dev = _get_device(device if device is not None else "auto")
     _check_heads(n_q_heads, n_kv_heads)
@@ -175,14 +180,23 @@ def workspace_shape(B: int, T: int, n_q_heads: int, n_kv_heads: int, head_size: 
         if not isinstance(val, (int, np.integer)) or val < least:
             kind = "positive" if least else "non-negative"
             raise ValueError(f"workspace_shape: {name} must be a {kind} int, got {val!r}")
+    _check_deterministic(deterministic, "workspace_shape")
     resolved = _resolve_backend(backend, dev, _dtype(dtype), head_size, T)
     if B == 0 or T == 0:
         return (0,)
     args = (resolved, dev, int(B), int(T), int(n_q_heads), int(n_kv_heads), int(head_size))
-    return (max(_workspace_bytes("fwd", *args), _workspace_bytes("bwd", *args)),)
+    kinds = {"forward": "fwd", "backward": "bwd"}
+    if not passes or any(p not in kinds for p in passes):
+        raise ValueError(f"workspace_shape: passes must name 'forward' and/or 'backward', got {passes!r}")
+    return (max(_workspace_bytes(kinds[p], *args, deterministic) for p in passes),)
 
 
 # ---- checks ----------------------------------------------------------------------------------
+def _check_deterministic(deterministic, what: str) -> None:
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise ValueError(f"{what}: deterministic must be True or False, got {deterministic!r}")
+
+
 def _check_heads(n_q_heads, n_kv_heads) -> None:
     for name, val in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
         if not isinstance(val, (int, np.integer)) or val < 1:
@@ -286,7 +300,7 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
 
 
 def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: str = "auto",
-                       workspace=None, stream=None) -> None:  # fmt: skip
+                       workspace=None, deterministic: bool = True, stream=None) -> None:  # fmt: skip
     """Backward of attention_forward: dqkv (=) from the upstream gradient and the forward's outputs.
 
     Args:
@@ -295,7 +309,13 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         datt: (B, T, Hq*hs), the gradient of att; att: the forward's output; lse: (B, Hq, T) fp32,
             the forward's LSE; qkv: the forward's input. Batch shards (shard_view) of all of them work.
         n_q_heads, n_kv_heads, backend, stream: as for attention_forward.
-        workspace: BYTE tensor of at least workspace_shape(...) bytes (raw: D = rowsum(dO * O)).
+        workspace: BYTE tensor of at least workspace_shape(..., deterministic=deterministic) bytes
+            (raw: D = rowsum(dO * O)).
+        deterministic: True (the default) gives the same bits on every run. False lets the cuDNN
+            backend run its faster non-deterministic algorithm (dQ summed with fp32 atomics in an
+            order that changes from run to run, so dqkv may differ in the last bits between runs; the
+            values stay within bf16 rounding of the deterministic ones). The raw backend is always
+            deterministic and ignores it.
     NumPy equivalent: attention_backward_numpy(datt, att, lse, qkv, Hq, Hkv), rounded to dqkv's dtype.
     """
     _check_heads(n_q_heads, n_kv_heads)
@@ -306,9 +326,10 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _checks.expect(lse, "lse", dtype=FP32, shape=(B, n_q_heads, T))
     dev = _checks.same_device(dqkv, datt, att, lse, qkv, workspace)
     _check_no_alias({"dqkv": dqkv, "workspace": workspace}, {"datt": datt, "att": att, "lse": lse, "qkv": qkv})
+    _check_deterministic(deterministic, "attention_backward")
     resolved = _resolve_backend(backend, dev, qkv.dtype, hs, T)
-    _check_workspace(workspace, _workspace_bytes("bwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs), dev,
-                     "backward")  # fmt: skip
+    need = _workspace_bytes("bwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs, bool(deterministic))
+    _check_workspace(workspace, need, dev, "backward")
     if B * T == 0:
         return
     if dev.is_cpu:
@@ -319,7 +340,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     if flash or resolved == "cudnn":
         _checks.check_aligned("attention_backward", dqkv, datt, att, qkv, workspace)
     if resolved == "cudnn":
-        entry = _cudnn_graph("bwd", B, T, n_q_heads, n_kv_heads, hs, dev)
+        entry = _cudnn_graph("bwd", B, T, n_q_heads, n_kv_heads, hs, dev, bool(deterministic))
         q, k, v = _qkv_pointers(qkv, n_q_heads, n_kv_heads, hs)
         dq, dk, dv = _qkv_pointers(dqkv, n_q_heads, n_kv_heads, hs)
         ptrs = {"q": q, "k": k, "v": v, "o": att.ptr, "dO": datt.ptr, "stats": lse.ptr, "dQ": dq, "dK": dk, "dV": dv}
@@ -378,14 +399,17 @@ def _cudnn_handle(device_index: int):
 _GRAPHS: dict[tuple, _CudnnEntry] = {}
 
 
-def _cudnn_graph(kind: str, B: int, T: int, Hq: int, Hkv: int, hs: int, device) -> _CudnnEntry:
-    """The built SDPA graph for this shape ("fwd" or "bwd"), from the cache or built now.
+def _cudnn_graph(kind: str, B: int, T: int, Hq: int, Hkv: int, hs: int, device,
+                 deterministic: bool = True) -> _CudnnEntry:  # fmt: skip
+    """The built SDPA graph for this shape ("fwd" or "bwd"), from the cache or built now;
+    `deterministic` picks the backward's algorithm (the forward has one).
 
     The packed layouts are described by strides, so no copies are made: q (B, Hq, T, hs) with
     strides (T*H3*hs, hs, H3*hs, 1) where H3 = Hq + 2*Hkv, k and v likewise from their own base
     addresses; att as (B, Hq, T, hs) with strides (T*Hq*hs, hs, Hq*hs, 1); the LSE as (B, Hq, T, 1).
     """
-    key = (kind, B, T, Hq, Hkv, hs, device.index)
+    deterministic = deterministic or kind == "fwd"
+    key = (kind, B, T, Hq, Hkv, hs, device.index, deterministic)
     entry = _GRAPHS.get(key)
     if entry is not None:
         return entry
@@ -417,7 +441,7 @@ def _cudnn_graph(kind: str, B: int, T: int, Hq: int, Hkv: int, hs: int, device) 
                 t["stats"] = g.tensor(name="stats", dim=stats_dim, stride=stats_stride, data_type=f32)
                 dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"],
                                              dO=t["dO"], stats=t["stats"], attn_scale=scale, use_causal_mask=True,
-                                             use_deterministic_algorithm=True)  # fmt: skip
+                                             use_deterministic_algorithm=deterministic)  # fmt: skip
                 dq.set_output(True).set_dim(q_dim).set_stride(packed).set_data_type(bf16)
                 dk.set_output(True).set_dim(kv_dim).set_stride(packed).set_data_type(bf16)
                 dv.set_output(True).set_dim(kv_dim).set_stride(packed).set_data_type(bf16)
@@ -431,7 +455,8 @@ def _cudnn_graph(kind: str, B: int, T: int, Hq: int, Hkv: int, hs: int, device) 
     except Exception as err:
         raise RuntimeError(
             f"cuDNN SDPA {'forward' if kind == 'fwd' else 'backward'} is not available for B={B} T={T} "
-            f"n_q_heads={Hq} n_kv_heads={Hkv} head_size={hs} bf16: {err}; use backend='raw'"
+            f"n_q_heads={Hq} n_kv_heads={Hkv} head_size={hs} bf16"
+            f"{'' if deterministic else ' non-deterministic'}: {err}; use backend='raw'"
         ) from err
     entry = _GRAPHS[key] = _CudnnEntry(g, t, -(-workspace // _ALIGN) * _ALIGN)
     return entry

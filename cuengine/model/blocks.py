@@ -234,7 +234,8 @@ class Blocks:
             for c in range(n):
                 k.attention_backward(d_qkv_raw.shard_view(c, n), g.d_att_y.shard_view(c, n),
                                      a.att.value.shard_view(c, n), a.lse.shard_view(c, n), a.qkv.shard_view(c, n),
-                                     Hq, Hkv, backend=o.attention_backend, workspace=rs.att_workspace)  # fmt: skip
+                                     Hq, Hkv, backend=o.attention_backend, workspace=rs.att_workspace,
+                                     deterministic=o.attention_deterministic)  # fmt: skip
             k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv, abs_max=d_qkv.abs_max)
             self.qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, a.ln1, p + "qkv_w",
                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip

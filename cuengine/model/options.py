@@ -38,6 +38,9 @@ class TrainOptions:
     lmhead_chunks: int = 1  # split the B*T rows of the LM head + loss into this many chunks
     attn_bwd_chunks: int = 1  # split the batch of the attention backward into this many chunks
     attention_backend: str = "auto"  # "auto", "raw" (our flash kernel) or "cudnn"
+    # False: cuDNN's faster attention backward (dQ added with atomics, no dQ pass); its bits vary
+    # from run to run, so the bitwise-repeatability promises no longer hold. The raw backend ignores it.
+    attention_deterministic: bool = True
     use_cuda_graphs: bool = False  # capture each block's forward and backward once, then replay
     # ---- optimizer ---------------------------------------------------------------------------
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
@@ -100,6 +103,8 @@ class TrainOptions:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if self.attention_backend not in _BACKENDS:
             raise bad(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.attention_deterministic, bool):
+            raise bad(f"attention_deterministic must be True or False, got {self.attention_deterministic!r}")
         for name in ("grad_clip", "weight_decay", "eps", "z_loss", "beta1", "beta2"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):

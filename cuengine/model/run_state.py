@@ -145,7 +145,8 @@ class RunState:
             self.enc_scratch = alloc.allocate(INT32, "enc_scratch", encoder.encoder_scratch_shape(B, T, C))
             # forward runs on the whole batch, backward on attn_bwd_chunks shards: size for both
             ws = max(attention.workspace_shape(b, T, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size,
-                                               backend=opts.attention_backend, dtype=dt, device=dev)[0]
+                                               backend=opts.attention_backend, dtype=dt, device=dev,
+                                               deterministic=opts.attention_deterministic)[0]
                      for b in (B, B // opts.attn_bwd_chunks))  # fmt: skip
             self.att_workspace = alloc.allocate(BYTE, "attention_workspace", (ws,))
         self.stack = None
