@@ -53,7 +53,8 @@ def _worker(fn, args, conn) -> None:
         result = fn(*args)
         conn.send(("ok", result))
     except BaseException as err:  # noqa: B036 (the parent reports it; SystemExit and Ctrl-C included)
-        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+        # a DistError is a consequence of another rank's failure, not a cause of its own
+        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc(), isinstance(err, DistError)))
         conn.close()
         sys.exit(1)
     conn.close()
@@ -125,7 +126,8 @@ def _watch(procs, conns, grace: float) -> list:
     messages: dict[int, tuple] = {}  # rank -> ("ok", result) or ("error", text, traceback)
     open_conns = {c: r for r, c in enumerate(conns)}
     failures: dict[int, str] = {}
-    first = None  # (time, rank, traceback) of the first failure
+    causes: dict[int, tuple] = {}  # rank -> (a consequence of another failure?, when seen, traceback)
+    first = None  # when the first failure was seen
 
     def settle():
         """Record every rank that has exited, and whose message (if any) has been read, without
@@ -138,21 +140,24 @@ def _watch(procs, conns, grace: float) -> list:
             if msg is not None and msg[0] == "ok":
                 continue
             if msg is not None:
-                failures[r], tb = f"raised {msg[1]}", msg[2]
+                failures[r], causes[r] = f"raised {msg[1]}", (msg[3], time.monotonic(), msg[2])
             else:
-                failures[r], tb = f"died ({_exit_text(p.exitcode)}) without a result", None
+                failures[r], causes[r] = (
+                    f"died ({_exit_text(p.exitcode)}) without a result",
+                    (False, time.monotonic(), None),
+                )
             if first is None:
-                first = (time.monotonic(), r, tb)
+                first = time.monotonic()
 
     while True:
         finished = not open_conns and all(p.exitcode is not None for p in procs)
         settle()
         if finished:
             break
-        if first is not None and time.monotonic() - first[0] > grace:
+        if first is not None and time.monotonic() - first > grace:
             for r in _stop(procs):
                 if r not in messages:
-                    failures[r] = f"was stopped by the launcher {grace:.0f} s after rank {first[1]} failed"
+                    failures[r] = f"was stopped by the launcher {grace:.0f} s after the first failure"
             for c in open_conns:
                 c.close()
             open_conns.clear()
@@ -166,7 +171,8 @@ def _watch(procs, conns, grace: float) -> list:
                     pass
                 c.close()
     if failures:
-        _, rank, tb = first
+        rank = min(causes, key=lambda q: causes[q][:2])  # the earliest cause, before any consequence
+        tb = causes[rank][2]
         lines = [f"rank {rank} {failures[rank]}"]
         lines += [f"rank {r} {what}" for r, what in sorted(failures.items()) if r != rank]
         text = "launch: " + "; ".join(lines)
