@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from cuengine import device as ce_device
 from cuengine.kernels import attention as A
 from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
 
@@ -72,3 +73,39 @@ def test_gpu_nondeterministic_attention_trains_like_deterministic():
         res[flag] = losses, m.opt_state.norm_result.numpy()[0]
     np.testing.assert_allclose(res[False][0], res[True][0], rtol=1e-2)
     np.testing.assert_allclose(res[False][1], res[True][1], rtol=5e-2)
+
+
+# ---- memory presets and the benchmark's gradient accumulation -------------------------------------
+def test_memory_preset_adds_recompute_parts():
+    from cuengine.cli import build_parser
+    from cuengine.model.options import MEMORY_PRESETS
+
+    p = build_parser()
+    assert MEMORY_PRESETS["lean"] == ("swiglu", "rmsnorm")
+    assert p.parse_args(["train", "--memory", "lean"]).recompute == ["swiglu", "rmsnorm"]
+    assert p.parse_args(["train", "--recompute", "ffn", "--memory", "lean"]).recompute == ["ffn", "swiglu", "rmsnorm"]
+    assert p.parse_args(["bench", "--memory", "lean", "--recompute", "att"]).recompute == ["swiglu", "rmsnorm", "att"]
+    assert p.parse_args(["train", "--memory", "default"]).recompute == []
+
+
+def test_bench_train_step_with_grad_accum_matches_a_manual_step():
+    from cuengine.bench_train import bench_train_step, random_batch
+
+    cfg = TransformerConfig.preset("tiny")
+    dev = ce_device("cpu")
+    r = bench_train_step(cfg, TrainOptions(), dev, B, T, steps=1, warmup=1, grad_accum=2)
+    assert r["tok_s"] > 0 and np.isfinite(r["loss"])
+    m = make()
+    m.init_weights(42)
+    x, y = random_batch(cfg.vocab_size, B, T)
+    for micro in range(2):
+        m.forward(x)
+        m.backward(x, y, micro_step=micro, grad_accum_steps=2)
+    assert r["first_loss"] == m.loss_sum() / (2 * B * T)
+
+
+def test_qwen25_3b_preset():
+    c = TransformerConfig.preset("qwen2.5-3b")
+    assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_size) == (
+        2048, 11008, 36, 16, 2, 128)  # fmt: skip
+    assert c.tied_embeddings and c.qkv_bias and c.vocab_size == 151936

@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=40)
+    p.add_argument("--nondeterministic-attention", action="store_true",
+                   help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
 
     cfg = TransformerConfig.preset(args.preset)
     dev = ce.device("cuda")
-    opts = TrainOptions(matmul_dtype="e4m3" if args.dtype == "fp8" else None, use_cuda_graphs=False)
+    opts = TrainOptions(matmul_dtype="e4m3" if args.dtype == "fp8" else None, use_cuda_graphs=False,
+                        attention_deterministic=not args.nondeterministic_attention)  # fmt: skip
     model = LlamaModel(cfg, opts, device=dev)
     model.init_weights(42)
     model.allocate_run_state(args.batch, args.seq)

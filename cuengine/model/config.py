@@ -228,6 +228,9 @@ PRESETS = {
     "qwen2.5-1.5b": dict(
         _QWEN, hidden_size=1536, intermediate_size=8960, num_layers=28, num_q_heads=12, num_kv_heads=2, head_size=128
     ),
+    "qwen2.5-3b": dict(
+        _QWEN, hidden_size=2048, intermediate_size=11008, num_layers=36, num_q_heads=16, num_kv_heads=2, head_size=128
+    ),
     "tiny": dict(_TINY, architecture="Qwen2ForCausalLM", qkv_bias=True, tied_embeddings=True),
     "tiny-llama": dict(_TINY, architecture="LlamaForCausalLM", qkv_bias=False, tied_embeddings=False),
     "small": dict(
