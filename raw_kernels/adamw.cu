@@ -2,7 +2,9 @@
 //
 // hparams (fp32, on the device) = [lr, beta1, beta2, eps, weight_decay, step, 0, 0] are read by
 // the kernel, so one captured graph serves every step; step is 1-based. grad_scale (the clip
-// scale of global_norm_finish) is a device pointer too, or null for 1.
+// scale of global_norm_finish) is a device pointer too, or null for 1. A non-finite grad_scale
+// (global_norm_finish writes NaN for a non-finite norm) writes nothing: the step is skipped on the
+// device, weights and moments untouched, without the host having to look.
 //   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2
 //   p = p - lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p),  bc = 1 - beta^step
 // Rounding points: every fp32 operation is an explicitly rounded intrinsic (no FMA contraction)
@@ -100,6 +102,7 @@ template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
 __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float* hp, const float* grad_scale,
                            int wd_on, u32 seed, long long n, long long off) {
     const AdamParams a = adam_params(hp, grad_scale, wd_on, seed);
+    if (!isfinite(a.gs)) return;
     const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
     long long done = 0;

@@ -5,6 +5,8 @@
 //   lse    = log(sum_j exp(x_j))                       written (=) to lse[row]
 //   loss   = lse - x_t + z_loss * lse^2                accumulated (+=) into losses[row]
 //   dx_j   = d_loss * (softmax_j * (1 + 2 z_loss lse) - [j == t])   written over x (in place)
+// d_loss is read from device memory when `d_loss_dev` is not null (a captured graph then serves
+// batches with different numbers of valid targets), else it is the scalar argument.
 // t == -1 ignores the row: losses[row] is left as is and its gradient row is zero. A target
 // outside [-1, V) cannot raise from the device, so it adds NaN to losses[row] (and its gradient
 // has no one-hot term); the trainer's non-finite loss check reports it.
@@ -40,7 +42,8 @@ __device__ __forceinline__ void online_merge(float& m, float& s, float m2, float
 
 template <typename T, int P, int U, bool WARP>
 __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, const int* targets, float d_loss,
-                                      float z_loss, int write_dlogits, int N, int V, int cache_n) {
+                                      const float* d_loss_dev, float z_loss, int write_dlogits, int N, int V,
+                                      int cache_n) {
     extern __shared__ __align__(16) unsigned char s_cache_bytes[];  // the row's first cache_n elements
     __shared__ float sh_m[32], sh_s[32];
     Vec<T, P>* cache = reinterpret_cast<Vec<T, P>*>(s_cache_bytes);
@@ -123,6 +126,7 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
     // back from the shared-memory cache only what it wrote there itself (no barrier needed). The
     // row is walked backwards, so the first global reads hit what pass 1 read last (still in L2).
     const float zf = 1.f + 2.f * z_loss * lse, lse_l2 = lse * LOG2E;
+    if (d_loss_dev) d_loss = *d_loss_dev;
     const bool ignored = target == -1;
     const int chunk = stride * U;
     for (int c = (V - 1) / chunk; c >= 0; --c) {
@@ -162,10 +166,10 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
 // there one access per trip keeps the registers at 32, so that 64 rows are in flight per SM.
 #define CLASSIFIER_KERNEL(NAME, T, THREADS, P, UNROLL, WARP)                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
-        NAME(T* logits, float* losses, float* lse, const int* targets, float d_loss, float z_loss,            \
-             int write_dlogits, int N, int V, int cache_n) {                                                  \
-        fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, targets, d_loss, z_loss, write_dlogits, \
-                                                  N, V, cache_n);                                             \
+        NAME(T* logits, float* losses, float* lse, const int* targets, float d_loss, const float* d_loss_dev,  \
+             float z_loss, int write_dlogits, int N, int V, int cache_n) {                                    \
+        fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, targets, d_loss, d_loss_dev, z_loss,   \
+                                                  write_dlogits, N, V, cache_n);                              \
     }
 #define CLASSIFIER_KERNELS(SUF, T)                                                                            \
     CLASSIFIER_KERNEL(fused_classifier_##SUF, T, 1024, 16 / sizeof(T), 4, false)                              \

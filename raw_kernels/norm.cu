@@ -5,7 +5,8 @@
 // so no atomics are needed, and since the grid depends only on the tensor's size and each block
 // sums in a fixed order, the result is bitwise reproducible. The caller zeroes the partials once
 // per step. global_norm_finish sums the slots in a fixed order (one block) and writes
-// [norm, clip_scale]; a NaN or inf norm stays in result[0] for the host to see.
+// [norm, clip_scale]; a NaN or inf norm stays in result[0] for the host to see, and makes the
+// clip scale NaN, which adamw reads as "skip this step".
 // The `_scalar` kernels take tensors whose start is not 16-byte aligned.
 #include "common.cuh"
 
@@ -49,7 +50,8 @@ __device__ void norm_finish_impl(float* result, const float* partials, int slots
     if (threadIdx.x == 0) {
         const float norm = sqrtf(acc);
         result[0] = norm;
-        result[1] = (max_norm > 0.f && norm > max_norm) ? max_norm / norm : 1.f;
+        const float clip = (max_norm > 0.f && norm > max_norm) ? max_norm / norm : 1.f;
+        result[1] = isfinite(norm) ? clip : __int_as_float(0x7fc00000);  // NaN: skip the update
     }
 }
 

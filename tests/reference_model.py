@@ -1,8 +1,9 @@
 """A float64 NumPy LLaMA / Qwen2, written from the math and not from the engine.
 
 Parameters are a dict keyed by HF tensor names ("model.layers.0.self_attn.q_proj.weight", ...);
-`loss_and_grads` returns the mean cross-entropy over all B*T positions (targets of -1 count as
-zero loss, matching the engine's d_loss = 1/(B*T)) and the gradient of every parameter.
+`loss_and_grads` returns the mean cross-entropy over the valid targets (those not -1, as
+PyTorch's cross_entropy), optionally with a z-loss term, and the gradient of every parameter.
+Its backward is checked against finite differences of its own forward (test_training_semantics).
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True):
-    """Loss (float) and {HF name: float64 gradient}; `params` maps HF names to arrays."""
+def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True, z_loss=0.0, valid_tokens=None):
+    """Loss (float), {HF name: float64 gradient} and the logits; `params` maps HF names to arrays.
+
+    loss = sum over valid targets of (lse - logit[target] + z_loss * lse^2) / valid_tokens, where
+    valid_tokens defaults to the number of valid targets here (pass the count of a whole
+    accumulated batch to get this micro-batch's share of its mean)."""
     P = {k: np.asarray(v, np.float64) for k, v in params.items()}
     B, T = inputs.shape
     C, Hq, Hkv, hs, eps = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.rms_norm_eps
@@ -108,16 +113,17 @@ def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True):
     m = logits.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
     valid = targets >= 0
+    n = int(np.count_nonzero(valid)) if valid_tokens is None else valid_tokens
     tgt = np.where(valid, targets, 0)
     picked = np.take_along_axis(logits, tgt[..., None], -1)[..., 0]
-    loss = float(np.sum(np.where(valid, lse - picked, 0.0)) / (B * T))
+    loss = float(np.sum(np.where(valid, lse - picked + z_loss * lse * lse, 0.0)) / n)
     if not with_grads:
         return loss, None, logits
 
     G = {k: np.zeros_like(v) for k, v in P.items()}
-    dlog = np.exp(logits - lse[..., None])
+    dlog = np.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse[..., None])
     np.put_along_axis(dlog, tgt[..., None], np.take_along_axis(dlog, tgt[..., None], -1) - 1.0, -1)
-    dlog *= (valid / (B * T))[..., None]
+    dlog *= (valid / n)[..., None]
     dhead = np.einsum("btv,btc->vc", dlog, xf)
     dxf = dlog @ head
     dx, G["model.norm.weight"] = _rms_bwd(dxf, x, P["model.norm.weight"], rf)

@@ -64,6 +64,7 @@ def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: boo
 
     Arrays may be of any shape with equal sizes; hparams as in `adamw_update`; grad_scale a
     float or None. Same fp32 operations, in the same order, as the kernel; beta^step in float64.
+    A non-finite grad_scale returns the inputs unchanged (the skipped step).
     """
     f32 = np.float32
     hp = np.asarray(hparams, f32)
@@ -73,6 +74,8 @@ def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: boo
     bc1 = f32(1.0 - np.float64(b1) ** np.float64(hp[5]))
     bc2 = f32(1.0 - np.float64(b2) ** np.float64(hp[5]))
     gs = f32(1) if grad_scale is None else f32(grad_scale)
+    if not np.isfinite(gs):
+        return param.copy(), m.copy(), v.copy()
     p = param.astype(f32).reshape(-1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         g = grad.astype(f32).reshape(-1) * gs
@@ -98,7 +101,8 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
             step 1-based (see `make_hparams`). Read by the kernel, so a captured graph follows
             the values the host writes before each replay.
         grad_scale: (1,) fp32 on the device (the clip scale, `result[1:2]` of
-            `global_norm_finish`), or None for 1.
+            `global_norm_finish`), or None for 1. Non-finite: nothing is written (the step is
+            skipped on the device: global_norm_finish gives NaN for a non-finite norm).
         weight_decay_on: False for norms and biases.
         seed: constant per tensor (it is baked into a captured graph); the step in hparams
             varies the draws. bf16 outputs round stochastically from these; fp32 ones do not.

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _checks
 from ..dtypes import BF16, FP32, INT32
+from ..tensor import Tensor
 from . import _build
 
 _WARP_ROW_MAX_V = 4096  # rows up to this length take one warp each
@@ -52,7 +53,7 @@ def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0,
     logits[...] = g.astype(logits.dtype)
 
 
-def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float = 0.0, write_dlogits: bool = True,
+def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, write_dlogits: bool = True,
                      stream=None) -> None:  # fmt: skip
     """Cross-entropy loss, log-sum-exp and (optionally) dlogits for one chunk of rows.
 
@@ -63,7 +64,9 @@ def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float 
         lse: (N,) fp32; written (=) with log(sum(exp(logits))) of each row.
         targets: (N,) int32 token ids; -1 ignores the row (no loss, zero gradient row). An id
             outside [-1, V) adds NaN to its loss (the device cannot raise without a host sync).
-        d_loss: gradient of the total loss with respect to each token's loss, e.g. 1/(B*T*accum).
+        d_loss: gradient of the total loss with respect to each token's loss, e.g. 1/(valid targets):
+            a float, or a (1,) fp32 Tensor read on the device when the kernel runs, so that one
+            captured graph serves batches with different numbers of valid targets.
         z_loss: coefficient of the lse^2 term in the loss.
         write_dlogits: False computes only losses and lse (validation) and leaves logits as they are.
 
@@ -76,11 +79,15 @@ def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float 
     _checks.expect(targets, "fused_classifier: targets", dtype=INT32, shape=(n,))  # (N,)
     if v == 0:
         raise ValueError(f"fused_classifier: logits {logits.name!r} has an empty vocabulary dimension {logits.shape}")
-    dev = _checks.same_device(logits, losses, lse, targets)
+    on_device = isinstance(d_loss, Tensor)
+    if on_device:
+        _checks.expect(d_loss, "fused_classifier: d_loss", dtype=FP32, shape=(1,))  # (1,)
+    dev = _checks.same_device(logits, losses, lse, targets, d_loss if on_device else None)
     if n == 0:
         return
     if dev.is_cpu:
-        fused_classifier_reference(logits.array(), losses.array(), lse.array(), targets.array(), d_loss, z_loss,
+        dl = d_loss.array()[0] if on_device else d_loss
+        fused_classifier_reference(logits.array(), losses.array(), lse.array(), targets.array(), dl, z_loss,
                                    write_dlogits)  # fmt: skip
         return
     pack = 16 // logits.dtype.itemsize
@@ -98,6 +105,6 @@ def fused_classifier(logits, losses, lse, targets, d_loss: float, z_loss: float 
             budget = _CACHE_BYTES.get(dev.compute_capability[0], 0) // logits.dtype.itemsize
             cache_n = min(v, budget) // per_thread * per_thread
             smem = cache_n * logits.dtype.itemsize
-    args = (logits, losses, lse, targets, np.float32(d_loss), np.float32(z_loss), np.int32(bool(write_dlogits)),
-            np.int32(n), np.int32(v), np.int32(cache_n))  # fmt: skip
+    args = (logits, losses, lse, targets, np.float32(0.0 if on_device else d_loss), d_loss if on_device else None,
+            np.float32(z_loss), np.int32(bool(write_dlogits)), np.int32(n), np.int32(v), np.int32(cache_n))  # fmt: skip
     _build.launch("classifier", name, blocks, threads, args, dev, stream, shared_mem=smem)

@@ -30,11 +30,13 @@ def global_norm_squared_reference(x: np.ndarray) -> np.float32:
 
 def global_norm_finish_reference(partials: np.ndarray, max_norm: float) -> np.ndarray:
     """[norm, clip_scale] in fp32: norm = sqrt(sum(partials)); clip_scale = max_norm/norm when
-    max_norm > 0 and norm > max_norm, else 1. A NaN or inf norm is kept as it is."""
+    max_norm > 0 and norm > max_norm, else 1. A NaN or inf norm is kept as it is, and its
+    clip_scale is NaN (adamw_update then skips the step)."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         norm = np.sqrt(partials.astype(np.float32).sum(dtype=np.float32))
         mx = np.float32(max_norm)
         scale = mx / norm if (mx > 0 and norm > mx) else np.float32(1)
+        scale = scale if np.isfinite(norm) else np.float32(np.nan)
     return np.array([norm, scale], np.float32)
 
 
@@ -73,7 +75,7 @@ def global_norm_finish(result, partials, max_norm: float, stream=None) -> None:
         partials: fp32 of shape `norm_partials_shape()`, filled by `global_norm_squared`.
         max_norm: clip threshold; <= 0 disables clipping (clip_scale 1).
 
-    A NaN norm gives clip_scale 1 and an inf norm gives 0; both stay visible in result[0].
+    A NaN or inf norm gives clip_scale NaN (adamw_update skips the step) and stays visible in result[0].
 
     NumPy equivalent: `result[...] = global_norm_finish_reference(partials, max_norm)`.
     """

@@ -77,6 +77,9 @@ class Blocks:
         self.cfg, self.opts, self.weights, self.rs = cfg, opts, weights, rs
         self.grads = grads
         self.k = kernels
+        # [(start, stop)] row ranges of (B*T) that hold real tokens when the batch is padded (logits of
+        # a smaller batch): FP8 scales then come from those rows alone. None: every row is real.
+        self.real_rows: list[tuple[int, int]] | None = None
 
     # ---- matmuls (the seed's forward_qmm / backward_qmm) --------------------------------------
     def qmm_forward(self, out, inp: QuantTensor, wname: str, bias=None, reuse_quant: bool = False) -> None:
@@ -87,6 +90,11 @@ class Blocks:
             k.matmul(out, inp.value, self.weights[wname], bias)
             return
         if not reuse_quant:
+            if self.real_rows is not None:  # the producer's abs-max saw the padding rows too
+                inp.abs_max.fill_zero()
+                rows = inp.value.reshape(-1, inp.value.shape[-1])
+                for start, stop in self.real_rows:
+                    k.abs_max(inp.abs_max, rows.rows(start, stop))
             k.quantize_with_abs_max(inp.quant, inp.value)
         k.matmul(out, inp.quant, self.weights.fp8[wname], bias)
 
@@ -241,11 +249,13 @@ class Blocks:
                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
 
     # ---- LM head -----------------------------------------------------------------------------
-    def lm_head(self, d_loss: float, d_head=None, logits_out: np.ndarray | None = None) -> None:
+    def lm_head(self, d_loss, d_head=None, logits_out: np.ndarray | None = None) -> None:
         """Logits and loss of rs.lnf against rs.targets, in lmhead_chunks chunks of rows through
         one stack buffer of (B*T/chunks, V) logits. With `d_head` (the LM-head weight gradient,
-        accumulated) also dlogits → d_head and rs.d_lnf. With `logits_out` ((B*T, V) float32),
-        copy the logits there instead (a host sync per chunk: for generation and tests)."""
+        accumulated) also dlogits → d_head and rs.d_lnf, each token's loss weighing `d_loss` (a
+        float, or rs.d_loss: read on the device, so graph replays see the value of their batch).
+        With `logits_out` ((B*T, V) float32), copy the logits there instead (a host sync per chunk:
+        for generation and tests)."""
         k, rs, cfg = self.k, self.rs, self.cfg
         N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
         chunks = self.opts.lmhead_chunks

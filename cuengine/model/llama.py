@@ -26,6 +26,11 @@ from .run_state import RunState
 from .weights import ModelWeights, hf_views
 
 
+def count_valid(targets: np.ndarray) -> int:
+    """The number of targets that count in the loss (not -1), from the host array."""
+    return int(np.count_nonzero(targets != -1))
+
+
 class LlamaModel(InferenceMixin):
     """A LLaMA or Qwen2 causal LM on one device.
 
@@ -51,6 +56,7 @@ class LlamaModel(InferenceMixin):
         self._graphs: dict = {}
         self._graphs_warm: set = set()
         self._in_graph = False
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (opts.skip_nonfinite_steps)
 
     # ---- weights -----------------------------------------------------------------------------
     def init_weights(self, seed: int = 42) -> None:
@@ -160,6 +166,15 @@ class LlamaModel(InferenceMixin):
         self.device.copy_async(dst, host)
         self.device.stream.record(event)
 
+    def _upload_targets(self, targets, d_loss: float) -> None:
+        """Enqueue the copy of `targets` and of the per-token loss weight `d_loss`, in one upload."""
+        rs = self.rs
+        rs.targets_event.synchronize()  # the previous copy out of the pinned buffer has finished
+        rs.targets_host.array()[...] = targets
+        rs.d_loss_host.array()[...] = d_loss
+        self.device.copy_async(rs.targets_upload, rs.targets_upload_host)
+        self.device.stream.record(rs.targets_event)
+
     def _graph(self, key, fn) -> None:
         """Run `fn`, or with use_cuda_graphs: run it eagerly the first time (kernels compile and
         matmul plans are built outside any capture), capture it under `key` the second time,
@@ -226,31 +241,45 @@ class LlamaModel(InferenceMixin):
         res.put(L - 1)
 
     # ---- backward ----------------------------------------------------------------------------
-    def backward(self, inputs, targets, micro_step: int = 0, grad_accum_steps: int = 1) -> None:
+    def backward(self, inputs, targets, micro_step: int = 0, grad_accum_steps: int = 1,
+                 valid_tokens: int | None = None) -> None:  # fmt: skip
         """LM head, loss and backward through every block after `forward(inputs)`.
 
-        Parameter gradients are zeroed on micro_step 0 and accumulate over micro-steps; the loss
-        gradient is 1/(B·T·grad_accum_steps) per token. Enqueued only: no host sync."""
-        rs = self._need_rs("backward")
+        The gradient is that of the mean loss over the valid targets (not -1) of the whole
+        accumulated batch, as PyTorch's cross_entropy and HF's `num_items_in_batch` define it:
+        each valid target's loss weighs 1/valid_tokens. `valid_tokens` counts them over all
+        `grad_accum_steps` micro-batches; None takes this micro-batch's count times
+        grad_accum_steps (each micro-batch's mean weighs the same, which is the same thing when
+        every micro-batch holds as many valid targets). Parameter gradients are zeroed on
+        micro_step 0 and accumulate over micro-steps. Enqueued only: no host sync (the weight
+        travels to the device with the targets).
+        """
+        self._need_rs("backward")
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._check_tokens(targets, "targets", allow_ignore=True)
         if not 0 <= micro_step < grad_accum_steps:
             raise ValueError(f"backward: micro_step={micro_step} outside [0, grad_accum_steps={grad_accum_steps})")
-        self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
+        here = count_valid(targets)
+        if valid_tokens is None:
+            valid_tokens = here * grad_accum_steps
+        elif isinstance(valid_tokens, bool) or not isinstance(valid_tokens, (int, np.integer)) or valid_tokens < here:
+            raise ValueError(f"backward: valid_tokens={valid_tokens!r} must be an int >= the {here} valid targets "
+                             "of this micro-batch (it counts those of every micro-batch)")  # fmt: skip
+        self._upload_targets(targets, 1.0 / max(int(valid_tokens), 1))
         if self._whole_graphs:
             first = micro_step == 0
-            self._graph(("backward", first, grad_accum_steps), lambda: self._backward(micro_step, grad_accum_steps))
+            self._graph(("backward", first), lambda: self._backward(micro_step))
         else:
-            self._backward(micro_step, grad_accum_steps)
+            self._backward(micro_step)
 
-    def _backward(self, micro_step: int, grad_accum_steps: int) -> None:
+    def _backward(self, micro_step: int) -> None:
         rs, cfg, W, G = self.rs, self.cfg, self.weights, self.grads
         L, res = cfg.num_layers, rs.residuals
         if micro_step == 0:
             for g in G.values():
                 g.fill_zero()
             rs.losses.fill_zero()
-        self._blocks.lm_head(1.0 / (rs.B * rs.T * grad_accum_steps), d_head=self._head_grad)
+        self._blocks.lm_head(rs.d_loss, d_head=self._head_grad)
         top = rs.dacts[L - 1].d_res_ffn
         top.value.fill_zero()
         rmsnorm.rmsnorm_backward(top.value, G["lnf_w"], rs.rms_scratch, top.value, rs.d_lnf, res.get(L - 1),
@@ -278,17 +307,27 @@ class LlamaModel(InferenceMixin):
     # ---- update ------------------------------------------------------------------------------
     def update(self, lr: float, step: int | None = None) -> None:
         """Global norm, clipping and one AdamW step at learning rate `lr` (`step` defaults to
-        the next step number; it drives the bias correction). Enqueued only: no host sync."""
-        o = self.opts
+        the next step number; it drives the bias correction). Enqueued only: no host sync.
+
+        A non-finite gradient norm leaves weights and moments as they were: the clip scale is
+        then NaN, and AdamW reads it on the device and writes nothing. The host does not learn
+        of it here; `finish_step` (and so `train_step`) checks the norm before updating."""
         self._need_rs("update")
+        self._graph(("norm",), self._norm)
+        self._adamw(lr, step)
+
+    def _norm(self) -> None:
+        self.opt_state.global_norm(self.grads, self.opts.grad_clip)
+
+    def _adamw(self, lr: float, step: int | None = None) -> None:
+        o = self.opts
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
         self.step = self.step + 1 if step is None else int(step)
         self.opt_state.set_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
-        self._graph(("update",), self._update)
+        self._graph(("adamw",), self._update)
 
     def _update(self) -> None:
-        self.opt_state.global_norm(self.grads, self.opts.grad_clip)
         self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
         self.weights.requantize()
 
@@ -299,41 +338,79 @@ class LlamaModel(InferenceMixin):
         self.device.copy(rs.losses_host, rs.losses)
         return float(np.sum(rs.losses_host.array(), dtype=np.float64))
 
-    def train_step(self, inputs, targets, lr: float) -> float:
-        """forward + backward + update on one batch; returns the mean loss.
+    def finish_step(self, lr: float, valid_tokens: int) -> float:
+        """After `backward` of every micro-batch: the gradient norm, one host sync to read the loss
+        and the norm, then the AdamW update; returns the mean loss over `valid_tokens` (the valid
+        targets of all micro-batches, as passed to `backward`).
 
-        The host waits once, for the loss, before the update is enqueued: a non-finite loss
-        raises FloatingPointError and the weights stay as they were.
+        A non-finite loss raises FloatingPointError and updates nothing. So does a non-finite
+        gradient norm, unless `TrainOptions.skip_nonfinite_steps`: then the step is skipped
+        (weights, moments and the step number unchanged), counted in `skipped_steps`, and the
+        loss returned (the usual loss-scaler behaviour).
         """
-        rs = self._need_rs("train_step")
+        self._need_rs("finish_step")
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"finish_step: lr must be finite and >= 0, got {lr!r}")
+        if isinstance(valid_tokens, bool) or not isinstance(valid_tokens, (int, np.integer)) or valid_tokens < 1:
+            raise ValueError(f"finish_step: valid_tokens must be an int >= 1, got {valid_tokens!r}")
+        rs, opt = self.rs, self.opt_state
+        self._graph(("norm",), self._norm)
+        self.device.copy_async(rs.losses_host, rs.losses)
+        self.device.copy_async(opt.norm_host, opt.norm_result)
+        self.device.stream.synchronize()
+        loss = float(np.sum(rs.losses_host.array(), dtype=np.float64)) / int(valid_tokens)
+        norm = float(opt.norm_host.array()[0])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
+        if not math.isfinite(norm):
+            if not self.opts.skip_nonfinite_steps:
+                raise FloatingPointError(f"the gradient norm is {norm} (non-finite; the loss {loss:.6g} is finite); "
+                                         "the update was skipped")  # fmt: skip
+            self.skipped_steps += 1
+            return loss
+        self._adamw(lr)
+        return loss
+
+    def train_step(self, inputs, targets, lr: float) -> float:
+        """forward + backward + update on one batch; returns the mean loss over the valid targets
+        (those not -1), as PyTorch's cross_entropy. The host waits once, for the loss and the
+        gradient norm, before the update is enqueued (see `finish_step` for non-finite values)."""
+        self._need_rs("train_step")
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._check_tokens(targets, "targets", allow_ignore=True)
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"train_step: lr must be finite and >= 0, got {lr!r}")
+        n = count_valid(targets)
+        if n == 0:
+            raise ValueError("train_step: every target is -1 (ignored); there is no loss to learn from")
         self.forward(inputs)
-        self.backward(inputs, targets)
-        loss = self.loss_sum() / (rs.B * rs.T)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"train_step: the loss is {loss} (non-finite); the update was skipped")
-        self.update(lr)
-        return loss
+        self.backward(inputs, targets, valid_tokens=n)
+        try:
+            return self.finish_step(lr, n)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"train_step: {err}") from None
 
     def validate(self, inputs, targets) -> float:
-        """Mean loss of `targets` given `inputs`, without gradients."""
+        """Mean loss over the valid targets (not -1) of `targets` given `inputs`, without gradients."""
         rs = self._need_rs("validate")
         self._check_tokens(targets, "targets", allow_ignore=True)
+        n = count_valid(targets)
+        if n == 0:
+            raise ValueError("validate: every target is -1 (ignored); the mean loss is undefined")
         self.forward(inputs)
-        self._upload(rs.targets_host, rs.targets, rs.targets_event, targets)
+        self._upload_targets(targets, 0.0)
         rs.losses.fill_zero()
-        self._blocks.lm_head(1.0 / (rs.B * rs.T))
-        loss = self.loss_sum() / (rs.B * rs.T)
+        self._blocks.lm_head(0.0)
+        loss = self.loss_sum() / n
         if not math.isfinite(loss):
             raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
         return loss
 
     def logits(self, inputs) -> np.ndarray:
         """float32 logits (B, T, V) of `inputs`, for generation and tests. A batch smaller than
-        the run state's (B, T) is zero-padded (causal attention keeps the real positions exact)."""
+        the run state's (B, T) is zero-padded: causal attention keeps the real positions exact,
+        and with FP8 matmuls the activation scales are taken over the real rows alone, so the
+        padding changes nothing (CUDA graphs are not used for a padded batch)."""
         rs = self._need_rs("logits")
         inputs = np.asarray(inputs)
         if inputs.ndim != 2 or inputs.shape[0] > rs.B or inputs.shape[1] > rs.T:
@@ -343,8 +420,16 @@ class LlamaModel(InferenceMixin):
         b, t = inputs.shape
         padded = np.zeros((rs.B, rs.T), np.int32)
         padded[:b, :t] = inputs
-        self.forward(padded)
         out = np.empty((rs.B * rs.T, self.cfg.vocab_size), np.float32)
+        if (b, t) == (rs.B, rs.T) or not self.opts.fp8:
+            self.forward(padded)
+        else:
+            real = [(0, b * rs.T)] if t == rs.T else [(i * rs.T, i * rs.T + t) for i in range(b)]
+            self._blocks.real_rows, self._in_graph = real, True  # _in_graph: run plainly, capture nothing
+            try:
+                self.forward(padded)
+            finally:
+                self._blocks.real_rows, self._in_graph = None, False
         self._blocks.lm_head(0.0, logits_out=out)
         return out.reshape(rs.B, rs.T, -1)[:b, :t]
 

@@ -39,6 +39,7 @@ class AdamWState:
             self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
             self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
             self.norm_result = alloc.allocate(FP32, "norm_result", (2,))  # [‖g‖, clip scale]
+            self.norm_host = alloc.allocate(FP32, "norm_host", (2,), kind="pinned")
         self.hparams_event = self.device.event()  # the last copy out of hparams_host
         self.zero()
 
@@ -63,7 +64,8 @@ class AdamWState:
 
     def global_norm(self, grads: dict, max_norm: float, stream=None) -> None:
         """norm_result = [‖g‖, clip scale] over all gradients, in a fixed order (deterministic).
-        `max_norm` 0 disables clipping (the scale stays 1)."""
+        `max_norm` 0 disables clipping (the scale stays 1); a non-finite norm makes the scale NaN,
+        which `update` reads as "skip"."""
         self.norm_partials.fill_zero(stream)
         for g in grads.values():
             norm.global_norm_squared(self.norm_partials, g, stream=stream)
@@ -71,7 +73,8 @@ class AdamWState:
 
     def update(self, weights, grads: dict, seed: int, stream=None) -> None:
         """One AdamW update of every parameter, reading the hyper-parameters and the clip scale
-        on device. Norm weights and biases take no weight decay. `seed` drives bf16 stochastic
+        on device; a NaN clip scale (non-finite norm) changes no parameter and no moment. Norm
+        weights and biases take no weight decay. `seed` drives bf16 stochastic
         rounding: each tensor gets a fixed seed derived from it (the step in hparams varies the
         draws), so the update can be captured into a graph and a resumed run rounds exactly as
         the original."""

@@ -56,6 +56,7 @@ class TrainOptions:
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW epsilon
     z_loss: float = 0.0  # coefficient of the z-loss (lse^2) regulariser
+    skip_nonfinite_steps: bool = False  # a non-finite gradient norm skips the step (counted) instead of raising
     seed: int = 42  # seeds the optimizer's stochastic-rounding stream
 
     def __post_init__(self):

@@ -109,9 +109,15 @@ class RunState:
 
         with alloc.context("Inputs"):
             self.inputs = alloc.allocate(INT32, "inputs", (B, T))
-            self.targets = alloc.allocate(INT32, "targets", (B, T))
             self.inputs_host = alloc.allocate(INT32, "inputs_host", (B, T), kind="pinned")
-            self.targets_host = alloc.allocate(INT32, "targets_host", (B, T), kind="pinned")
+            # The targets and the loss gradient per valid target travel in one upload: B*T ids, then
+            # d_loss's fp32 bits, which the classifier reads on the device (graph replays see new values).
+            self.targets_upload = alloc.allocate(INT32, "targets", (N + 1,))
+            self.targets_upload_host = alloc.allocate(INT32, "targets_host", (N + 1,), kind="pinned")
+            self.targets = self.targets_upload.rows(0, N).reshape(B, T)  # (B, T)
+            self.d_loss = self.targets_upload[N:].view(FP32)  # (1,)
+            self.targets_host = self.targets_upload_host.rows(0, N).reshape(B, T)  # (B, T)
+            self.d_loss_host = self.targets_upload_host[N:].view(FP32)  # (1,)
             self.losses_host = alloc.allocate(FP32, "losses_host", (N,), kind="pinned")
         self.inputs_event = dev.event()  # the last copy out of inputs_host
         self.targets_event = dev.event()
@@ -143,11 +149,17 @@ class RunState:
             self.rms_scratch = alloc.allocate(FP32, "rms_scratch", rmsnorm.rmsnorm_scratch_shape(N, C))
             self.bias_scratch = alloc.allocate(FP32, "bias_scratch", fp8.bias_backward_scratch_shape(N, Q))
             self.enc_scratch = alloc.allocate(INT32, "enc_scratch", encoder.encoder_scratch_shape(B, T, C))
-            # forward runs on the whole batch, backward on attn_bwd_chunks shards: size for both
-            ws = max(attention.workspace_shape(b, T, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size,
-                                               backend=opts.attention_backend, dtype=dt, device=dev,
-                                               deterministic=opts.attention_deterministic)[0]
-                     for b in (B, B // opts.attn_bwd_chunks))  # fmt: skip
+            # forward runs on the whole batch, backward on attn_bwd_chunks shards: the larger need of the two
+            heads = (T, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size)
+            kw = {
+                "backend": opts.attention_backend,
+                "dtype": dt,
+                "device": dev,
+                "deterministic": opts.attention_deterministic,
+            }
+            fwd = attention.workspace_shape(B, *heads, passes=("forward",), **kw)[0]
+            bwd = attention.workspace_shape(B // opts.attn_bwd_chunks, *heads, passes=("backward",), **kw)[0]
+            ws = max(fwd, bwd)
             self.att_workspace = alloc.allocate(BYTE, "attention_workspace", (ws,))
         self.stack = None
 
