@@ -7,14 +7,19 @@
 //   decode_attention_split: block (split s, kv head g and q-head tile, row i) over its chunk of the
 //                    positions [0, lengths[i]) of cache slot i, for every q head of the tile:
 //                    m = max_p s_p, l = sum_p 2^(s_p - m), o = sum_p 2^(s_p - m) v_p with
-//                    s_p = q.k_p / sqrt(hs) * log2(e), written to scratch (=); with a single split the
-//                    block writes out = o / l instead (=).
-//   decode_attention_combine: out[i, h] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s   (=)
-// fp32 math throughout; out is rounded once. The chunk of a split is chosen on the device from the row's
-// own length: chunk = max(ceil(len / S), MIN_CHUNK), so every length keeps all S splits busy (up to
-// len / MIN_CHUNK of them) and a replayed graph adapts to the lengths. Lengths and positions outside
-// the cache are clamped (attention) or skipped (append) on the device; the launchers check what the
-// host can see.
+//                    s_p = q.k_p / sqrt(hs) * log2(e), written to the scratch's partials (=). A row
+//                    whose whole length is one chunk gets out = o / l from its only block (=).
+//                    fused: the last split block of a (row, tile) to finish (a counter in the scratch)
+//                    then merges the partials of its heads into out itself (=): no second launch.
+//   decode_attention_combine: (when not fused) out[i, h] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s (=)
+// fp32 math throughout; out is rounded once; merges run in a fixed order (deterministic). The chunk of a
+// split is chosen on the device from the row's own length: chunk = max(ceil(len / S), MIN_CHUNK), so
+// every length keeps up to S splits busy and a replayed graph adapts to the lengths. Lengths and
+// positions outside the cache are clamped (attention) or skipped (append) on the device; the launchers
+// check what the host can see.
+// Scratch (fp32): [counters | partials]. A counter is 64 bits, (length << 32 | arrivals): the length tag
+// makes a counter in any other state (fresh memory) restart at zero instead of being trusted, and the
+// last arrival resets it to zero, so the scratch needs no initialisation.
 #include "common.cuh"
 
 template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
@@ -91,6 +96,56 @@ template <int NE> __device__ __forceinline__ void merge_state(float& m, float& l
     m = mn;
 }
 
+// Count one split's arrival on its (row, tile) counter; true for the last of the nact splits, which
+// also resets the counter. Called by one thread after the block's partials are written.
+__device__ bool arrive(unsigned long long* counter, unsigned len, unsigned nact) {
+    __threadfence();  // the partials are visible before the arrival is
+    unsigned long long cur = atomicCAS(counter, 0ull, 0ull), want;
+    for (;;) {
+        const unsigned long long count = (unsigned)(cur >> 32) == len ? (cur & 0xffffffffull) + 1 : 1;
+        want = (unsigned long long)len << 32 | count;
+        const unsigned long long seen = atomicCAS(counter, cur, want);
+        if (seen == cur) break;
+        cur = seen;
+    }
+    if ((want & 0xffffffffull) < nact) return false;
+    atomicExch(counter, 0ull);
+    __threadfence();  // the other splits' partials are read after their arrivals were seen
+    return true;
+}
+
+// The fused merge, by the last split block of a tile: a warp per head finds M = max_s m_s and the weights
+// 2^(m_s - M) (shared memory, (GM, S)), then every output element of the tile sums its splits in order.
+template <typename T>
+__device__ void merge_partials(T* out, const float* partials, int Hq, int hs, int S, int i, int h0, int gt, int nact) {
+    extern __shared__ float sm_wt[];  // (gt, S)
+    __shared__ float sm_L[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int hh = warp; hh < gt; hh += NW) {
+        const float* ph = partials + ((size_t)i * Hq + h0 + hh) * S * (hs + 2);
+        float M = NEG_INF;
+        for (int t = lane; t < nact; t += 32) M = fmaxf(M, __ldcg(ph + (size_t)t * (hs + 2) + hs));
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float L = 0.f;
+        for (int t = lane; t < nact; t += 32) {
+            const float m = __ldcg(ph + (size_t)t * (hs + 2) + hs);
+            const float w = m == NEG_INF ? 0.f : exp2f(m - M);
+            sm_wt[hh * S + t] = w;
+            L += w * __ldcg(ph + (size_t)t * (hs + 2) + hs + 1);
+        }
+        L = warp_sum(L);
+        if (lane == 0) sm_L[hh] = L;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < gt * hs; idx += blockDim.x) {
+        const int hh = idx / hs, e = idx - hh * hs;
+        const float* pe = partials + ((size_t)i * Hq + h0 + hh) * S * (hs + 2) + e;
+        float acc = 0.f;
+        for (int t = 0; t < nact; ++t) acc += sm_wt[hh * S + t] * __ldcg(pe + (size_t)t * (hs + 2));
+        out[(size_t)i * Hq * hs + (size_t)(h0 + hh) * hs + e] = from_float<T>(sm_L[hh] > 0.f ? acc / sm_L[hh] : 0.f);
+    }
+}
+
 // Lanes come in groups of LP; a group works on one cache position at a time, each lane on NV vectors of
 // VN consecutive elements (lane li of a group owns elements (v * LP + li) * VN ... + VN). The block's
 // NW * 32 / LP groups walk the chunk U positions each per step, every group keeping its own online
@@ -99,7 +154,7 @@ template <int NE> __device__ __forceinline__ void merge_state(float& m, float& l
 template <typename T, int VN, int NV, int LP, int GM, int U>
 __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cache, const T* v_cache,
                            const int* lengths, int Hq, int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads,
-                           float scale_log2) {
+                           float scale_log2, long long part_offset, bool fused) {
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
     __shared__ float sm_o[NW][GM][HSMAX], sm_m[NW][GM], sm_l[NW][GM];
     const int s = blockIdx.x, i = blockIdx.z;
@@ -109,8 +164,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     const int len = min(max(lengths[i], 0), max_seq);
     int p0, p1, nact;
     split_range(len, S, s, p0, p1, nact);
-    const bool direct = S == 1;
-    if ((s >= nact && !direct) || gt <= 0) return;  // the combine ignores splits past nact
+    if (s >= max(nact, 1) || gt <= 0) return;  // split 0 of an empty row stays, to write zeros
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, gi = threadIdx.x / LP;
     const size_t row = (size_t)(Hq + 2 * Hkv) * hs;
@@ -229,6 +283,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
         }
     }
     __syncthreads();
+    float* partials = scratch + part_offset;
     for (int idx = threadIdx.x; idx < gt * hs; idx += blockDim.x) {
         const int hh = idx / hs, e = idx - hh * hs;
         float M = NEG_INF;
@@ -242,10 +297,10 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             O += sm_o[w][hh][e] * a;
         }
         const int h = h0 + hh;
-        if (direct) {
+        if (nact <= 1) {
             out[(size_t)i * Hq * hs + (size_t)h * hs + e] = from_float<T>(L > 0.f ? O / L : 0.f);
         } else {
-            float* part = scratch + (((size_t)i * Hq + h) * S + s) * (hs + 2);
+            float* part = partials + (((size_t)i * Hq + h) * S + s) * (hs + 2);
             part[e] = O;
             if (e == 0) {
                 part[hs] = M;
@@ -253,19 +308,30 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             }
         }
     }
+    if (nact <= 1 || !fused) return;
+    __shared__ bool s_last;
+    __syncthreads();  // every partial of this block is written
+    if (threadIdx.x == 0) {
+        unsigned long long* counters = reinterpret_cast<unsigned long long*>(scratch);
+        s_last = arrive(counters + (size_t)i * gridDim.y + blockIdx.y, (unsigned)len, (unsigned)nact);
+    }
+    __syncthreads();
+    if (s_last) merge_partials<T>(out, partials, Hq, hs, S, i, h0, gt, nact);
 }
 
-// One block per (row, q head): weights 2^(m_s - M) of the active splits in shared memory, then every
-// output element sums its splits in a fixed order (deterministic).
+// One block per (row, q head) of the rows with two splits or more: weights 2^(m_s - M) of the active
+// splits in shared memory, then every output element sums its splits in a fixed order.
 template <typename T>
-__device__ void combine_impl(T* out, const float* scratch, const int* lengths, int Hq, int hs, int max_seq, int S) {
+__device__ void combine_impl(T* out, const float* scratch, const int* lengths, int Hq, int hs, int max_seq, int S,
+                             long long part_offset) {
     extern __shared__ float sm_w[];  // (S,)
     __shared__ float red[32];
     const int i = blockIdx.x / Hq, h = blockIdx.x - i * Hq;
     const int len = min(max(lengths[i], 0), max_seq);
     int p0, p1, nact;
     split_range(len, S, 0, p0, p1, nact);
-    const float* part = scratch + ((size_t)i * Hq + h) * S * (hs + 2);
+    if (nact <= 1) return;  // its split wrote the output
+    const float* part = scratch + part_offset + ((size_t)i * Hq + h) * S * (hs + 2);
     float M = NEG_INF;
     for (int s = threadIdx.x; s < nact; s += blockDim.x) M = fmaxf(M, part[(size_t)s * (hs + 2) + hs]);
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
@@ -310,9 +376,11 @@ ROPE_APPEND_KERNELS(bf16, bf16)
 #define SPLIT_KERNEL(SUF, T, LAYOUT, VN, NV, LP, GM)                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) decode_attention_split_##SUF##_##LAYOUT##_g##GM(     \
         float* scratch, T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* lengths, int Hq,   \
-        int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads, float scale_log2) {                     \
+        int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads, float scale_log2, long long part_offset, \
+        int fused) {                                                                                            \
         split_impl<T, VN, NV, LP, GM, (GM >= 8 ? 2 : 4)>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, \
-                                                          hs, max_seq, S, tiles, tile_heads, scale_log2);       \
+                                                          hs, max_seq, S, tiles, tile_heads, scale_log2,        \
+                                                          part_offset, fused != 0);                             \
     }
 #define SPLIT_KERNELS_G(SUF, T, LAYOUT, VN, NV, LP) \
     SPLIT_KERNEL(SUF, T, LAYOUT, VN, NV, LP, 1)     \
@@ -331,8 +399,9 @@ SPLIT_KERNELS_G(f32, float, gen, 2, 4, 32)
 
 #define COMBINE_KERNEL(SUF, T)                                                                                \
     extern "C" __global__ void __launch_bounds__(128) decode_attention_combine_##SUF(                          \
-        T* out, const float* scratch, const int* lengths, int Hq, int hs, int max_seq, int S) {                \
-        combine_impl<T>(out, scratch, lengths, Hq, hs, max_seq, S);                                            \
+        T* out, const float* scratch, const int* lengths, int Hq, int hs, int max_seq, int S,                  \
+        long long part_offset) {                                                                               \
+        combine_impl<T>(out, scratch, lengths, Hq, hs, max_seq, S, part_offset);                               \
     }
 COMBINE_KERNEL(f32, float)
 COMBINE_KERNEL(bf16, bf16)

@@ -10,6 +10,7 @@ from conftest import assert_close, rng
 import cuengine as ce
 from cuengine.kernels.attention import attention_forward_numpy
 from cuengine.kernels.decode_attention import (
+    _counter_rows,
     decode_attention,
     decode_attention_np,
     decode_attention_scratch_shape,
@@ -49,15 +50,18 @@ def ref64(qkv, kc, vc, lengths, hq, hkv):
     return out.reshape(b, hq * hs)
 
 
-def run_attention(device, qkv, kc, vc, lengths, hq, hkv, scratch_rows=None):
+def run_attention(device, qkv, kc, vc, lengths, hq, hkv, split_rows=None, repeat=1):
+    """decode_attention's output; split_rows caps the scratch's partial rows (split_rows // b splits). The
+    scratch starts as NaN (its counters need no initialisation); repeat runs the same call again."""
     b, hs, max_seq = qkv.shape[0], kc.shape[-1], kc.shape[2]
     shape = decode_attention_scratch_shape(b, hq, hs, max_seq)
-    if scratch_rows is not None:
-        shape = (scratch_rows,) + shape[1:]
-    t = tensors(device, qkv=qkv, kc=kc, vc=vc, lengths=lengths)
+    if split_rows is not None:
+        shape = (_counter_rows(hs) + split_rows,) + shape[1:]
+    t = tensors(device, qkv=qkv, kc=kc, vc=vc, lengths=lengths, scratch=np.full(shape, np.nan, np.float32))
     out = ce.Tensor.empty(qkv.dtype, (b, hq * hs), device, name="out")
-    scratch = ce.Tensor.empty(ce.FP32, shape, device, name="scratch")
-    decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, scratch)
+    for _ in range(repeat):
+        out.copy_from_numpy(np.full((b, hq * hs), 7, qkv.dtype))
+        decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"])
     return out.numpy()
 
 
@@ -149,18 +153,19 @@ def test_rope_append_launcher(dev, dtype, hs, rotate):
 def test_decode_attention_launcher(dev, dtype, hq, hkv, hs, lengths, max_seq):
     b = len(lengths)
     qkv, kc, vc, ln = make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=hs, max_batch=b + 1)
-    got = run_attention(dev, qkv, kc, vc, ln, hq, hkv)
+    got = run_attention(dev, qkv, kc, vc, ln, hq, hkv, repeat=2)  # again: the counters came back to zero
     want = decode_attention_np(qkv, kc, vc, ln, hq, hkv).astype(qkv.dtype)
     assert_close(got, want, dtype, "decode_attention")
     assert_close(got, ref64(qkv, kc, vc, ln, hq, hkv), dtype, "decode_attention vs float64")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_single_split_writes_out_directly(dev, dtype):
-    """A scratch with one row per batch row forces one split: no combine pass, same result."""
-    qkv, kc, vc, ln = make_case(3, 8, 2, 64, 300, [300, 1, 150], dtype, seed=9)
-    got = run_attention(dev, qkv, kc, vc, ln, 8, 2, scratch_rows=3)
-    assert_close(got, decode_attention_np(qkv, kc, vc, ln, 8, 2).astype(qkv.dtype), dtype, "one split")
+@pytest.mark.parametrize("split_rows", [3, 6, 300])  # 1 split, 2 splits, 40 splits (> 32: the combine kernel)
+def test_split_counts(dev, dtype, split_rows):
+    """One split (out written directly), a fused merge of two, and the combine kernel: same result."""
+    qkv, kc, vc, ln = make_case(3, 8, 2, 64, 2560, [2560, 1, 150], dtype, seed=9)
+    got = run_attention(dev, qkv, kc, vc, ln, 8, 2, split_rows=split_rows)
+    assert_close(got, decode_attention_np(qkv, kc, vc, ln, 8, 2).astype(qkv.dtype), dtype, f"{split_rows} rows")
 
 
 def test_captured_step_follows_device_positions(dev):
@@ -227,9 +232,13 @@ def _attn(out=(2, 64), qkv=(2, 128), cache=(3, 2, 10, 16), lengths=(1, 10), scra
         ({"lengths": (11, 1)}, r"length 11 is outside \[1, 10\]"),
         ({"len_dt": np.float32}, "lengths: expected dtype int32"),
         ({"lengths": (1, 2, 3)}, r"lengths: expected shape \(2\)"),
-        ({"scratch": (1, 4, 18)}, "scratch: expected at least 2 rows"),
+        ({"scratch": (9, 4, 18)}, "scratch: expected at least 10 rows"),
         ({"scratch": (8, 4, 16)}, r"scratch: expected shape \(\*, 4, 18\)"),
         ({"hq": 3, "hkv": 2}, "n_q_heads = 3 must be a positive multiple of n_kv_heads = 2"),
+        (
+            {"out": (65, 64), "qkv": (65, 128), "cache": (65, 2, 10, 16), "lengths": (1,) * 65, "scratch": (80, 4, 18)},
+            "65 rows; the scratch keeps counters for at most 64",
+        ),
     ],
 )
 def test_attention_errors(over, match):
@@ -293,9 +302,10 @@ def test_scratch_shape_serves_every_smaller_batch():
     big = decode_attention_scratch_shape(64, 14, 64, 32768)
     for b in (1, 2, 7, 64):
         assert decode_attention_scratch_shape(b, 14, 64, 32768)[0] <= big[0]
-    assert decode_attention_scratch_shape(1, 14, 64, 32768) == (512, 14, 66)  # 32768 / 64-position chunks
-    assert decode_attention_scratch_shape(2, 14, 64, 32768) == (528, 14, 66)  # 2 rows x 4 blocks per SM of an H200
-    assert decode_attention_scratch_shape(1, 2, 16, 100) == (2, 2, 18)  # never below 64 positions per split
+    assert _counter_rows(64) == 2  # 64 rows x Hq 64-bit counters in rows of Hq x 66 floats
+    assert decode_attention_scratch_shape(1, 14, 64, 32768) == (2 + 512, 14, 66)  # 32768 / 64-position chunks
+    assert decode_attention_scratch_shape(2, 14, 64, 32768) == (2 + 528, 14, 66)  # 2 rows x 4 blocks per SM
+    assert decode_attention_scratch_shape(1, 2, 16, 100) == (8 + 2, 2, 18)  # never below 64 positions a split
     with pytest.raises(ValueError, match="must be positive"):
         decode_attention_scratch_shape(0, 14, 64, 100)
 

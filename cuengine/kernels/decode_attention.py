@@ -8,8 +8,10 @@ graph serves every step: the kernels read them there and size their work from th
 decode_attention is flash-decoding: the positions [0, lengths[i]) are cut into up to S chunks (S fixed
 at launch from the batch, the kv heads and the SM count, so that one sequence fills the GPU); a block per
 (split, kv head, row) serves all q heads of its kv head, so K and V are read once; partial softmax
-states go to an fp32 scratch and a combine kernel merges them and rounds once. With one split the split
-kernel writes the output itself (no combine launch).
+states go to an fp32 scratch and are merged in a fixed order, rounding once. Up to _FUSE_MAX_SPLITS
+splits, the last split block of each (row, kv head) merges them itself (one launch per layer, what a
+short-context decode step wants); beyond, a combine kernel spreads the merge over (row, q head) blocks.
+A row that fits one chunk is written by its only block either way.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _BLOCKS_PER_SM = 4  # split blocks per SM that "fills the GPU"
 _H200_SMS = 132  # the scratch is sized for this many SMs; a larger GPU gets fewer splits than it could use
 _THREADS = 128  # NW * 32 in decode_attention.cu
 _MAX_TILE_HEADS = 8  # q heads per block (GM <= 8)
+_MAX_ROWS = 64  # rows the scratch keeps arrival counters for (the decode batch limit)
+_FUSE_MAX_SPLITS = 32  # the last split block merges at most this many partials per head itself
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -92,11 +96,19 @@ def _splits(b: int, max_seq: int, blocks_per_split: int, n_sms: int) -> int:
     return max(1, min(want, ceil_div(max_seq, _MIN_CHUNK)))
 
 
+def _counter_rows(head_size: int) -> int:
+    """Leading scratch rows holding the 64-bit arrival counters: one per (row, q head) for _MAX_ROWS rows."""
+    return ceil_div(2 * _MAX_ROWS, head_size + 2)
+
+
 def decode_attention_scratch_shape(b: int, n_q_heads: int, head_size: int, max_seq: int) -> tuple[int, int, int]:
     """Shape (P, Hq, hs + 2) of the fp32 scratch decode_attention needs for batches of up to b rows.
 
-    P rows of partial states (o, m, l) per q head: enough for every batch size 1..b at the split count
-    it gets on an H200, so one scratch sized for the largest batch serves all smaller ones.
+    The leading _counter_rows(hs) rows hold arrival counters (they need no initialisation: the kernel
+    restarts any counter not tagged with the current length and leaves each at zero), the rest partial
+    states (o, m, l) per q head: enough for every batch size 1..b at the split count it gets on an
+    H200, so one scratch sized for the largest batch serves all smaller ones, and the counters sit at
+    the same place for all of them.
     """
     if b < 1 or n_q_heads < 1 or head_size < 1 or max_seq < 1:
         raise ValueError(
@@ -104,7 +116,7 @@ def decode_attention_scratch_shape(b: int, n_q_heads: int, head_size: int, max_s
             f"max_seq = {max_seq} must be positive"
         )
     rows = max(bb * _splits(bb, max_seq, 1, _H200_SMS) for bb in range(1, b + 1))
-    return (rows, n_q_heads, head_size + 2)
+    return (_counter_rows(head_size) + rows, n_q_heads, head_size + 2)
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -244,12 +256,15 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
     expect(out, f"{what} out", qkv.dtype, (b, n_q_heads * hs))
     expect(lengths, f"{what} lengths", INT32, (b,))
     expect(scratch, f"{what} scratch", FP32, (None, n_q_heads, hs + 2))
-    if scratch.shape[0] < b:
+    counter_rows = _counter_rows(hs)
+    if scratch.shape[0] < counter_rows + b:
         raise ValueError(
-            f"{what} scratch: expected at least {b} rows, as decode_attention_scratch_shape({b}, {n_q_heads}, "
-            f"{hs}, {max_seq}) = {decode_attention_scratch_shape(b, n_q_heads, hs, max_seq)}, got tensor "
-            f"{scratch.name!r} {scratch.shape}"
+            f"{what} scratch: expected at least {counter_rows + b} rows, as decode_attention_scratch_shape({b}, "
+            f"{n_q_heads}, {hs}, {max_seq}) = {decode_attention_scratch_shape(b, n_q_heads, hs, max_seq)}, got "
+            f"tensor {scratch.name!r} {scratch.shape}"
         )
+    if b > _MAX_ROWS:
+        raise ValueError(f"{what}: {b} rows; the scratch keeps counters for at most {_MAX_ROWS}")
     dev = same_device(out, qkv, k_cache, v_cache, lengths, scratch)
     if _overlap(out, qkv):
         raise ValueError(f"{what}: out {out.name!r} overlaps qkv {qkv.name!r}")
@@ -269,13 +284,17 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
     tiles = ceil_div(group, _MAX_TILE_HEADS)
     tile_heads = ceil_div(group, tiles)
     gm = 1 << (tile_heads - 1).bit_length()
-    S = min(_splits(b, max_seq, n_kv_heads * tiles, dev.num_sms), scratch.shape[0] // b)
+    S = min(_splits(b, max_seq, n_kv_heads * tiles, dev.num_sms), (scratch.shape[0] - counter_rows) // b)
+    fused = S <= _FUSE_MAX_SPLITS
+    part_offset = np.int64(counter_rows * n_q_heads * (hs + 2))
     suf = _SUFFIX[qkv.dtype.name]
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(hs))
     args = (scratch, out, qkv, k_cache, v_cache, lengths, np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs),
-            np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(tile_heads), scale_log2)  # fmt: skip
+            np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(tile_heads), scale_log2, part_offset,
+            np.int32(fused))  # fmt: skip
     name = f"decode_attention_split_{suf}_{layout}_g{gm}"
-    launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream)
-    if S > 1:
-        args = (out, scratch, lengths, np.int32(n_q_heads), np.int32(hs), np.int32(max_seq), np.int32(S))
+    smem = 4 * tile_heads * S if fused else 0  # the fused merge's weights
+    launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream, shared_mem=smem)
+    if not fused:
+        args = (out, scratch, lengths, np.int32(n_q_heads), np.int32(hs), np.int32(max_seq), np.int32(S), part_offset)
         launch(FAMILY, f"decode_attention_combine_{suf}", b * n_q_heads, 128, args, dev, stream, shared_mem=4 * S)
