@@ -3,7 +3,7 @@ aliasing, deterministic dweight, and cpu vs cuda."""
 
 import numpy as np
 import pytest
-from conftest import ROWS, assert_close, check_op, rng, tensors
+from conftest import ROWS, assert_close, check_op, finite_difference, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.rmsnorm import (
@@ -66,18 +66,8 @@ def test_backward_twin_matches_finite_differences():
     def loss(x_, w_):
         return np.sum(g.astype(np.float64) * ref64(x_, w_))
 
-    x64, w64, h = x.astype(np.float64), w.astype(np.float64), 1e-6
-    fdx, fdw = np.zeros_like(x64), np.zeros_like(w64)
-    for idx in np.ndindex(*x.shape):
-        xp, xm = x64.copy(), x64.copy()
-        xp[idx] += h
-        xm[idx] -= h
-        fdx[idx] = (loss(xp, w64) - loss(xm, w64)) / (2 * h)
-    for i in range(w.size):
-        wp, wm = w64.copy(), w64.copy()
-        wp[i] += h
-        wm[i] -= h
-        fdw[i] = (loss(x64, wp) - loss(x64, wm)) / (2 * h)
+    fdx = finite_difference(lambda x64: loss(x64, w.astype(np.float64)), x)
+    fdw = finite_difference(lambda w64: loss(x.astype(np.float64), w64), w)
     np.testing.assert_allclose(dinp, dres + fdx, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dweight, fdw, rtol=1e-4, atol=1e-5)
 

@@ -3,7 +3,7 @@ in place and out of place, and cpu vs cuda."""
 
 import numpy as np
 import pytest
-from conftest import assert_close, check_op, rng, tensors
+from conftest import assert_close, check_op, finite_difference, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.rope import rope_backward, rope_forward, rope_freqs, rope_np
@@ -64,13 +64,7 @@ def test_backward_twin_matches_finite_differences():
     x = rng(1).standard_normal((2, 3, (hq + 2 * hkv) * hs))
     dout = rng(2).standard_normal(x.shape)
     dx = rope_np(dout.astype(np.float32), rope_freqs(3, hs, theta), hq, hkv, inverse=True)
-    h = 1e-6
-    fd = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[idx] += h
-        xm[idx] -= h
-        fd[idx] = np.sum(dout * (ref64(xp, hq, hkv, hs, theta) - ref64(xm, hq, hkv, hs, theta))) / (2 * h)
+    fd = finite_difference(lambda x64: np.sum(dout * ref64(x64, hq, hkv, hs, theta)), x)
     np.testing.assert_allclose(dx, fd, rtol=1e-4, atol=1e-5)
 
 
