@@ -1,5 +1,5 @@
-// FP8 support: abs-max, per-tensor quantisation (plain and fused with a transpose), byte
-// transposes, and the bias gradient.
+// FP8 support: abs-max, per-tensor quantisation (plain, fused with a transpose, or both copies from
+// one read: quantize_dual), byte transposes, and the bias gradient.
 //
 // - abs_max max-accumulates |x| into one fp32 slot (zero it first). The max is taken on the
 //   float bit patterns as unsigned integers: they order like |x|, NaN sorts above inf (so a NaN
@@ -131,8 +131,10 @@ __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, cons
 // One tile: 32 * RW rows of inp (n) by 64 columns (c); 256 threads, thread (a, b) owns rows
 // RW*a .. RW*a+RW-1 and columns 8b .. 8b+7. QUANT converts Tin to the fp8 Tq with `scale`;
 // otherwise Tin and Tout are the same raw-bits type and are moved unchanged (NaN payloads too).
-template <typename Tin, typename Tout, typename Tq, bool QUANT, bool VEC>
-__device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float scale) {
+// ROWS (with QUANT, 1-byte out): the quantised bytes are also stored untransposed into rows (N, C),
+// 8 bytes per thread and row, so one read of inp gives both FP8 copies.
+template <typename Tin, typename Tout, typename Tq, bool QUANT, bool VEC, bool ROWS = false>
+__device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float scale, u8* rows = nullptr) {
     constexpr int S = sizeof(Tout);
     constexpr int RW = 4 / S;
     constexpr int TN = 32 * RW, TC = 64, EPC = 16 / S;  // EPC: out elements per 16-byte chunk
@@ -165,6 +167,7 @@ __device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float sc
                 if (have[k]) v[k] = row[c + k];
             }
         }
+        u32 row_bytes[2] = {0u, 0u};  // ROWS: the 8 quantised bytes of this row, little-endian
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             if (!have[k]) continue;
@@ -172,6 +175,17 @@ __device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float sc
             if constexpr (QUANT) bits = fp8x2_bits<Tq>(to_float(v[k]) * scale, 0.f);
             else bits = (u32)v[k];
             words[k] |= bits << (8 * S * r);
+            if constexpr (ROWS) row_bytes[k / 4] |= (bits & 0xffu) << (8 * (k % 4));
+        }
+        if constexpr (ROWS) {
+            u8* dst = rows + (size_t)n * C + c;
+            if (VEC) {
+                if (have[0]) *reinterpret_cast<uint2*>(dst) = make_uint2(row_bytes[0], row_bytes[1]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (have[k]) dst[k] = (u8)(row_bytes[k / 4] >> (8 * (k % 4)));
+            }
         }
     }
 #pragma unroll
@@ -201,6 +215,18 @@ __device__ void quantize_transpose_impl(Tq* out, float* stats, const float* amax
     const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
     write_stats(stats, amax_src, amax, scale);
     transpose_tile<Tin, u8, Tq, true, VEC>(reinterpret_cast<u8*>(out), inp, N, C, scale);
+}
+
+// Both FP8 copies of inp (N, C) from one read: rows (N, C) and out (C, N), the same values and stats.
+template <typename Tin, typename Tq, bool VEC>
+__device__ void quantize_dual_impl(Tq* rows, Tq* out, float* stats_rows, float* stats_out, const float* amax_src,
+                                   const Tin* inp, int N, int C) {
+    const float amax = *amax_src;
+    const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
+    write_stats(stats_rows, amax_src, amax, scale);
+    if (stats_out != stats_rows) write_stats(stats_out, amax_src, amax, scale);
+    transpose_tile<Tin, u8, Tq, true, VEC, true>(reinterpret_cast<u8*>(out), inp, N, C, scale,
+                                                 reinterpret_cast<u8*>(rows));
 }
 
 // ---- bias backward ----------------------------------------------------------------------------
@@ -294,6 +320,16 @@ ABS_MAX_KERNELS(bf16, bf16)
     extern "C" __global__ void __launch_bounds__(256) quantize_transpose_##SUF##_##QSUF##_scalar(             \
         TQ* out, float* stats, const float* amax, const TIN* inp, int N, int C) {                             \
         quantize_transpose_impl<TIN, TQ, false>(out, stats, amax, inp, N, C);                                 \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF(                           \
+        TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
+        int C) {                                                                                              \
+        quantize_dual_impl<TIN, TQ, true>(rows, out, stats_rows, stats_out, amax, inp, N, C);                 \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF##_scalar(                  \
+        TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
+        int C) {                                                                                              \
+        quantize_dual_impl<TIN, TQ, false>(rows, out, stats_rows, stats_out, amax, inp, N, C);                \
     }
 QUANT_KERNELS(f32, float, e4m3, fp8e4)
 QUANT_KERNELS(f32, float, e5m2, fp8e5)
@@ -328,4 +364,4 @@ BIAS_KERNELS(f32, float)
 BIAS_KERNELS(bf16, bf16)
 
 // launchers: cuengine/kernels/fp8.py (abs_max, quantize_with_abs_max, quantize_and_transpose,
-// transpose, bias_backward)
+// quantize_dual, transpose, bias_backward)

@@ -117,6 +117,30 @@ def test_quantize_and_transpose_is_transposed_quantize(fp8_name, shape):
     np.testing.assert_array_equal(tq.fp8_stats(), plain.fp8_stats())
 
 
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("shape", [(1, 8), (37, 24), (3, 5, 40)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_quantize_dual_is_quantize_then_transpose(fp8_name, shape, shared):
+    cpu = ce.device("cpu")
+    x = ce.Tensor.from_numpy(data(shape, "bf16", seed=9), cpu)
+    c = shape[-1]
+    n = x.nelem // c
+    plain, plain_t = ce.Tensor.empty(fp8_name, shape, cpu), ce.Tensor.empty(fp8_name, (c, n), cpu)
+    plain.abs_max.copy_from_numpy(np.array([2.5], np.float32))  # below max|x|: saturation too
+    fp8.quantize_with_abs_max(plain, x)
+    fp8.transpose(plain_t, plain)
+    out = ce.Tensor.empty(fp8_name, shape, cpu, name="q")
+    out_tp = ce.Tensor.empty(fp8_name, (c, n), cpu, name="qt")
+    if shared:
+        out_tp = out_tp.with_stats(out.stats)
+    out.abs_max.copy_from_numpy(np.array([2.5], np.float32))
+    fp8.quantize_dual(out, out_tp, x)
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), plain.numpy().view(np.uint8))
+    np.testing.assert_array_equal(out_tp.numpy().view(np.uint8), plain_t.numpy().view(np.uint8))
+    np.testing.assert_array_equal(out.fp8_stats(), plain.fp8_stats())
+    np.testing.assert_array_equal(out_tp.fp8_stats(), plain.fp8_stats())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "e4m3", "e5m2", "byte"])
 @pytest.mark.parametrize("shape", [(1, 1), (37, 5), (4, 3, 7)])
 def test_transpose_moves_bits(dtype, shape):
@@ -179,6 +203,15 @@ def test_errors_quantize():
         fp8.quantize_with_abs_max(_t("e4m3", (4, 8)), x, abs_max=_t(ce.FP32, (3,)))
     with pytest.raises(ValueError, match=r"quantize_and_transpose: out: expected shape \(8, 4\)"):
         fp8.quantize_and_transpose(_t("e5m2", (4, 8)), x)
+    with pytest.raises(ValueError, match=r"quantize_dual: out_tp: expected shape \(8, 4\)"):
+        fp8.quantize_dual(_t("e4m3", (4, 8)), _t("e4m3", (4, 8)), x)
+    with pytest.raises(ValueError, match=r"quantize_dual: out_tp: expected dtype e4m3, got tensor 'qt' e5m2"):
+        fp8.quantize_dual(_t("e4m3", (4, 8)), _t("e5m2", (8, 4), "qt"), x)
+    with pytest.raises(ValueError, match=r"quantize_dual: out 't' \(4, 9\) and inp .* different numbers of elements"):
+        fp8.quantize_dual(_t("e4m3", (4, 9)), _t("e4m3", (8, 4)), x)
+    bare_t = ce.Tensor(ce.FP8_E4M3, (8, 4), ce.device("cpu"), np.zeros(32, np.uint8), name="bare_t")
+    with pytest.raises(ValueError, match=r"quantize_dual \(out_tp\): out 'bare_t'.*carries no FP8 stats"):
+        fp8.quantize_dual(_t("e4m3", (4, 8)), bare_t, x)
 
 
 def test_errors_transpose():
@@ -290,6 +323,39 @@ def test_cuda_quantize_and_transpose(fp8_name, dtype, shape):
     (q_cpu, s_cpu), (q_cuda, s_cuda) = both(fn)
     np.testing.assert_array_equal(s_cuda, s_cpu)
     fp8_close(q_cuda, q_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES + [(4, 2, 96), (8192, 9728)])
+@pytest.mark.parametrize("align", [True, False])
+def test_cuda_quantize_dual_equals_quantize_then_transpose(fp8_name, dtype, shape, align):
+    """Bit for bit the cuda quantize + transpose it replaces in the FP8 backward (and the weights'
+    requantize), values and stats, aligned (16-byte kernels) or not (scalar kernels)."""
+    x = data(shape, dtype, seed=shape[-1] + 1)
+    c = shape[-1]
+    n = x.size // c
+    dev = ce.device("cuda")
+    inp = ce.Tensor.from_numpy(x, dev) if align else unaligned(dev, x, dtype)
+    plain, plain_t = ce.Tensor.empty(fp8_name, shape, dev), ce.Tensor.empty(fp8_name, (c, n), dev)
+    plain.abs_max.copy_from_numpy(np.array([2.0], np.float32))
+    fp8.quantize_with_abs_max(plain, inp)
+    fp8.transpose(plain_t, plain)
+    out = ce.Tensor.empty(fp8_name, shape, dev, name="q")
+    out_tp = ce.Tensor.empty(fp8_name, (c, n), dev, name="qt").with_stats(out.stats)
+    out.abs_max.copy_from_numpy(np.array([2.0], np.float32))
+    fp8.quantize_dual(out, out_tp, inp)
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), plain.numpy().view(np.uint8))
+    np.testing.assert_array_equal(out_tp.numpy().view(np.uint8), plain_t.numpy().view(np.uint8))
+    np.testing.assert_array_equal(out.fp8_stats(), plain.fp8_stats())
+    own = ce.Tensor.empty(fp8_name, (c, n), dev, name="qt_own")  # a separate stats slot gets the stats too
+    fp8.quantize_dual(out, own, inp)
+    np.testing.assert_array_equal(own.fp8_stats(), plain.fp8_stats())
+    q_cpu = ce.Tensor.empty(fp8_name, shape, "cpu")
+    q_cpu.abs_max.copy_from_numpy(np.array([2.0], np.float32))
+    fp8.quantize_dual(q_cpu, ce.Tensor.empty(fp8_name, (c, n), "cpu"), ce.Tensor.from_numpy(x, "cpu"))
+    fp8_close(out.numpy(), q_cpu.numpy())
 
 
 @pytest.mark.gpu

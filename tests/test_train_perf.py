@@ -109,3 +109,25 @@ def test_qwen25_3b_preset():
     assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_size) == (
         2048, 11008, 36, 16, 2, 128)  # fmt: skip
     assert c.tied_embeddings and c.qkv_bias and c.vocab_size == 151936
+
+
+# ---- FP8: the weights' transposed E4M3 copies ---------------------------------------------------------
+def _check_fp8_transposes(m):
+    assert m.weights.fp8_tp and m.weights.fp8_tp.keys() == m.weights.fp8.keys()
+    for name, q in m.weights.fp8.items():
+        tp = m.weights.fp8_tp[name]
+        assert tp.shape == q.shape[::-1] and tp.stats.ptr == q.stats.ptr, name
+        np.testing.assert_array_equal(tp.numpy().view(np.uint8), q.numpy().view(np.uint8).T, err_msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_weight_transposes_follow_every_update(device):
+    """The backward's dinp GEMMs read weights.fp8_tp: it must be W8ᵀ after init and after each update."""
+    m = make(device, "tiny-hs64", matmul_dtype="e4m3")
+    _check_fp8_transposes(m)
+    before = {k: v.numpy().copy() for k, v in m.weights.fp8_tp.items()}
+    for s in range(2):
+        m.train_step(*batch(m.cfg, s), lr=1e-2)
+    _check_fp8_transposes(m)
+    assert any(not np.array_equal(before[k], v.numpy()) for k, v in m.weights.fp8_tp.items())
+    assert make(device).weights.fp8_tp == {}  # bf16 matmuls keep no FP8 copies

@@ -1,7 +1,10 @@
-"""FP8 per-tensor scaling: abs-max, quantise, quantise+transpose, transpose, bias gradient.
+"""FP8 per-tensor scaling: abs-max, quantise, quantise+transpose, both copies at once, transpose,
+bias gradient.
 
 Hopper FP8 GEMMs are TN only, so the backward needs transposed FP8 copies; the
-quantise and the transpose are fused so the bf16 source is read once. Scales
+quantise and the transpose are fused so the bf16 source is read once, and `quantize_dual`
+writes the plain and the transposed copy from that one read (a gradient, or a weight after its
+update, needs both). Scales
 follow `cuengine.tensor.stats_values`: scale = fp8_max / abs_max, scale_inv =
 1 / scale, and an abs-max of 0 (or a non-finite one) gives 1 and 1.
 """
@@ -100,6 +103,14 @@ def abs_max(amax, inp, stream=None) -> None:
     _build.launch("fp8", name, grid, 512, (amax, inp, np.int64(n)), dev, stream)
 
 
+def _write_twin_stats(out, stats, src) -> None:
+    """The cpu path's stats: scale and scale_inv, and abs_max unless out's own slot was the source."""
+    st = out.stats.array()
+    st[STAT_SCALE], st[STAT_SCALE_INV] = stats[1:]
+    if src.ptr != out.abs_max.ptr:
+        st[STAT_ABS_MAX] = stats[0]
+
+
 def quantize_with_abs_max(out, inp, abs_max=None, stream=None) -> None:
     """Quantise `inp` to FP8 with per-tensor scaling, writing out's stats.
 
@@ -127,10 +138,7 @@ def quantize_with_abs_max(out, inp, abs_max=None, stream=None) -> None:
     if dev.is_cpu:
         q, stats = quantize_reference(inp.array(), src.array()[0], out.dtype)
         out.array()[...] = q.reshape(out.shape)
-        st = out.stats.array()
-        st[STAT_SCALE], st[STAT_SCALE_INV] = stats[1:]
-        if src.ptr != out.abs_max.ptr:
-            st[STAT_ABS_MAX] = stats[0]
+        _write_twin_stats(out, stats, src)
         return
     vec = _checks.is_aligned(out, inp)
     name = _build.kernel_name("quantize", inp, out, scalar=not vec)
@@ -167,15 +175,59 @@ def quantize_and_transpose(out, inp, abs_max=None, stream=None) -> None:
     if dev.is_cpu:
         q, stats = quantize_reference(inp.array().reshape(n, c), src.array()[0], out.dtype)
         out.array()[...] = q.T
-        st = out.stats.array()
-        st[STAT_SCALE], st[STAT_SCALE_INV] = stats[1:]
-        if src.ptr != out.abs_max.ptr:
-            st[STAT_ABS_MAX] = stats[0]
+        _write_twin_stats(out, stats, src)
         return
     vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, inp)
     name = _build.kernel_name("quantize_transpose", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
     _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream)
+
+
+def quantize_dual(out, out_tp, inp, abs_max=None, stream=None) -> None:
+    """Quantise `inp` (N, C) to FP8 once and store it twice: `out` (N, C) and `out_tp` (C, N).
+
+    The values are bit for bit those of `quantize_with_abs_max(out, inp)` followed by
+    `transpose(out_tp, out)`, in one pass over inp (its bf16 is read once, and out is not read
+    back), for the backward's dout and the weights' FP8 copies, which the TN-only FP8 GEMMs need
+    both ways round.
+
+    Args:
+        out: FP8 (e4m3 or e5m2) with a stats slot, N*C elements (any shape); values and stats.
+        out_tp: (C, N), out's dtype, with a stats slot (its own, or out's: `out_tp.with_stats(out.stats)`);
+            the transposed values and the same stats.
+        inp: (..., C) fp32 or bf16; leading dimensions are flattened to N.
+        abs_max: as in `quantize_with_abs_max` (None: out.abs_max).
+
+    NumPy equivalent: `q = quantize_reference(inp.reshape(-1, C), abs_max, out.dtype)[0]`;
+    `out = q`, `out_tp = q.T`.
+    """
+    what = "quantize_dual"
+    _checks.expect(inp, f"{what}: inp", dtype=(FP32, BF16))  # (N, C)
+    n, c = _rows_cols(inp, what)
+    _checks.expect(out, f"{what}: out", dtype=(FP8_E4M3, FP8_E5M2))  # (N, C), any shape
+    if out.nelem != inp.nelem:
+        raise ValueError(
+            f"{what}: out {out.name!r} {out.shape} and inp {inp.name!r} {inp.shape} hold different numbers of elements"
+        )
+    _checks.expect(out_tp, f"{what}: out_tp", dtype=out.dtype, shape=(c, n))  # (C, N)
+    src = _amax_slot(abs_max, out, what)  # (1,)
+    _amax_slot(None, out_tp, what + " (out_tp)")
+    dev = _checks.same_device(out, out_tp, inp, src)
+    if n == 0:
+        return
+    if dev.is_cpu:
+        q, stats = quantize_reference(inp.array().reshape(n, c), src.array()[0], out.dtype)
+        out.array()[...] = q.reshape(out.shape)
+        out_tp.array()[...] = q.T
+        _write_twin_stats(out, stats, src)
+        if out_tp.stats.ptr != out.stats.ptr:
+            _write_twin_stats(out_tp, stats, src)
+        return
+    vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, out_tp, inp)
+    name = _build.kernel_name("quantize_dual", inp, out, scalar=not vec)
+    grid = _transpose_grid(n, c, 1, what)
+    args = (out, out_tp, out.stats, out_tp.stats, src, inp, np.int32(n), np.int32(c))
+    _build.launch("fp8", name, grid, 256, args, dev, stream)
 
 
 def transpose(out, inp, stream=None) -> None:

@@ -47,6 +47,7 @@ class Kernels:
     abs_max: Callable = fp8.abs_max
     quantize_with_abs_max: Callable = fp8.quantize_with_abs_max
     quantize_and_transpose: Callable = fp8.quantize_and_transpose
+    quantize_dual: Callable = fp8.quantize_dual
     transpose: Callable = fp8.transpose
     bias_backward: Callable = fp8.bias_backward
     fused_classifier: Callable = classifier.fused_classifier
@@ -103,8 +104,10 @@ class Blocks:
         """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
 
         FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
-        both GEMMs are TN, so W, dout and inp are transposed into stack temporaries first
-        (inp from its stored FP8 copy when `reuse_inp`, else quantized and transposed at once).
+        both GEMMs are TN, so they read W's transposed E4M3 copy (made with W8 after each update)
+        and transposed copies of dout (written by the same pass as its plain copy) and inp (from
+        its stored FP8 copy when `reuse_inp`, else quantized and transposed at once), both stack
+        temporaries.
         """
         k, stack = self.k, self.rs.stack
         if dbias is not None:
@@ -115,23 +118,19 @@ class Blocks:
             return
         OC, C = dout.value.shape[-1], inp.value.shape[-1]
         N = dout.value.nelem // OC
-        k.quantize_with_abs_max(dout.quant, dout.value)
-        w8 = self.weights.fp8[wname]  # (OC, C)
-        with stack.temporary(w8.dtype, (C, OC), "weight_tp") as w_tp:
-            w_tp = w_tp.with_stats(w8.stats)
-            k.transpose(w_tp, w8)
-            k.matmul(dinp, dout.quant, w_tp)  # (N, OC) · (C, OC)ᵀ
-        act_raw = stack.allocate(inp.quant.dtype, (C, N), "act_tp")
         grad_raw = stack.allocate(dout.quant.dtype, (OC, N), "grad_tp")
-        act_tp, grad_tp = act_raw.with_stats(inp.quant.stats), grad_raw.with_stats(dout.quant.stats)
+        grad_tp = grad_raw.with_stats(dout.quant.stats)
+        k.quantize_dual(dout.quant, grad_tp, dout.value)  # one read of dout for both copies
+        k.matmul(dinp, dout.quant, self.weights.fp8_tp[wname])  # (N, OC) · (C, OC)ᵀ
+        act_raw = stack.allocate(inp.quant.dtype, (C, N), "act_tp")
+        act_tp = act_raw.with_stats(inp.quant.stats)
         if reuse_inp:
             k.transpose(act_tp, inp.quant)
         else:
             k.quantize_and_transpose(act_tp, inp.value)
-        k.transpose(grad_tp, dout.quant)
         k.matmul(dweight, grad_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
-        stack.free(grad_raw)
         stack.free(act_raw)
+        stack.free(grad_raw)
 
     @contextlib.contextmanager
     def _quant_on_stack(self, t: QuantTensor):

@@ -93,7 +93,9 @@ class ModelWeights:
         cfg: TransformerConfig.
         dtype: the model dtype ("bf16"/"fp32").
         alloc: the TensorAllocator.
-        fp8: also keep E4M3 copies of the block matrices (with their scales) for FP8 matmuls.
+        fp8: also keep E4M3 copies of the block matrices (with their scales) for FP8 matmuls, and
+            their transposes (`fp8_tp`, sharing the stats slot) for the backward's TN-only dinp GEMM:
+            made once per update from the same read of the weights, not once per backward matmul.
     """
 
     def __init__(self, cfg, dtype, alloc, fp8: bool = False):
@@ -108,11 +110,14 @@ class ModelWeights:
         self._blocks = [{k[len(f"layers.{i}.") :]: v for k, v in self.tensors.items() if k.startswith(f"layers.{i}.")}
                         for i in range(cfg.num_layers)]  # fmt: skip
         self.fp8: dict[str, Tensor] = {}
+        self.fp8_tp: dict[str, Tensor] = {}  # (C, OC) of each (OC, C) E4M3 copy, with its stats
         if fp8:
             with alloc.context("Weights FP8"):
                 for name, shape, _ in self.specs:
                     if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS:
-                        self.fp8[name] = alloc.allocate("e4m3", name + ".q", shape)
+                        q = self.fp8[name] = alloc.allocate("e4m3", name + ".q", shape)
+                        tp = alloc.allocate("e4m3", name + ".qT", shape[::-1], stats=False)
+                        self.fp8_tp[name] = tp.with_stats(q.stats)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -165,8 +170,8 @@ class ModelWeights:
 
     # ---- FP8 copies --------------------------------------------------------------------------
     def requantize(self, stream=None) -> None:
-        """Refresh the E4M3 copies (abs-max, scales, values) from the master weights; runs after
-        every update, in stream order, without a host sync."""
+        """Refresh the E4M3 copies and their transposes (abs-max, scales, values) from the master
+        weights; runs after every update, in stream order, without a host sync."""
         if not self.fp8:
             return
         from ..kernels import fp8
@@ -174,7 +179,7 @@ class ModelWeights:
         for name, q in self.fp8.items():
             q.abs_max.fill_zero(stream)
             fp8.abs_max(q.abs_max, self.tensors[name], stream=stream)
-            fp8.quantize_with_abs_max(q, self.tensors[name], q.abs_max, stream=stream)
+            fp8.quantize_dual(q, self.fp8_tp[name], self.tensors[name], q.abs_max, stream=stream)
 
     # ---- HF safetensors ----------------------------------------------------------------------
     def load_hf(self, path, allow_cast: bool = False) -> None:
