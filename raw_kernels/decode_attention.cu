@@ -310,13 +310,16 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     }
     if (nact <= 1 || !fused) return;
     __shared__ bool s_last;
-    __syncthreads();  // every partial of this block is written
+    __threadfence();  // each thread's partials reach the device before the block's arrival
+    __syncthreads();
     if (threadIdx.x == 0) {
         unsigned long long* counters = reinterpret_cast<unsigned long long*>(scratch);
         s_last = arrive(counters + (size_t)i * gridDim.y + blockIdx.y, (unsigned)len, (unsigned)nact);
     }
     __syncthreads();
-    if (s_last) merge_partials<T>(out, partials, Hq, hs, S, i, h0, gt, nact);
+    if (!s_last) return;
+    __threadfence();
+    merge_partials<T>(out, partials, Hq, hs, S, i, h0, gt, nact);
 }
 
 // One block per (row, q head) of the rows with two splits or more: weights 2^(m_s - M) of the active
