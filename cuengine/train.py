@@ -4,9 +4,9 @@
 from a schedule (any `step -> lr` callable; `Schedule` is the usual warm-up and decay), gradient
 accumulation, a non-finite loss stops the run before the update, validation and checkpoints at a
 cadence (steps and wall time), and hooks that see one record per step. `cuengine train` is argument
-parsing, a progress line and a JSON-lines log around it.
+parsing, a progress line and a JSON-lines log around it (README.md has a worked example).
 
-    trainer = Trainer(model, ce.data.TokenSource([tokens], "mine"), batch_size=8, seq_len=128,
+    trainer = Trainer(model, cuengine.data.TokenSource([tokens], "mine"), batch_size=8, seq_len=128,
                       steps=200, lr=Schedule(200, lr=1e-3, warmup=20))
     trainer.run()
 """
@@ -59,25 +59,29 @@ class Schedule:
 
 
 def optimizer_step(model, source, B: int, T: int, accum: int, lr: float) -> float:
-    """One optimizer step over `accum` micro-batches of `source`; the mean loss. Raises
-    FloatingPointError (before the update) on a non-finite loss."""
+    """One optimizer step over `accum` micro-batches of `source`; the mean loss over their valid
+    targets (not -1), which is also what the gradient averages. Raises FloatingPointError (before
+    the update) on a non-finite loss or gradient norm (see `LlamaModel.finish_step`)."""
     if accum == 1:
         return model.train_step(*source.batch(B, T), lr=lr)
-    for micro in range(accum):
-        x, y = source.batch(B, T)
+    batches = [source.batch(B, T) for _ in range(accum)]
+    n = sum(int(np.count_nonzero(y != -1)) for _, y in batches)
+    for micro, (x, y) in enumerate(batches):
         model.forward(x)
-        model.backward(x, y, micro_step=micro, grad_accum_steps=accum)
-    loss = model.loss_sum() / (B * T * accum)  # the per-token losses accumulate over the micro-steps
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
-    model.update(lr=lr)
-    return loss
+        model.backward(x, y, micro_step=micro, grad_accum_steps=accum, valid_tokens=n)
+    return model.finish_step(lr, n)
 
 
 def evaluate(model, source, B: int, T: int, batches: int) -> float:
-    """Mean loss over the first `batches` batches of `source` (the same batches every time)."""
+    """Mean loss over the valid targets of the first `batches` batches of `source` (the same
+    batches every time)."""
     source.reset()
-    return float(np.mean([model.validate(*source.batch(B, T)) for _ in range(batches)]))
+    total = count = 0
+    for _ in range(batches):
+        x, y = source.batch(B, T)
+        n = int(np.count_nonzero(y != -1))
+        total, count = total + model.validate(x, y) * n, count + n
+    return total / count
 
 
 def memory_bytes(dev) -> int:
@@ -136,6 +140,8 @@ class Trainer:
         source's position. Returns the `checkpoint_extra` it was saved with. Checks first: a
         checkpoint of another model raises ValueError and changes nothing."""
         path = Path(checkpoint_dir) if checkpoint_dir is not None else self.checkpoint_dir
+        if path is None:
+            raise ValueError("Trainer.resume: no checkpoint directory given and no checkpoint_dir set")
         extra = self.model.load_checkpoint(path)
         self.source.load_state(extra["data"])
         self.step = self.last_saved = int(extra["step"])

@@ -178,6 +178,11 @@ def test_bad_arguments(kw, message):
         make_trainer(model=object(), **kw)
 
 
+def test_resume_needs_a_checkpoint_dir():
+    with pytest.raises(ValueError, match="no checkpoint directory"):
+        make_trainer(model=object()).resume()
+
+
 # ---- the README's Python, as written -------------------------------------------------------------
 README = Path(__file__).resolve().parents[1] / "README.md"
 
