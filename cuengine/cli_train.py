@@ -45,13 +45,13 @@ DEVICE_DEFAULTS = {
                  eval_every=100, eval_batches=16, sample_tokens=500),
 }
 TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", recompute=[], offload_residual=False,
-                      cuda_graphs=False, lmhead_chunks=1, weight_decay=0.1, grad_clip=1.0, seed=0, save_every=0,
-                      save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None, grad_dtype=None,
-                      log=None)
+                      cuda_graphs=False, lmhead_chunks=1, weight_decay=0.1, grad_clip=1.0, z_loss=0.0, seed=0,
+                      save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
+                      grad_dtype=None, log=None)
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
             "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "recompute", "offload_residual",
-            "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches",
+            "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "z_loss", "seed", "eval_every", "eval_batches",
             "save_every", "save_minutes", "log", "sample_tokens")
 # fmt: on
 # A resumed run sees the batches the uninterrupted run would: these may not change on --resume.
@@ -68,7 +68,8 @@ _TRAIN_NUMBERS = {
     "batch_size": (1, True), "seq_len": (1, True), "grad_accum": (1, True), "steps": (1, True),
     "lr": (0.0, False), "min_lr": (0.0, False), "warmup": (0, True), "eval_every": (0, True),
     "eval_batches": (1, True), "save_every": (0, True), "save_minutes": (0.0, False), "lmhead_chunks": (1, True),
-    "weight_decay": (0.0, False), "grad_clip": (0.0, False), "seed": (0, True), "stop_after": (1, True),
+    "weight_decay": (0.0, False), "grad_clip": (0.0, False), "z_loss": (0.0, False), "seed": (0, True),
+    "stop_after": (1, True),
     "print_every": (0, True), "sample_tokens": (0, True),
 }  # fmt: skip
 
@@ -144,7 +145,7 @@ def _train_options(run, cfg):
         opts = TrainOptions(model_dtype=run["dtype"], matmul_dtype=run["matmul_dtype"], grad_dtype=run["grad_dtype"],
                             offload_residual=run["offload_residual"], use_cuda_graphs=run["cuda_graphs"],
                             lmhead_chunks=run["lmhead_chunks"], weight_decay=run["weight_decay"],
-                            grad_clip=run["grad_clip"], seed=run["seed"], **kw)  # fmt: skip
+                            grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"], **kw)  # fmt: skip
         return opts.resolved(cfg.dtype)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -391,6 +392,7 @@ def add_train_parser(t) -> None:
     g.add_argument("--schedule", choices=("cosine", "linear", "constant"), help=_dflt("schedule"))
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay ({_dflt('weight_decay')})")
     g.add_argument("--grad-clip", type=float, help=f"global gradient-norm clip; 0 disables ({_dflt('grad_clip')})")
+    g.add_argument("--z-loss", type=float, help=f"weight of the z-loss term lse^2 in the loss ({_dflt('z_loss')})")
     g = t.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     engine_flags(g, _dflt("dtype"))
