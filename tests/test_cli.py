@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_llmc
 
 from cuengine import _cli_util, cli, data
 from cuengine import train as train_loop
@@ -48,13 +49,6 @@ def cli_proc(*argv, cwd, timeout=300, **kw):
 
 def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def write_llmc(path, tokens, magic=20240520, version=1):
-    header = np.zeros(256, "<i4")
-    header[:3] = magic, version, len(tokens)
-    path.write_bytes(header.tobytes() + np.asarray(tokens, "<u2").tobytes())
-    return path
 
 
 # ---- training -----------------------------------------------------------------------------------
