@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_close, rng
+from conftest import assert_close, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.attention import attention_forward_numpy
@@ -18,10 +18,6 @@ from cuengine.kernels.decode_attention import (
     rope_kv_append_np,
 )
 from cuengine.kernels.rope import rope_forward, rope_freqs, rope_np
-
-
-def tensors(dev, **arrays):
-    return {k: ce.Tensor.from_numpy(v, dev, name=k) for k, v in arrays.items()}
 
 
 def make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=0, max_batch=None):
