@@ -79,7 +79,8 @@ class NcclComm(Communicator):
     @classmethod
     def create(cls, rank: int, world_size: int, local_rank: int, timeout: float, mpi=None) -> NcclComm:
         """Join the job: pick cuda:<local_rank> (cuda:0 when the launcher shows each process one
-        GPU), get NCCL's unique id from rank 0 (TCP rendezvous, or MPI broadcast) and init NCCL."""
+        GPU) and make it current, get NCCL's unique id from rank 0 (TCP rendezvous, or MPI
+        broadcast) and init NCCL."""
         nccl = _nccl()
         import cupy
 
@@ -90,6 +91,9 @@ class NcclComm(Communicator):
             index = 0
         else:
             raise DistError(f"init: LOCAL_RANK={local_rank} but this process sees {count} GPUs")
+        # This process's GPU becomes the current device, as torch.cuda.set_device does, so code that
+        # uses the current device (CuPy arrays, library handles) lands on it too.
+        cupy.cuda.Device(index).use()
         dev = _get_device(f"cuda:{index}")
         if mpi is not None:
             uid = mpi.bcast(nccl.get_unique_id() if rank == 0 else None, root=0)
