@@ -159,6 +159,7 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
         dp.update(weights, buckets, opt, seed=42)
     out = {n: t.numpy() for n, t in weights.items()}
     out["loss_sums"] = sums
+    out["count"] = dp.global_count(comm.rank + 1)
     out["norm"] = opt.norm_result.numpy()
     if stage > 0:
         out["moments"] = dp.gather_moments()

@@ -543,9 +543,10 @@ def test_data_parallel_stages_agree_with_one_process(world):
                 np.testing.assert_array_equal(res[n], base[n], err_msg=f"stage {stage} rank {r} {n}")
                 np.testing.assert_allclose(res[n], a, rtol=1e-6, atol=1e-7, err_msg=f"stage {stage} {n}")
             np.testing.assert_array_equal(res["norm"], base["norm"])
-            # the host adds all ranks' per-token losses: their mean over ranks of the sums
-            want = [sum(float(np.sum(np.arange(6) + 10 * q + s)) for q in range(world)) / world for s in range(steps)]
+            # the host adds all ranks' per-token losses
+            want = [sum(float(np.sum(np.arange(6) + 10 * q + s)) for q in range(world)) for s in range(steps)]
             assert res["loss_sums"] == want
+            assert res["count"] == sum(range(1, world + 1))
     assert_close(base["norm"], ref_opt.norm_result.numpy(), "fp32", what="norm")
     # the gathered shard moments are the one-process moments
     for stage in (1, 2):

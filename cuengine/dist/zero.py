@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import FP32
+from ..dtypes import FP32, INT32
 from ..dtypes import dtype as _dtype
 from ..kernels import adamw, norm
 from .plan import ShardPlan
@@ -91,6 +91,8 @@ class DataParallel:
             self.losses_all = alloc.allocate(FP32, "losses.all_ranks", (comm.world_size * tokens,))
             self.losses_host = alloc.allocate(FP32, "losses.all_ranks_host", (comm.world_size * tokens,),
                                               kind="pinned")  # fmt: skip
+            self._count = alloc.allocate(INT32, "count.all_ranks", (1,))
+            self._count_host = alloc.allocate(INT32, "count.all_ranks_host", (1,), kind="pinned")
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
         self._micro, self._accum, self._drained = 0, 1, set()
         self.zero()
@@ -167,10 +169,23 @@ class DataParallel:
         self.comm.all_gather(self.losses_all, losses.reshape(-1))
 
     def loss_sum(self) -> float:
-        """Sum of every rank's per-token losses since micro-step 0, divided by world_size (so that
-        divided by one rank's B*T it is the mean over the whole batch); waits for the device."""
+        """Sum of every rank's per-token losses since micro-step 0 (gathered by `end_backward` or
+        `gather_losses`), added in the order one process with all ranks' rows would; waits for
+        the device."""
         self.device.copy(self.losses_host, self.losses_all)
-        return float(np.sum(self.losses_host.array(), dtype=np.float64)) / self.comm.world_size
+        return float(np.sum(self.losses_host.array(), dtype=np.float64))
+
+    def global_count(self, n: int) -> int:
+        """The sum over ranks of a host integer (e.g. each rank's valid targets): one small
+        all-reduce on the communication stream, which the host waits for (not for the main
+        stream's queued work). Call it between steps, never inside a captured graph."""
+        s = self.comm.stream
+        self._count_host.array()[0] = n
+        self.device.copy_async(self._count, self._count_host, stream=s)
+        self.comm.all_reduce(self._count, stream=s)
+        self.device.copy_async(self._count_host, self._count, stream=s)
+        s.synchronize()
+        return int(self._count_host.array()[0])
 
     # ---- the optimizer step ------------------------------------------------------------------------
     def _grad_piece(self, p):
