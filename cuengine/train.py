@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .benchmark import mfu
+from .model.llama import count_valid
 
 
 def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int, schedule: str) -> float:
@@ -60,16 +61,15 @@ class Schedule:
 
 def optimizer_step(model, source, B: int, T: int, accum: int, lr: float) -> float:
     """One optimizer step over `accum` micro-batches of `source`; the mean loss over their valid
-    targets (not -1), which is also what the gradient averages. Raises FloatingPointError (before
-    the update) on a non-finite loss or gradient norm (see `LlamaModel.finish_step`)."""
+    targets. Raises FloatingPointError (before the update) on a non-finite loss or gradient norm."""
     if accum == 1:
         return model.train_step(*source.batch(B, T), lr=lr)
     batches = [source.batch(B, T) for _ in range(accum)]
-    n = sum(int(np.count_nonzero(y != -1)) for _, y in batches)
+    valid = sum(count_valid(y) for _, y in batches)  # each valid target weighs 1/valid, as one big batch
     for micro, (x, y) in enumerate(batches):
         model.forward(x)
-        model.backward(x, y, micro_step=micro, grad_accum_steps=accum, valid_tokens=n)
-    return model.finish_step(lr, n)
+        model.backward(x, y, micro_step=micro, grad_accum_steps=accum, valid_tokens=valid)
+    return model.finish_step(lr, valid)
 
 
 def evaluate(model, source, B: int, T: int, batches: int) -> float:
