@@ -4,7 +4,6 @@ input (a device, a model directory, its weights or tokenizer, a number) into a U
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from pathlib import Path
 
@@ -97,20 +96,14 @@ def read_weights(model, model_dir) -> None:
 
 
 def token_stream(model_dir, cfg, dtype, dev, prompt: list[int], max_new_tokens: int, **sampling_kw):
-    """An iterator over the new tokens after `prompt` from the model in `model_dir`, each as it is
-    made: the inference engine's `model.stream`, or the logits sampler while the model has none.
-    Arguments the generator refuses (a prompt too long for its context) are a UsageError."""
+    """An iterator over the new tokens after `prompt` from the model in `model_dir`, each as the
+    inference engine makes it (`model.stream`). Arguments it refuses (a prompt too long for its
+    context) are a UsageError."""
     _, TrainOptions, LlamaModel = model_api()
     model = LlamaModel(cfg, TrainOptions(model_dtype=dtype), dev)
     read_weights(model, model_dir)
-    if hasattr(model, "stream"):
-        stream = model.stream
-    else:
-        from .model import sampling
-
-        stream = functools.partial(sampling.stream, model)
     try:
-        steps = stream([prompt], max_new_tokens, **sampling_kw)
+        steps = model.stream([prompt], max_new_tokens, **sampling_kw)
     except ValueError as err:
         raise UsageError(str(err)) from None
     return (token for step in steps for _, token in step)

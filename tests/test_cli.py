@@ -1,5 +1,5 @@
 """`cuengine train | generate | bench | info` on the cpu device: training on the default corpus,
-exact resumption, bad input (exit 2, one line, nothing written), sampling and the schedule."""
+exact resumption, bad input (exit 2, one line, nothing written), generation, Ctrl-C, help and packaging."""
 
 import argparse
 import importlib.util
@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 from conftest import write_llmc
 
-from cuengine import _cli_util, cli, data
+from cuengine import cli
 from cuengine import train as train_loop
-from cuengine.model import sampling
 
 try:
     from cuengine.model import LlamaModel, TransformerConfig  # noqa: F401
@@ -93,32 +92,6 @@ def test_generate_from_trained_model(trained, capsys):
     assert run_cli(capsys, *argv, "--seed", 3)[1] == text  # seeded
     code, greedy, _ = run_cli(capsys, *argv, "--temperature", 0)
     assert code == 0 and greedy == run_cli(capsys, *argv, "--temperature", 0, "--seed", 9)[1]
-
-
-@needs_model
-def test_fallback_sampler_counts_seeds_and_context(trained):
-    """The logits sampler that stands in for the inference engine's model.stream."""
-    _, out = trained
-    TransformerConfig, TrainOptions, LlamaModel = _cli_util.model_api()
-    cfg = TransformerConfig.from_pretrained(out / "model")
-    model = LlamaModel(cfg, TrainOptions(model_dtype="fp32"), _cli_util.open_device("cpu"))
-    model.import_weights(out / "model")
-    prompt = list(data.ByteTokenizer().encode("import os\nimport sys\n"))
-    steps = list(sampling.stream(model, [prompt], 10, temperature=1.0, seed=0))
-    assert all(len(step) == 1 and step[0][0] == 0 for step in steps)  # (prompt index, token) pairs
-    new = [step[0][1] for step in steps]
-    assert model.rs.B == 1 and model.rs.T == len(prompt) + 10  # allocated on first use
-    assert len(new) == 10 and all(0 <= t < 256 for t in new)
-    assert sampling.generate(model, [prompt], 10, temperature=1.0, seed=0) == [new]
-    greedy = sampling.generate(model, [prompt], 6)[0]
-    row = model.logits(np.asarray([prompt], np.int32))[0, -1]
-    assert greedy[0] == int(np.argmax(row))
-    stop = greedy[-1]
-    assert sampling.generate(model, [prompt], 6, stop_tokens=[stop])[0] == greedy[: greedy.index(stop) + 1]
-    with pytest.raises(ValueError, match="exceed the run state"):
-        sampling.stream(model, [prompt], 11)  # checked at the call, as the inference engine does
-    with pytest.raises(ValueError, match="exceed the model's context"):
-        sampling.stream(model, [prompt], cfg.max_position_embeddings)
 
 
 @needs_model
@@ -385,30 +358,6 @@ def test_command_line_process_exit_code(tmp_path):
 def test_info_still_works(capsys):
     code, out, _ = run_cli(capsys, "info", "--device", "cpu")
     assert code == 0 and "device: cpu" in out and "numpy:" in out
-
-
-# ---- schedule and sampling ----------------------------------------------------------------------
-def test_lr_schedules():
-    lr = lambda s, kind: train_loop.lr_at(s, 11, 1.0, 0.1, 2, kind)  # 11 steps, 2 of warm-up, min_lr 0.1
-    assert [lr(s, "cosine") for s in (0, 1, 2)] == [0.5, 1.0, 1.0]  # warm-up reaches lr at its last step
-    assert lr(5, "cosine") == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 3)))
-    assert lr(5, "linear") == pytest.approx(0.1 + 0.9 * (1 - 3 / 9))
-    assert lr(10, "linear") == pytest.approx(0.2) and lr(10, "cosine") > 0.1  # the last step still learns
-    assert lr(7, "constant") == 1.0
-    vals = [lr(s, "cosine") for s in range(2, 11)]
-    assert vals == sorted(vals, reverse=True)
-
-
-def test_sample_next():
-    rng = np.random.default_rng(0)
-    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
-    assert sampling.sample_next(logits, 0.0, 0, rng) == 1
-    assert sampling.sample_next(logits, 5.0, 1, rng) == 1
-    draws = [sampling.sample_next(logits, 1.0, 2, rng) for _ in range(2000)]
-    assert set(draws) == {1, 3}
-    p1 = math.exp(3.0) / (math.exp(3.0) + math.exp(2.9))
-    assert abs(draws.count(1) / 2000 - p1) < 0.04
-    assert set(sampling.sample_next(logits, 100.0, 0, rng) for _ in range(300)) == {0, 1, 2, 3}
 
 
 # ---- no traceback, no stranded run, help and output (issue 14) ----------------------------------------
