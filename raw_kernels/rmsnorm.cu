@@ -13,6 +13,10 @@
 // rows in order into dweight. The block count is the scratch's first dimension, a function of (N, C)
 // only (rmsnorm_scratch_shape), so results do not depend on the GPU. C: a multiple of the 16-byte
 // vector width.
+// Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) load a row's x, dout and
+// dresidual into registers with every load issued up front (one trip to memory per row), then run
+// both passes from registers; `rmsnorm_backward_*` (any C) reads them again in the second pass. Both
+// do the same arithmetic in the same order: the same bits.
 #include "common.cuh"
 
 constexpr int FWD_WARPS = 8;  // rows per forward block
@@ -63,7 +67,8 @@ __device__ void rmsnorm_forward_impl(T* out, float* rstd, T* residual, const T* 
 }
 
 // Block partials of dweight into scratch[blockIdx.x, :]; dynamic shared memory: warps * C floats.
-template <typename T>
+// V > 0: lane vector i of a row is channel (lane + 32 i) * VN, i < V, held in registers (C <= 32 V VN).
+template <typename T, int V>
 __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
                                       const T* weight, const float* rstd, float* abs_max, int N, int C) {
     extern __shared__ float s_dweight[];  // (warps, C); lane-owned entries, so no barrier until the end
@@ -77,6 +82,42 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
         const size_t base = (size_t)row * C;
         const float r = rstd[row];
         float dot = 0.f;  // sum(weight * dout * x)
+        if constexpr (V > 0) {
+            Pack16<T> xs[V], gs[V], drs[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const int c = (lane + 32 * i) * VN;
+                if (c < C) {
+                    xs[i] = Pack16<T>::load(inp + base + c);
+                    gs[i] = Pack16<T>::load(dout + base + c);
+                    drs[i] = Pack16<T>::load(dresidual + base + c);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const int c = (lane + 32 * i) * VN;
+                if (c >= C) continue;
+                const Pack16<T> w = Pack16<T>::load(weight + c);
+                for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(gs[i].v[k]) * to_float(xs[i].v[k]);
+            }
+            dot = warp_sum(dot);
+            const float coef = dot * r / C;
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const int c = (lane + 32 * i) * VN;
+                if (c >= C) continue;
+                const Pack16<T> w = Pack16<T>::load(weight + c);
+                Pack16<T> d;
+                for (int k = 0; k < VN; ++k) {
+                    const float xh = to_float(xs[i].v[k]) * r, gk = to_float(gs[i].v[k]);
+                    d.v[k] = from_float<T>(to_float(drs[i].v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
+                    my_dweight[c + k] += gk * xh;
+                    amax = max(amax, abs_bits(to_float(d.v[k])));
+                }
+                d.store(dinp + base + c);
+            }
+            continue;
+        }
         for (int c = lane * VN; c < C; c += 32 * VN) {
             const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
                             w = Pack16<T>::load(weight + c);
@@ -106,17 +147,44 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
-// dweight[c] += sum over p of scratch[p, c], in order of p.
+// dweight[c] += sum over p of scratch[p, c], added in order of p. A block of DW_WARPS warps owns 32
+// columns: all its warps load DW_CHUNK rows of them at once (coalesced, every load in flight), into
+// shared memory, where warp 0's lane c adds them in row order. One thread per column loading the
+// rows itself kept C/256 SMs busy and ran at their L2 bandwidth.
+constexpr int DW_WARPS = 32, DW_CHUNK = 256;
 template <typename T>
 __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, int P, int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float tile[DW_CHUNK][32];  // row p, column lane: conflict-free in both phases
+    constexpr int PER_WARP = DW_CHUNK / DW_WARPS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c = blockIdx.x * 32 + lane;
     float acc = 0.f;
-    for (int p = 0; p < P; ++p) acc += scratch[(size_t)p * C + c];
-    dweight[c] = from_float<T>(to_float(dweight[c]) + acc);
+    for (int p0 = 0; p0 < P; p0 += DW_CHUNK) {
+        const int rows = min(DW_CHUNK, P - p0);
+        float v[PER_WARP];
+#pragma unroll
+        for (int j = 0; j < PER_WARP; ++j) {
+            const int p = warp + DW_WARPS * j;
+            v[j] = p < rows && c < C ? scratch[(size_t)(p0 + p) * C + c] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < PER_WARP; ++j) tile[warp + DW_WARPS * j][lane] = v[j];
+        __syncthreads();
+        if (warp == 0)
+            for (int p = 0; p < rows; ++p) acc += tile[p][lane];
+        __syncthreads();
+    }
+    if (warp == 0 && c < C) dweight[c] = from_float<T>(to_float(dweight[c]) + acc);
 }
 
 // ---- launchers ----------------------------------------------------------------------------
+
+#define RMSNORM_BACKWARD_KERNEL(SUF, T, V, NAME)                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                 \
+        T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
+        const float* rstd, float* abs_max, int N, int C) {                                                  \
+        rmsnorm_backward_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);      \
+    }
 
 #define RMSNORM_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(FWD_WARPS * 32) rmsnorm_forward_##SUF(                     \
@@ -128,13 +196,13 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
         float eps, int N, int C) {                                                                          \
         rmsnorm_forward_impl<T, true>(out, rstd, residual, inp1, inp2, weight, abs_max, eps, N, C);         \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_##SUF(                               \
-        T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
-        const float* rstd, float* abs_max, int N, int C) {                                                  \
-        rmsnorm_backward_impl<T>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);         \
-    }                                                                                                       \
-    extern "C" __global__ void rmsnorm_backward_dweight_##SUF(T* dweight, const float* scratch, int P,      \
-                                                               int C) {                                     \
+    RMSNORM_BACKWARD_KERNEL(SUF, T, 0, rmsnorm_backward_##SUF)                                              \
+    RMSNORM_BACKWARD_KERNEL(SUF, T, 1, rmsnorm_backward_v1_##SUF)                                           \
+    RMSNORM_BACKWARD_KERNEL(SUF, T, 2, rmsnorm_backward_v2_##SUF)                                           \
+    RMSNORM_BACKWARD_KERNEL(SUF, T, 4, rmsnorm_backward_v4_##SUF)                                           \
+    RMSNORM_BACKWARD_KERNEL(SUF, T, 8, rmsnorm_backward_v8_##SUF)                                           \
+    extern "C" __global__ void __launch_bounds__(DW_WARPS * 32) rmsnorm_backward_dweight_##SUF(             \
+        T* dweight, const float* scratch, int P, int C) {                                                   \
         rmsnorm_backward_dweight_impl<T>(dweight, scratch, P, C);                                           \
     }
 RMSNORM_KERNELS(f32, float)

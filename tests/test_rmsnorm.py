@@ -207,3 +207,34 @@ def test_cuda_wide_rows(c):
     x, w, _, _ = make(37, c, "bf16")
     outs = {"out": np.zeros((37, c), np.float32), "rstd": np.zeros(37, np.float32)}
     check_op(rmsnorm_forward, {"inp": x, "weight": w}, outs, dtypes={"out": "bf16"}, compare={"rstd": "fp32"}, eps=EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,dtype", [(896, "bf16"), (1000, "bf16"), (1536, "bf16"), (2048, "bf16"), (264, "bf16"),
+                                     (64, "bf16"), (1024, "fp32"), (100, "fp32")])  # fmt: skip
+@pytest.mark.parametrize("rows", [37, 8192])
+def test_cuda_register_rows_bitwise_equal_to_the_looping_kernel(c, dtype, rows, monkeypatch):
+    """rmsnorm_backward_v<V> (the row in registers) gives the bits of the kernel that reads rows twice
+    (rmsnorm_backward_*, used for wide rows), and dweight is the partials added in order."""
+    import cuengine.kernels.rmsnorm as R
+
+    x, w, g, dres = make(rows, c, dtype, seed=c)
+    _, rstd = rmsnorm_forward_np(x, w, EPS)
+    dw0 = rng(1).standard_normal(c).astype(ce.dtype(dtype).np)
+    got = {}
+    for regs in (R._REG_VECTORS, ()):
+        monkeypatch.setattr(R, "_REG_VECTORS", regs)
+        scratch = np.zeros(rmsnorm_scratch_shape(rows, c), np.float32)
+        t = tensors(ce.device("cuda"), dinp=dres, dweight=dw0, dout=g, inp=x, weight=w, rstd=rstd,
+                    abs_max=np.zeros(1, np.float32), scratch=scratch)  # fmt: skip
+        rmsnorm_backward(t["dinp"], t["dweight"], t["scratch"], t["dinp"], t["dout"], t["inp"], t["weight"],
+                         t["rstd"], abs_max=t["abs_max"])  # fmt: skip
+        got[regs] = {k: t[k].numpy() for k in ("dinp", "dweight", "abs_max", "scratch")}
+        acc = np.zeros(c, np.float32)
+        for p in got[regs]["scratch"]:
+            acc += p
+        want = (dw0.astype(np.float32) + acc).astype(dw0.dtype)
+        np.testing.assert_array_equal(got[regs]["dweight"].view(np.uint8), want.view(np.uint8))
+    fast, loop = got.values()
+    for k in fast:
+        np.testing.assert_array_equal(fast[k].view(np.uint8), loop[k].view(np.uint8), err_msg=k)

@@ -21,6 +21,8 @@ _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
 _BWD_SMEM = 96 * 1024  # per-warp dweight partials in shared memory: warps * C * 4 bytes at most
 _BWD_MAX_WARPS = 8
 _MAX_PARTIALS = 512  # blocks of the backward = rows of the scratch
+_REG_VECTORS = (1, 2, 4, 8)  # rmsnorm_backward_v<V>: a row in registers, V 16-byte vectors per lane at most
+_DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -184,6 +186,9 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     check_aligned("rmsnorm_backward", dinp, dresidual, dout, inp, weight)
     warps, P = _backward_warps(C), scratch.shape[0]
     args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
-    launch(FAMILY, kernel_name("rmsnorm_backward", inp), P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
+    lane_vectors = ceil_div(C * inp.dtype.itemsize, 16 * 32)
+    v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
+    name = kernel_name(f"rmsnorm_backward_v{v}" if v else "rmsnorm_backward", inp)
+    launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
     args = (dweight, scratch, np.int32(P), np.int32(C))
-    launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, 256), 256, args, dev, stream)
+    launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, _DW_COLS), _DW_THREADS, args, dev, stream)
