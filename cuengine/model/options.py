@@ -20,8 +20,8 @@ _BACKENDS = ("auto", "raw", "cudnn")
 # `--memory` presets of the CLI and tools/bench_train.py: the recompute parts (TrainOptions.recompute_<part>)
 # each adds. "lean" recomputes the cheapest activations to rebuild: RMSNorm (two memory-bound passes
 # per layer) and SwiGLU (one); together about 2.3 GiB less at the 0.5B shape (B=8, T=1024, bf16;
-# 1.2 GiB with FP8 matmuls) for about 4% more step time. "default" recomputes nothing: it is the fastest, and already within the
-# memory target (<= 0.6x the compiled HF peer's peak).
+# 1.2 GiB with FP8 matmuls) for about 4% more step time. "default" recomputes nothing: it is the
+# fastest, and already within the memory target (<= 0.6x the compiled HF peer's peak).
 MEMORY_PRESETS = {"default": (), "lean": ("swiglu", "rmsnorm")}
 
 
