@@ -156,6 +156,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
                            const int* lengths, int Hq, int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads,
                            float scale_log2, long long part_offset, bool fused) {
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
+    alignas(16) __shared__ float sm_q[GM][HSMAX];
     __shared__ float sm_o[NW][GM][HSMAX], sm_m[NW][GM], sm_l[NW][GM];
     const int s = blockIdx.x, i = blockIdx.z;
     const int g = blockIdx.y / tiles, tile = blockIdx.y - g * tiles;
@@ -168,22 +169,25 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, gi = threadIdx.x / LP;
     const size_t row = (size_t)(Hq + 2 * Hkv) * hs;
-    float q[GM][NE];
+    // q of the tile, pre-scaled, in shared memory: registers go to the U positions in flight instead
+    if (threadIdx.x < LP) {
 #pragma unroll
-    for (int hh = 0; hh < GM; ++hh)
+        for (int hh = 0; hh < GM; ++hh)
 #pragma unroll
-        for (int v = 0; v < NV; ++v) {
-            const int e0 = (v * LP + li) * VN;
-            float t[VN];
-            if (hh < gt && e0 < hs) {
-                load_floats<T, VN>(qkv + i * row + (size_t)(h0 + hh) * hs + e0, t);
-            } else {
+            for (int v = 0; v < NV; ++v) {
+                const int e0 = (v * LP + li) * VN;
+                float t[VN];
+                if (hh < gt && e0 < hs) {
+                    load_floats<T, VN>(qkv + i * row + (size_t)(h0 + hh) * hs + e0, t);
+                } else {
 #pragma unroll
-                for (int k = 0; k < VN; ++k) t[k] = 0.f;
+                    for (int k = 0; k < VN; ++k) t[k] = 0.f;
+                }
+#pragma unroll
+                for (int k = 0; k < VN; ++k) sm_q[hh][e0 + k] = t[k] * scale_log2;
             }
-#pragma unroll
-            for (int k = 0; k < VN; ++k) q[hh][v * VN + k] = t[k] * scale_log2;
-        }
+    }
+    __syncthreads();
     const size_t base = ((size_t)i * Hkv + g) * max_seq * hs;
     const T* kb = k_cache + base;
     const T* vb = v_cache + base;
@@ -216,19 +220,31 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
         }
         float sc[U][GM];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int hh = 0; hh < GM; ++hh) {
+            float qv[NE];
 #pragma unroll
-            for (int hh = 0; hh < GM; ++hh) {
+            for (int v = 0; v < NV; ++v)
+#pragma unroll
+                for (int k = 0; k < VN; ++k) qv[v * VN + k] = sm_q[hh][(v * LP + li) * VN + k];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
                 float d = 0.f;
 #pragma unroll
                 for (int v = 0; v < NV; ++v)
 #pragma unroll
-                    for (int k = 0; k < VN; ++k) d += q[hh][v * VN + k] * to_float(kr[u][v].v[k]);
+                    for (int k = 0; k < VN; ++k) d += qv[v * VN + k] * to_float(kr[u][v].v[k]);
+                sc[u][hh] = d;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int hh = 0; hh < GM; ++hh) {
+                float d = sc[u][hh];
 #pragma unroll
                 for (int off = LP / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
                 sc[u][hh] = step + u * NG + gi < p1 ? d : NEG_INF;
             }
-        }
 #pragma unroll
         for (int hh = 0; hh < GM; ++hh) {
             float mx = sc[0][hh];
@@ -381,7 +397,7 @@ ROPE_APPEND_KERNELS(bf16, bf16)
         float* scratch, T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* lengths, int Hq,   \
         int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads, float scale_log2, long long part_offset, \
         int fused) {                                                                                            \
-        split_impl<T, VN, NV, LP, GM, (GM >= 8 ? 2 : 4)>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, \
+        split_impl<T, VN, NV, LP, GM, 4>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, \
                                                           hs, max_seq, S, tiles, tile_heads, scale_log2,        \
                                                           part_offset, fused != 0);                             \
     }
