@@ -242,7 +242,8 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
             Checked on cpu; on the device a length is clamped to [0, max_seq] and 0 gives zeros.
         n_q_heads, n_kv_heads: Hq and Hkv, Hq a multiple of Hkv. hs: any even size up to 256 (64 and 128 fast).
         scratch: fp32 (P, Hq, hs + 2) from decode_attention_scratch_shape(b', Hq, hs, max_seq) for any
-            b' >= b; overwritten.
+            b' >= b (b <= 64); overwritten. Needs no initialisation, but must not be used by two launches
+            that may run at the same time (its arrival counters are per (row, kv head)).
     NumPy equivalent: decode_attention_np(...), rounded to out's dtype.
     """
     what = "decode_attention"
