@@ -179,7 +179,7 @@ def test_captured_step_follows_device_positions(dev):
         rope_kv_append(t["qkv"], t["kc"], t["vc"], t["slots"], t["pos"], t["freqs"], hq, hkv)
         decode_attention(out, t["qkv"], t["kc"], t["vc"], t["ln"], hq, hkv, scratch)
 
-    start = np.array([0, 5, 2], np.int32)  # rows at different positions
+    start = np.array([60, 0, 66], np.int32)  # rows at different positions, of one and two 64-position splits
     t["pos"].copy_from_numpy(start)
     t["ln"].copy_from_numpy(start + 1)
     step()  # compile outside the capture
