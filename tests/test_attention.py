@@ -350,20 +350,23 @@ def _on_cuda(case, dtype_name, backend):
     return {k: t[k].numpy() for k in ("att", "lse", "dqkv")}
 
 
+DQKV_FACTOR = 2.0  # the flash backward rounds P and dS to bf16 for its MMAs: two roundings the twin does not make
+
+
 def _compare(got, want, dtype_name, what, factor=1.0):
-    """assert_close with tolerances that follow the magnitude of the result."""
-    want64 = np.asarray(want, np.float64)
-    scale = max(1.0, float(np.abs(want64).max()))
+    """Per element: |got - want| <= rtol |want| + atol s, with (rtol, atol) from the tolerance table
+    and s the rms of the element's channel (last axis), not the largest value: a small part such as
+    dq beside larger dk/dv is held to its own size. s is at least 1e-3 x the largest value, so that
+    rounding noise in an all-but-zero channel (dq at T = 1) passes."""
+    want64, got64 = np.asarray(want, np.float64), np.asarray(got, np.float64)
     if what == "lse":
-        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=LSE_TOL[0] * factor,
-                                   atol=LSE_TOL[1] * factor, err_msg=what)  # fmt: skip
-    elif dtype_name == "fp32":
-        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=F32_TOL[0] * factor,
-                                   atol=F32_TOL[1] * scale * factor, err_msg=what)  # fmt: skip
-    else:
-        rtol, atol = TOL[dtype_name]
-        np.testing.assert_allclose(np.asarray(got, np.float64), want64, rtol=rtol * factor, atol=atol * scale * factor,
-                                   err_msg=what)  # fmt: skip
+        np.testing.assert_allclose(got64, want64, rtol=LSE_TOL[0] * factor, atol=LSE_TOL[1] * factor, err_msg=what)
+        return
+    rtol, atol = F32_TOL if dtype_name == "fp32" else TOL[dtype_name]
+    flat = want64.reshape(-1, want64.shape[-1])
+    s = np.maximum(np.sqrt(np.mean(flat * flat, axis=0)), 1e-3 * float(np.abs(want64).max(initial=0.0)))
+    s = np.where(s > 0, s, 1.0)
+    np.testing.assert_allclose(got64 / s, want64 / s, rtol=rtol * factor, atol=atol * factor, err_msg=what)
 
 
 def _check_against_twin(case, dtype_name, backend):
@@ -371,7 +374,7 @@ def _check_against_twin(case, dtype_name, backend):
     got = _on_cuda(case, dtype_name, backend)
     for k in ("att", "lse", "dqkv"):
         assert np.all(np.isfinite(got[k].astype(np.float32))), f"{k}: non-finite values (unwritten?)"
-        _compare(got[k], ref[k], dtype_name, k)
+        _compare(got[k], ref[k], dtype_name, k, factor=DQKV_FACTOR if k == "dqkv" else 1.0)
     return got
 
 
@@ -512,7 +515,7 @@ def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
                                   Hq, Hkv)  # fmt: skip
     _compare(t["att"].numpy(), att.astype(dt.np), dtype_name, "att")
     _compare(t["lse"].numpy(), lse, dtype_name, "lse")
-    _compare(t["dqkv"].numpy(), dx.astype(dt.np), dtype_name, "dqkv")
+    _compare(t["dqkv"].numpy(), dx.astype(dt.np), dtype_name, "dqkv", factor=DQKV_FACTOR)
 
 
 # ---- the non-deterministic cuDNN backward (TrainOptions.attention_deterministic=False) ---------------
