@@ -724,18 +724,22 @@ GPU_OPTS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", list(GPU_OPTS.values()), ids=list(GPU_OPTS))
 def test_gpu_matches_cpu(opts):
+    """Three steps from random norms and biases on both devices. Per element: losses and norms
+    within the bf16 tolerance; gradients within 3x the tolerance of the matmul dtype (the cpu
+    measurement against float64 needs 2.3x for bf16)."""
     cfg = tiny("tiny-hs64")
     res = {}
     for d in ("cpu", "cuda"):
-        m, losses, norms = run_steps(cfg, steps=3, device=d, **opts)
+        m = randomize(make(cfg, device=d, **opts))
+        losses, norms = [], []
+        for s in range(3):
+            losses.append(m.train_step(*batch(cfg, seed=10 + s), lr=1e-3))
+            norms.append(m.opt_state.norm_result.numpy()[0])
         res[d] = (losses, norms, {k: v.numpy().astype(np.float32) for k, v in m.gradients().items()})
     (lc, nc, gc), (lg, ng, gg) = res["cpu"], res["cuda"]
-    rtol = 2e-2 if "matmul_dtype" not in opts else 5e-2
-    np.testing.assert_allclose(lg, lc, rtol=rtol)
-    np.testing.assert_allclose(ng, nc, rtol=10 * rtol)
-    for k in gc:
-        err = np.linalg.norm(gg[k] - gc[k]) / (np.linalg.norm(gc[k]) + 1e-30)
-        assert err < 10 * rtol, f"{k}: {err}"
+    np.testing.assert_allclose(lg, lc, rtol=TOL["bf16"][0])
+    np.testing.assert_allclose(ng, nc, rtol=TOL["bf16"][0])
+    assert_grads_close(gg, gc, opts.get("matmul_dtype", "bf16"), factor=3.0)
 
 
 @pytest.mark.gpu
@@ -756,17 +760,17 @@ def test_gpu_bitwise_options_and_fp8_training():
 
 @pytest.mark.gpu
 def test_gpu_reference_fp32():
+    """Per element within 2x the fp32 tolerance (cpu: 0.3x; the device's exp2 and sums in another
+    order add a few ulps)."""
     cfg = tiny("tiny-hs64", dtype="fp32")
-    m = make(cfg, device="cuda")
+    m = randomize(make(cfg, device="cuda"))
     x, y = batch(cfg)
     m.forward(x)
     m.backward(x, y)
-    loss = m.loss_sum() / (B * T)
+    loss = m.loss_sum() / valid(y)
     want_loss, want, _ = ref.loss_and_grads(cfg, m.weights.host_arrays(), x, y)
-    assert abs(loss - want_loss) < 1e-4 * want_loss
-    for k, g in m.gradients().items():
-        err = np.linalg.norm(g.numpy() - want[k]) / (np.linalg.norm(want[k]) + 1e-30)
-        assert err < 1e-3, f"{k}: {err}"
+    assert abs(loss - want_loss) < TOL["fp32"][0] * want_loss
+    assert_grads_close(m.gradients(), want, "fp32", factor=2.0)
 
 
 def test_device_auto_is_accepted():

@@ -396,6 +396,23 @@ def test_gpu_fp8_options_bitwise(flags):
     assert [n.tobytes() for n in norms] == [n.tobytes() for n in base_n]
 
 
+OFFLOAD_FLAGS = [
+    {"offload_residual": True},
+    {"offload_residual": True, "use_cuda_graphs": True, "recompute_block": True},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [{}, {"matmul_dtype": "e4m3"}], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("flags", OFFLOAD_FLAGS)
+def test_gpu_offload_deeper_model_bitwise(flags, precision):
+    """Five layers: the double buffer is refilled from host during backward, on real streams."""
+    cfg = tiny("tiny-hs64", num_layers=5)
+    _, base, base_n = run_steps(cfg, device="cuda", **precision)
+    _, losses, norms = run_steps(cfg, device="cuda", **flags, **precision)
+    assert losses == base and [n.tobytes() for n in norms] == [n.tobytes() for n in base_n]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3"}, {"use_cuda_graphs": True, "recompute_block": True}])
 def test_gpu_same_seed_same_bits(opts):
