@@ -109,6 +109,53 @@ def test_graph_replays_see_each_batch_valid_count(dev):
     assert ("backward", True) in graphs._graphs
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_classifier_reads_d_loss_from_the_device(dev):
+    """d_loss as a (1,) device Tensor gives the float's dlogits bitwise; a wrong one is refused."""
+    from cuengine.kernels import classifier
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((37, 300)).astype(np.float32)
+    targets = rng.integers(-1, 300, 37).astype(np.int32)
+    out = {}
+    for how in ("float", "tensor"):
+        t = {k: ce.Tensor.from_numpy(a, dev, name=k) for k, a in
+             (("logits", logits), ("losses", np.zeros(37, np.float32)), ("lse", np.zeros(37, np.float32)),
+              ("targets", targets))}  # fmt: skip
+        d = 1 / 29 if how == "float" else ce.Tensor.from_numpy(np.array([1 / 29], np.float32), dev, name="d_loss")
+        classifier.fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], d)
+        out[how] = t["logits"].numpy()
+    assert_bitwise(out["tensor"], out["float"], "dlogits")
+    bad = ce.Tensor.from_numpy(np.zeros(2, np.float32), dev, name="d_loss")
+    with pytest.raises(ValueError, match="d_loss: expected shape \\(1\\)"):
+        classifier.fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], bad)
+
+
+def test_workspace_passes_are_checked():
+    from cuengine.kernels.attention import workspace_shape
+
+    cpu = ce.device("cpu")
+    assert workspace_shape(2, 16, 4, 2, 16, "raw", device=cpu, passes=("forward",)) == (0,)
+    assert workspace_shape(2, 16, 4, 2, 16, "raw", device=cpu, passes=("backward",))[0] >= 2 * 4 * 16 * 4
+    with pytest.raises(ValueError, match="passes must name"):
+        workspace_shape(2, 16, 4, 2, 16, "raw", device=cpu, passes=("bwd",))
+
+
+@pytest.mark.parametrize("lr,n,msg", [(float("nan"), 5, "lr must be finite"), (1e-3, 0, "valid_tokens must be"),
+                                      (1e-3, 2.0, "valid_tokens must be")])  # fmt: skip
+def test_finish_step_checks_its_arguments(lr, n, msg):
+    cfg = tiny("tiny")
+    m = make(cfg)
+    x, y = batch(cfg)
+    m.forward(x)
+    m.backward(x, y)
+    snap = snapshot(m)
+    with pytest.raises(ValueError, match=msg):
+        m.finish_step(lr, n)
+    assert_unchanged(m, snap)
+    assert m.step == 0
+
+
 # ---- guarded updates ------------------------------------------------------------------------
 def poison_gradient(m, name="down_w", layer=0):
     """Make block `layer`'s `name` weight gradient inf after its GEMM (the loss stays finite), as an

@@ -313,6 +313,8 @@ class LlamaModel(InferenceMixin):
         then NaN, and AdamW reads it on the device and writes nothing. The host does not learn
         of it here; `finish_step` (and so `train_step`) checks the norm before updating."""
         self._need_rs("update")
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
         self._graph(("norm",), self._norm)
         self._adamw(lr, step)
 
@@ -321,8 +323,6 @@ class LlamaModel(InferenceMixin):
 
     def _adamw(self, lr: float, step: int | None = None) -> None:
         o = self.opts
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
         self.step = self.step + 1 if step is None else int(step)
         self.opt_state.set_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
         self._graph(("adamw",), self._update)
