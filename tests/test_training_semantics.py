@@ -381,6 +381,15 @@ def test_memory_flag_saves_its_buffers(flag):
     assert sum(base[k] for k in removed) > stack_growth
 
 
+def test_lmhead_chunks_shrink_the_stack_by_the_logits():
+    """The (B*T, V) logits are the largest step temporary of the tiny model: two chunks halve them."""
+    cfg = tiny("tiny")
+    one, two = buffers(make(cfg)), buffers(make(cfg, lmhead_chunks=2))
+    logits = B * T * cfg.vocab_size * 2  # bf16
+    assert one["Stack/stack"] == logits and two["Stack/stack"] <= logits // 2
+    assert sum(one.values()) - sum(two.values()) == one["Stack/stack"] - two["Stack/stack"]
+
+
 def test_attn_bwd_chunks_sizes_the_attention_workspace_for_a_chunk():
     cfg = tiny("tiny")
     whole, halves = buffers(make(cfg, b=4)), buffers(make(cfg, b=4, attn_bwd_chunks=2))
