@@ -481,4 +481,4 @@ def test_staging_buffers_are_pinned_on_cuda_and_free_on_cpu(dev):
     if dev.is_cpu:
         assert host is t and alloc.report().pinned_bytes == 0
     else:
-        assert host.kind == "pinned" and alloc.report().by_name[("Default", "inputs_host")] == [256, 1]
+        assert host.kind == "pinned" and alloc.report().by_name[("Default (pinned)", "inputs_host")] == [256, 1]

@@ -228,7 +228,9 @@ def test_gemv_shapes(dev, b, K, N, wdtype):
 def test_gemv_options(dev, dtype, wdtype, option):
     opt = OPTIONS[option]
     got, want = run_gemv(dev, case(17, 256, 200, dtype, wdtype, act=opt.get("act")), opt)
-    assert_close(got, want, dtype, option)
+    # fp32: the device sums 256 products of order 1 in another order than the twin; near-cancelling
+    # outputs then differ by a few 1e-5 in absolute terms (seen on the H200 with e4m3 weights)
+    assert_close(got, want, dtype, option, scale=4.0 if dtype == "fp32" else 1.0)
 
 
 @pytest.mark.parametrize("wdtype", [None, "e4m3"])

@@ -98,9 +98,12 @@ def test_forward_and_backward_cpu_vs_cuda(dtype, n, hq, hkv, hs):
         qknorm_backward(dinp, dwq, dwk, scratch, kw["g"], kw["qkv"], kw["wq"], kw["wk"], kw["rstd"], hq, hkv)
 
     inputs = {"g": g, "qkv": qkv, "wq": wq, "wk": wk, "rstd": rstd, "scratch": scratch}  # scratch: not compared
-    _, cuda = check_op(bwd, inputs, {"dinp": np.zeros_like(qkv), "dwq": dw0, "dwk": dw0.copy()})
+    # the weight gradients sum n * heads products of order 10 in another order than the twin: a
+    # near-cancelling channel differs by ~2e-5 in fp32 (seen on the H200 at n = 199)
+    scale = {"dwq": 10.0, "dwk": 10.0}
+    _, cuda = check_op(bwd, inputs, {"dinp": np.zeros_like(qkv), "dwq": dw0, "dwk": dw0.copy()}, scale=scale)
     # deterministic: a second run on the device gives the same bits
-    _, again = check_op(bwd, inputs, {"dinp": np.zeros_like(qkv), "dwq": dw0, "dwk": dw0.copy()})
+    _, again = check_op(bwd, inputs, {"dinp": np.zeros_like(qkv), "dwq": dw0, "dwk": dw0.copy()}, scale=scale)
     for k in ("dinp", "dwq", "dwk"):
         np.testing.assert_array_equal(cuda[k], again[k])
 
