@@ -246,9 +246,12 @@ class _DeviceState:
     def __init__(self, allocator: TensorAllocator, workspace_bytes: int, handle=None):
         self.device = allocator.device
         self.allocator = allocator
-        with allocator.context("cuBLASLt"):
-            self.workspace = allocator.allocate(BYTE, "cublaslt_workspace", (int(workspace_bytes),))
-        self.workspace_ptr = self.workspace.ptr
+        self.workspace_bytes = int(workspace_bytes)
+        self.workspace, self.workspace_ptr = None, 0
+        if self.device.is_cuda:  # the cpu twin needs none, so a cpu memory report shows none
+            with allocator.context("cuBLASLt"):
+                self.workspace = allocator.allocate(BYTE, "cublaslt_workspace", (self.workspace_bytes,))
+            self.workspace_ptr = self.workspace.ptr
         self.handle = handle
         if self.device.is_cuda and handle is None:
             lt = _lt()
@@ -277,7 +280,7 @@ def init(allocator: TensorAllocator, workspace_bytes: int = WORKSPACE_BYTES) -> 
     """Give matmuls on `allocator.device` their workspace, allocated from `allocator`.
 
     The workspace is named "cublaslt_workspace" in the context "cuBLASLt", so it shows in the
-    allocator's memory report (on cpu too, where it is never used, so that reports match). Call it
+    allocator's memory report (on cuda only: the cpu twin needs no workspace). Call it
     before a step is captured. Without it, the first matmul on a device allocates the workspace from
     a private allocator. Calling it again with another allocator or a larger size replaces the
     workspace and drops the plans; graphs captured before then must not be replayed.
@@ -285,7 +288,7 @@ def init(allocator: TensorAllocator, workspace_bytes: int = WORKSPACE_BYTES) -> 
     dev = allocator.device
     key = (dev.kind, dev.index)
     state = _STATES.get(key)
-    if state is not None and state.allocator is allocator and state.workspace.nbytes >= workspace_bytes:
+    if state is not None and state.allocator is allocator and state.workspace_bytes >= workspace_bytes:
         return
     handle = None
     if state is not None:
@@ -353,7 +356,7 @@ def _make_plan(state: _DeviceState, out, a, b, bias, M, N, K, trans_a, trans_b, 
                 buf = np.array([value], dtype=lt.get_matmul_preference_attribute_dtype(kind))
                 lt.matmul_preference_set_attribute(pref, kind, buf.ctypes.data, buf.itemsize)
 
-            set_pref("MAX_WORKSPACE_BYTES", state.workspace.nbytes)
+            set_pref("MAX_WORKSPACE_BYTES", state.workspace_bytes)
             set_pref("MIN_ALIGNMENT_A_BYTES", _alignment(b.ptr))
             set_pref("MIN_ALIGNMENT_B_BYTES", _alignment(a.ptr))
             set_pref("MIN_ALIGNMENT_C_BYTES", _alignment(out.ptr))
@@ -457,5 +460,5 @@ def matmul(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None, *, tra
     c_ptr = 0 if out.dtype.is_fp8 else out_ptr  # C = D in place; an FP8 D has no C (beta = 0), as in nvmath
     with dev.activate():
         lt.matmul(state.handle, plan.desc, _ONE_PTR, b_ptr, la, a_ptr, lb, _ONE_PTR if accumulate else _ZERO_PTR,
-                  c_ptr, lc, out_ptr, ld, plan.algo_ptr, state.workspace_ptr, state.workspace.nbytes,
+                  c_ptr, lc, out_ptr, ld, plan.algo_ptr, state.workspace_ptr, state.workspace_bytes,
                   dev._stream(stream).ptr)  # fmt: skip
