@@ -439,6 +439,24 @@ class LlamaModel(InferenceMixin):
         self._need_rs("gradients")
         return hf_views(self.cfg, self.grads)
 
+    def parameters(self) -> dict:
+        """{HF name: Tensor}: zero-copy, writable views of the master weights (q/k/v and gate/up
+        unpacked into row views), so a script can write its own update with any tool that reads a
+        Tensor (CuPy, DLPack, the kernel launchers, NumPy on the cpu device), then call
+        `parameters_changed()` instead of `update`."""
+        return hf_views(self.cfg, self.weights.tensors)
+
+    def parameters_changed(self) -> None:
+        """Refresh what derives from the weights after a write through `parameters()`: the FP8
+        copies and their scales, and the inference engine's FP8 decode copies if it has any (they
+        are requantized at every generation anyway). Captured CUDA graphs need nothing: a graph
+        holds the buffers' addresses, not their contents, and the views share those buffers.
+        Enqueued on the main stream after whatever wrote the weights there; a write from another
+        stream or from the host must be finished before this call."""
+        self.weights.requantize()
+        if self._inference is not None:
+            self._inference.refresh_weights()
+
     def save_checkpoint(self, out_dir, extra: dict | None = None) -> None:
         """Weights, optimizer moments, RNG and step into `out_dir` (written to a temporary
         directory, then renamed). `extra` is any JSON-able dict, returned by load_checkpoint."""
