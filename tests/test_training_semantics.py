@@ -203,6 +203,11 @@ def test_skip_nonfinite_steps_counts_and_goes_on():
         assert_bitwise(snapshot(m)[k], v, k)
 
 
+def test_skip_nonfinite_steps_must_be_a_bool():
+    with pytest.raises(ValueError, match="skip_nonfinite_steps must be True or False"):
+        ce.TrainOptions(skip_nonfinite_steps=1)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_update_skips_on_the_device(dev):
     """`update` without a host check: the NaN clip scale of a non-finite norm makes AdamW write

@@ -111,8 +111,9 @@ class TrainOptions:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if self.attention_backend not in _BACKENDS:
             raise bad(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.attention_deterministic, bool):
-            raise bad(f"attention_deterministic must be True or False, got {self.attention_deterministic!r}")
+        for name in ("attention_deterministic", "skip_nonfinite_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("grad_clip", "weight_decay", "eps", "z_loss", "beta1", "beta2"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
