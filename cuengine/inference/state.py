@@ -99,7 +99,7 @@ class InferenceState:
             # cos/sin are bounded by 1: fp16 keeps more mantissa than bf16 (the training table)
             freq_dt = FP16 if dt == BF16 else FP32
             self.freqs = a(freq_dt, "decode_freqs", (S, hs))
-            self.freqs.copy_from_numpy(rope.rope_freqs(S, hs, cfg.rope_theta, dtype=freq_dt.np))
+            self.freqs.copy_from_numpy(rope.rope_freqs(S, hs, cfg.rope_theta, freq_dt.np, cfg.rope_scaling))
             # one decode step, b <= max_batch rows
             self.tokens = a(INT32, "decode_tokens", (B,))  # the step's input, then the sampled token
             self.positions = a(INT32, "decode_positions", (B,))  # cache position of the input token

@@ -19,12 +19,15 @@ FLOATS = (FP32, BF16, FP16)
 TABLE_DTYPES = (FP32, FP16)
 
 
-def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32) -> np.ndarray:
+def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32, scaling: dict | None = None) -> np.ndarray:
     """The RoPE table: (max_pos, head_size) with cos in [:hs/2] and sin in [hs/2:].
 
     inv_freq[i] = theta ** (-2i / hs) and angle[t, i] = t * inv_freq[i], computed in float64, then
-    cast to `dtype` (float32, or float16 for bf16 models). NumPy only: upload it once with
-    Tensor.from_numpy.
+    cast to `dtype` (float32, or float16 for bf16 models). `scaling` (a config's rope_scaling) of
+    rope_type "llama3" rescales inv_freq as transformers' `_compute_llama3_parameters` does: the
+    frequencies whose wavelength exceeds the original context / low_freq_factor are divided by
+    `factor`, those shorter than original / high_freq_factor are kept, and those between are
+    interpolated. NumPy only: upload it once with Tensor.from_numpy.
     """
     if head_size <= 0 or head_size % 2:
         raise ValueError(f"rope_freqs: head_size = {head_size} must be positive and even")
@@ -32,8 +35,24 @@ def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32) -> 
         raise ValueError(f"rope_freqs: max_pos = {max_pos} must be non-negative")
     half = head_size // 2
     inv_freq = float(theta) ** (-2.0 * np.arange(half, dtype=np.float64) / head_size)
+    if scaling is not None:
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(dtype)
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind != "llama3":
+        raise ValueError(f"rope_freqs: scaling of rope_type {kind!r} is not implemented; only 'llama3' is")
+    factor, lo, hi = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return np.where(medium, smoothed, scaled)
 
 
 # ---- NumPy twin ---------------------------------------------------------------------------

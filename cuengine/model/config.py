@@ -1,8 +1,9 @@
-"""TransformerConfig: the shape of a LLaMA / Qwen2 decoder, read from and written to HF config.json.
+"""TransformerConfig: the shape of a LLaMA / Qwen2 / Qwen3 decoder, read from and written to HF config.json.
 
 Only what the engine implements is accepted: a config.json that asks for anything else (another
-architecture, RoPE scaling, a sliding window in use, biases on a Llama...) is refused with an
-error naming the field, rather than silently training a different model.
+architecture, a RoPE scaling other than Llama 3's, a sliding window in use, mixture of experts,
+biases on a Llama...) is refused with an error naming the field, rather than silently training a
+different model.
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# The keys of a Llama 3 rope scaling (transformers' _compute_llama3_parameters), with their types.
+LLAMA3_KEYS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,
+               "original_max_position_embeddings": int}  # fmt: skip
+# Keys of mixture-of-experts configs; any of them set means a model the engine does not implement.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 _TORCH_DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 @dataclass
 class TransformerConfig:
     vocab_size: int  # V: rows of the embedding and of the LM head
-    hidden_size: int  # C: width of the residual stream; equals num_q_heads * head_size
+    hidden_size: int  # C: width of the residual stream; num_q_heads * head_size except on Qwen3
     intermediate_size: int  # H: width of the SwiGLU MLP (the up projection has 2H rows: [gate | up])
     num_layers: int  # L: decoder blocks
     num_q_heads: int  # Hq: query heads
@@ -33,8 +39,12 @@ class TransformerConfig:
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
     tied_embeddings: bool = False  # the LM head reuses the embedding matrix
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    architecture: str = "LlamaForCausalLM"  # "LlamaForCausalLM" or "Qwen2ForCausalLM"
+    architecture: str = "LlamaForCausalLM"  # one of ARCHITECTURES
     dtype: str = "bf16"  # dtype of the stored weights: "bf16" or "fp32"
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)
+    # None, or Llama 3's: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}, which rescales the RoPE frequencies (rope.rope_freqs)
+    rope_scaling: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -44,6 +54,11 @@ class TransformerConfig:
     def qkv_channels(self) -> int:
         """Rows of the packed qkv projection: (Hq + 2 Hkv) * hs."""
         return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_size
+
+    @property
+    def att_channels(self) -> int:
+        """Width of the attention output, the o_proj input: Hq * hs (hidden_size except on Qwen3)."""
+        return self.num_q_heads * self.head_size
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that makes the shape impossible."""
@@ -56,19 +71,27 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.num_kv_heads={self.num_kv_heads} does not divide num_q_heads={self.num_q_heads}"
             )
-        if self.num_q_heads * self.head_size != self.hidden_size:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"TransformerConfig.architecture must be {ARCHITECTURES}, got {self.architecture!r}")
+        qwen3 = self.architecture == "Qwen3ForCausalLM"
+        if self.qk_norm != qwen3:
+            raise ValueError(f"TransformerConfig.qk_norm={self.qk_norm} on {self.architecture}; "
+                             "q_norm/k_norm are Qwen3's (and Qwen3 has them)")  # fmt: skip
+        if qwen3 and self.qkv_bias:
+            raise ValueError("TransformerConfig.qkv_bias=True on Qwen3ForCausalLM, which has no q/k/v bias")
+        if not qwen3 and self.num_q_heads * self.head_size != self.hidden_size:
             raise ValueError(
                 f"TransformerConfig.head_size={self.head_size} is inconsistent: num_q_heads * head_size = "
                 f"{self.num_q_heads * self.head_size} but hidden_size = {self.hidden_size}"
             )
         if self.head_size % 2:
             raise ValueError(f"TransformerConfig.head_size must be even for RoPE, got {self.head_size}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"TransformerConfig.architecture must be {ARCHITECTURES}, got {self.architecture!r}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"TransformerConfig.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError("TransformerConfig.rope_theta and rms_norm_eps must be positive")
+        if self.rope_scaling is not None:
+            check_llama3_scaling(self.rope_scaling, "TransformerConfig.rope_scaling")
 
     def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
@@ -78,8 +101,10 @@ class TransformerConfig:
     def from_pretrained(cls, path) -> TransformerConfig:
         """Read a HF `config.json` (a file, or a directory holding one).
 
-        Accepts LlamaForCausalLM and Qwen2ForCausalLM with tied or untied embeddings, GQA, any
-        rope_theta and rms_norm_eps. Raises FileNotFoundError when there is no file, and ValueError
+        Accepts LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (its head_dim may differ
+        from hidden_size / heads) with tied or untied embeddings, GQA, any rope_theta and
+        rms_norm_eps, and Llama 3's RoPE scaling (`rope_scaling` or transformers 5's
+        `rope_parameters` with rope_type "llama3"). Raises FileNotFoundError when there is no file, and ValueError
         naming the file and what is wrong for anything else: unreadable or malformed JSON, a field
         of the wrong type, or a field that asks for something the engine does not implement.
         """
@@ -117,13 +142,16 @@ class TransformerConfig:
             raise bad("model_type", f"{d['model_type']!r} does not match architecture {arch}")
         if d.get("hidden_act", "silu") != "silu":
             raise bad("hidden_act", f"{d['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
-        if d.get("rope_scaling") is not None:
-            raise bad("rope_scaling", f"{d['rope_scaling']!r}; only plain RoPE is implemented")
         if arch == "LlamaForCausalLM":
             if d.get("attention_bias", False):
                 raise bad("attention_bias", "true on a Llama; only Qwen2 has the qkv bias")
             if d.get("mlp_bias", False):
                 raise bad("mlp_bias", "true; the MLP has no bias")
+        if arch == "Qwen3ForCausalLM" and d.get("attention_bias", False):
+            raise bad("attention_bias", "true on a Qwen3; the engine's Qwen3 has no projection biases")
+        for key in _MOE_KEYS:
+            if d.get(key) not in (None, 0):
+                raise bad(key, f"{d[key]!r}; mixture of experts is not implemented (dense MLPs only)")
         if d.get("use_sliding_window", False):
             raise bad("use_sliding_window", "true; only full causal attention is implemented")
         layer_types = d.get("layer_types") or ["full_attention"]
@@ -133,19 +161,38 @@ class TransformerConfig:
         rope = d.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise bad("rope_parameters", f"{rope!r} is not a JSON object")
-        if rope.get("rope_type", "default") != "default":
-            raise bad("rope_parameters", f"rope_type {rope['rope_type']!r}; only plain RoPE is implemented")
         rope_theta = number("rope_theta", float, 10000.0, rope.get("rope_theta"))
+        scaling = None
+        for key, given in (("rope_scaling", d.get("rope_scaling")), ("rope_parameters", rope)):
+            if given is None or given == {}:
+                continue
+            if not isinstance(given, dict):
+                raise bad(key, f"{given!r} is not a JSON object")
+            kind = given.get("rope_type", given.get("type", "default"))
+            if kind == "default":
+                continue
+            if kind != "llama3":
+                raise bad(key, f"rope_type {kind!r}; only plain RoPE and 'llama3' scaling are implemented")
+            parsed = {"rope_type": "llama3"}
+            for k, kt in LLAMA3_KEYS.items():
+                if k not in given:
+                    raise bad(key, f"llama3 scaling without {k!r}")
+                parsed[k] = number(k, kt, value=given[k])
+            if scaling is not None and scaling != parsed:
+                raise bad(key, f"{parsed} differs from the other RoPE scaling given, {scaling}")
+            scaling = parsed
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in d:
                 raise bad(key, "missing")
         hq = number("num_attention_heads", int)
         hkv = number("num_key_value_heads", int, hq) if d.get("num_key_value_heads") is not None else hq
         hidden = number("hidden_size", int)
-        if hq <= 0 or hidden <= 0 or hidden % hq:
+        if hq <= 0 or hidden <= 0 or (hidden % hq and arch != "Qwen3ForCausalLM"):
             raise bad("num_attention_heads", f"{hq} does not divide hidden_size {hidden}")
         hs = hidden // hq
-        if d.get("head_dim") is not None and number("head_dim", int) != hs:
+        if arch == "Qwen3ForCausalLM":  # o_proj maps Hq * head_dim to hidden_size; transformers' default is 128
+            hs = number("head_dim", int, 128) if d.get("head_dim") is not None else 128
+        elif d.get("head_dim") is not None and number("head_dim", int) != hs:
             raise bad("head_dim", f"{d['head_dim']} but hidden_size / num_attention_heads = {hs}")
         tied = d.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
@@ -173,6 +220,8 @@ class TransformerConfig:
                 qkv_bias=arch == "Qwen2ForCausalLM",
                 architecture=arch,
                 dtype=_TORCH_DTYPE[torch_dtype],
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rope_scaling=scaling,
             )
         except (ValueError, ZeroDivisionError) as err:
             raise ValueError(f"{source}: {err}") from None
@@ -193,7 +242,7 @@ class TransformerConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tied_embeddings,
             "hidden_act": "silu",
-            "rope_scaling": None,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
             "use_cache": True,
@@ -203,6 +252,8 @@ class TransformerConfig:
             d.update(attention_bias=False, mlp_bias=False, head_dim=self.head_size, pretraining_tp=1)
         else:
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+        if self.architecture == "Qwen3ForCausalLM":
+            d.update(attention_bias=False, head_dim=self.head_size)
         return d
 
     # ---- presets -----------------------------------------------------------------------------
@@ -210,8 +261,10 @@ class TransformerConfig:
     def preset(cls, name: str) -> TransformerConfig:
         """A named shape: "qwen2.5-0.5b", "qwen2.5-1.5b"; "small" (25M parameters at vocab 256,
         Qwen2-like, `cuengine train`'s default on a GPU); or the test sizes "tiny" (Qwen2-like:
-        tied, qkv bias; the default on cpu), "tiny-llama" (untied, no bias) and "tiny-hs64" (head
-        size 64, for the raw attention kernel on GPU). Small and tiny presets use a byte vocabulary (256)."""
+        tied, qkv bias; the default on cpu), "tiny-llama" (untied, no bias), "tiny-hs64" (head
+        size 64, for the raw attention kernel on GPU), "tiny-qwen3" (QK-norm, 4 heads of 32 over
+        hidden 64) and "tiny-llama3" (Llama 3 RoPE scaling that changes the low frequencies);
+        "qwen3-0.6b" and "llama3.2-1b" as published. Small and tiny presets use a byte vocabulary (256)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**PRESETS[name])
@@ -221,6 +274,8 @@ _QWEN = dict(architecture="Qwen2ForCausalLM", qkv_bias=True, tied_embeddings=Tru
              rms_norm_eps=1e-6, max_position_embeddings=32768, vocab_size=151936)  # fmt: skip
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4, num_kv_heads=2,
              head_size=16, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5)  # fmt: skip
+_LLAMA3_TINY_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}  # fmt: skip
 PRESETS = {
     "qwen2.5-0.5b": dict(
         _QWEN, hidden_size=896, intermediate_size=4864, num_layers=24, num_q_heads=14, num_kv_heads=2, head_size=64
@@ -233,6 +288,47 @@ PRESETS = {
     ),
     "tiny": dict(_TINY, architecture="Qwen2ForCausalLM", qkv_bias=True, tied_embeddings=True),
     "tiny-llama": dict(_TINY, architecture="LlamaForCausalLM", qkv_bias=False, tied_embeddings=False),
+    "tiny-qwen3": dict(
+        _TINY, architecture="Qwen3ForCausalLM", qkv_bias=False, tied_embeddings=True, qk_norm=True, head_size=32
+    ),
+    "tiny-llama3": dict(
+        _TINY, architecture="LlamaForCausalLM", qkv_bias=False, tied_embeddings=False, rope_scaling=_LLAMA3_TINY_SCALING
+    ),
+    "qwen3-0.6b": dict(
+        _QWEN,
+        qkv_bias=False,
+        architecture="Qwen3ForCausalLM",
+        qk_norm=True,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_size=128,
+        max_position_embeddings=40960,
+    ),
+    "llama3.2-1b": dict(
+        architecture="LlamaForCausalLM",
+        qkv_bias=False,
+        tied_embeddings=True,
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_size=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "small": dict(
         _TINY,
         architecture="Qwen2ForCausalLM",
@@ -258,3 +354,20 @@ PRESETS = {
         head_size=64,
     ),
 }
+
+
+def check_llama3_scaling(scaling, what: str) -> None:
+    """ValueError naming `what` unless `scaling` is a complete, usable Llama 3 rope scaling."""
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(f"{what}: only {{'rope_type': 'llama3', ...}} is implemented, got {scaling!r}")
+    extra = sorted(set(scaling) - set(LLAMA3_KEYS) - {"rope_type"})
+    if extra:
+        raise ValueError(f"{what}: unknown llama3 keys {extra}")
+    for k, kt in LLAMA3_KEYS.items():
+        v = scaling.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kt is int and not isinstance(v, int)):
+            raise ValueError(f"{what}: {k} must be {'an int' if kt is int else 'a number'}, got {v!r}")
+    if not scaling["factor"] >= 1 or scaling["original_max_position_embeddings"] < 1:
+        raise ValueError(f"{what}: factor must be >= 1 and original_max_position_embeddings >= 1, got {scaling}")
+    if not 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"{what}: need 0 < low_freq_factor < high_freq_factor, got {scaling}")

@@ -132,7 +132,8 @@ class RunState:
             # cos/sin are bounded by 1: fp16 keeps more mantissa than bf16 for the same bytes.
             freq_dt = FP16 if dt == BF16 else FP32
             self.freqs_full = alloc.allocate(freq_dt, "freqs", (cfg.max_position_embeddings, cfg.head_size))
-            table = rope.rope_freqs(cfg.max_position_embeddings, cfg.head_size, cfg.rope_theta, dtype=freq_dt.np)
+            table = rope.rope_freqs(cfg.max_position_embeddings, cfg.head_size, cfg.rope_theta, freq_dt.np,
+                                    cfg.rope_scaling)  # fmt: skip
             self.freqs_full.copy_from_numpy(table)
             self.freqs = self.freqs_full.rows(0, T)  # (T, hs): [cos | sin]
             self.lnf = alloc.allocate(dt, "lnf", (B, T, C))
