@@ -20,6 +20,7 @@ from ..inference import InferenceMixin
 from ..kernels import encoder, rmsnorm
 from . import checkpoint
 from .blocks import RECORDING, Blocks
+from .adamw8bit import AdamW8bitState
 from .optimizer import AdamWState
 from .options import TrainOptions
 from .run_state import RunState
@@ -116,7 +117,10 @@ class LlamaModel(InferenceMixin):
             self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
         block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
                         if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
-        self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
+        if o.optimizer == "adamw8bit":
+            self.opt_state = AdamW8bitState(self.weights.specs, self.alloc)
+        else:
+            self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
         self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)
         recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
         self.rs.size_stack(lambda: self._step_temporaries(recording))
@@ -333,7 +337,8 @@ class LlamaModel(InferenceMixin):
 
     def loss_sum(self) -> float:
         """Sum of the per-token losses accumulated since micro-step 0 (after `backward` over grad
-        accumulation); waits for the device, so call it once per step."""
+        accumulation; divided by the valid targets it is the mean loss); waits for the device, so
+        call it once per step."""
         rs = self.rs
         self.device.copy(rs.losses_host, rs.losses)
         return float(np.sum(rs.losses_host.array(), dtype=np.float64))
