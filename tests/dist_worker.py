@@ -163,5 +163,6 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
     out["norm"] = opt.norm_result.numpy()
     if stage > 0:
         out["moments"] = dp.gather_moments()
+        out["moment_shapes"] = dp.moment_shapes()
     comm.close()
     return out

@@ -552,6 +552,7 @@ def test_data_parallel_stages_agree_with_one_process(world):
     for stage in (1, 2):
         moments = runs[stage][0]["moments"]
         assert runs[stage][1]["moments"] is None
+        assert {k: (a.shape, a.dtype) for k, a in moments.items()} == runs[stage][0]["moment_shapes"]
         for n in ref:
             np.testing.assert_allclose(moments[f"m.{n}"], ref_opt.m[n].numpy(), rtol=1e-6, atol=1e-9)
             np.testing.assert_allclose(moments[f"v.{n}"], ref_opt.v[n].numpy(), rtol=1e-6, atol=1e-12)

@@ -252,6 +252,14 @@ class DataParallel:
                 out.update({f"{key}.{n}": np.ascontiguousarray(a) for n, a in plan.unflatten(flat).items()})
         return out if self.rank == 0 else None
 
+    def moment_shapes(self) -> dict[str, tuple]:
+        """{"m.<name>": (shape, NumPy dtype), "v.<name>": ...}: the full moments a checkpoint holds,
+        which `load_moments` reads whole before taking this rank's shard."""
+        out = {}
+        for key, t in (("m", self.m), ("v", self.v)):
+            out.update({f"{key}.{n}": (s.shape, t.dtype.np) for n, s in self.plan.params.items()})
+        return out
+
     def load_moments(self, moments: dict[str, np.ndarray]) -> None:
         """Take this rank's shard of full moments {"m.<name>": ..., "v.<name>": ...}."""
         for key, t in (("m", self.m), ("v", self.v)):
