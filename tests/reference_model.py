@@ -1,4 +1,7 @@
-"""A float64 NumPy LLaMA / Qwen2, written from the math and not from the engine.
+"""A float64 NumPy LLaMA / Qwen2 / Qwen3, written from the math and not from the engine.
+
+Qwen3: q_norm / k_norm (an RMSNorm over each head of q and k, before RoPE) and a head_dim that may
+differ from hidden_size / heads. Llama 3: the llama3 RoPE scaling of the frequencies.
 
 Parameters are a dict keyed by HF tensor names ("model.layers.0.self_attn.q_proj.weight", ...);
 `loss_and_grads` returns the mean cross-entropy over the valid targets (those not -1, as
@@ -20,6 +23,8 @@ def hf_names(cfg) -> list[str]:
             names.append(p + f"self_attn.{x}_proj.weight")
             if cfg.qkv_bias:
                 names.append(p + f"self_attn.{x}_proj.bias")
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                   p + "mlp.down_proj.weight"]  # fmt: skip
     names.append("model.norm.weight")
@@ -40,8 +45,27 @@ def _rms_bwd(dy, x, w, r):
     return dx, dw
 
 
-def _rope_tables(T, hs, theta):
+def _llama3(inv, scaling):
+    """Meta's Llama 3.1 `apply_scaling`, frequency by frequency."""
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = np.empty_like(inv)
+    for j, freq in enumerate(inv):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / hi:  # high frequency: kept
+            out[j] = freq
+        elif wavelen > old / lo:  # low frequency: stretched by the factor
+            out[j] = freq / factor
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out[j] = (1 - smooth) * freq / factor + smooth * freq
+    return out
+
+
+def _rope_tables(T, hs, theta, scaling=None):
     inv = 1.0 / theta ** (np.arange(0, hs, 2, dtype=np.float64) / hs)
+    if scaling is not None:
+        inv = _llama3(inv, scaling)
     f = np.outer(np.arange(T, dtype=np.float64), inv)  # (T, hs/2)
     emb = np.concatenate([f, f], axis=-1)
     return np.cos(emb)[None, :, None, :], np.sin(emb)[None, :, None, :]
@@ -71,7 +95,8 @@ def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True, z_loss=0
     B, T = inputs.shape
     C, Hq, Hkv, hs, eps = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.rms_norm_eps
     rep = Hq // Hkv
-    cos, sin = _rope_tables(T, hs, cfg.rope_theta)
+    cos, sin = _rope_tables(T, hs, cfg.rope_theta, cfg.rope_scaling)
+    A = Hq * hs  # the attention output's width (o_proj's input)
     mask = np.triu(np.ones((T, T), bool), 1)
     wte = P["model.embed_tokens.weight"]
     head = wte if cfg.tied_embeddings else P["lm_head.weight"]
@@ -89,6 +114,10 @@ def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True, z_loss=0
             if cfg.qkv_bias:
                 y = y + P[p + f"self_attn.{n}_proj.bias"]
             proj[n] = y.reshape(B, T, -1, hs)
+        if cfg.qk_norm:  # per head, over its hs channels
+            s["q0"], s["k0"] = proj["q"], proj["k"]
+            proj["q"], s["rq"] = _rms(proj["q"], P[p + "self_attn.q_norm.weight"], eps)
+            proj["k"], s["rk"] = _rms(proj["k"], P[p + "self_attn.k_norm.weight"], eps)
         q = proj["q"] * cos + _rot(proj["q"]) * sin
         k = proj["k"] * cos + _rot(proj["k"]) * sin
         v = proj["v"]
@@ -97,7 +126,7 @@ def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True, z_loss=0
         sc = np.where(mask, -np.inf, sc)
         pr = np.exp(sc - sc.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
-        att = np.einsum("bhts,bshd->bthd", pr, vr).reshape(B, T, C)
+        att = np.einsum("bhts,bshd->bthd", pr, vr).reshape(B, T, A)
         s.update(q=q, kr=kr, vr=vr, pr=pr, att=att)
         x = x + att @ P[p + "self_attn.o_proj.weight"].T
         s["x2"] = x
@@ -154,6 +183,9 @@ def loss_and_grads(cfg, params: dict, inputs, targets, with_grads=True, z_loss=0
         dv = dvr.reshape(B, T, Hkv, rep, hs).sum(3)
         dq = dq * cos + _rot_t(dq * sin)
         dk = dk * cos + _rot_t(dk * sin)
+        if cfg.qk_norm:
+            dq, G[p + "self_attn.q_norm.weight"] = _rms_bwd(dq, s["q0"], P[p + "self_attn.q_norm.weight"], s["rq"])
+            dk, G[p + "self_attn.k_norm.weight"] = _rms_bwd(dk, s["k0"], P[p + "self_attn.k_norm.weight"], s["rk"])
         dh = 0.0
         for n, dy in (("q", dq), ("k", dk), ("v", dv)):
             dy = dy.reshape(B, T, -1)

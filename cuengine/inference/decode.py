@@ -2,8 +2,9 @@
 
 Per layer (arm "fused": 6 launches, plus the attention's combine pass when it splits the sequence):
     qkv  = gemv(residual, qkv_w, norm_weight=ln1, bias)        RMSNorm in the prologue   (b, Q)
+    qkv  = qknorm(qkv)                                         Qwen3 only: one more launch
     rope_kv_append(qkv, k_cache[l], v_cache[l], positions)     rotate q, k; append k, v
-    att  = decode_attention(qkv, cache[0, lengths))            split-KV, GQA             (b, C)
+    att  = decode_attention(qkv, cache[0, lengths))            split-KV, GQA             (b, Hq*hs)
     residual = gemv(att, atto_w, residual=residual)            residual add in the epilogue
     FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
@@ -21,7 +22,7 @@ equal the full forward's. The "gemm" arm adds the down projection with cuBLASLt'
 from __future__ import annotations
 
 from .. import blas
-from ..kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm, sampling
+from ..kernels import activations, decode_attention, decode_step, encoder, gemv, qknorm, rmsnorm, sampling
 
 
 def _gemv(st, out, x, name, **kw) -> None:
@@ -58,6 +59,8 @@ def layer(st, i: int, b: int, arm: str) -> None:
     w = st.model.weights.block(i)
     res, qkv, att = st.residual.rows(0, b), st.qkv.rows(0, b), st.att.rows(0, b)
     _gemv(st, qkv, res, f"layers.{i}.qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
+    if cfg.qk_norm:  # in place, before RoPE, as the training forward
+        qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, b), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
     decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], st.slots.rows(0, b), st.positions.rows(0, b),
                                     st.freqs, Hq, Hkv)  # fmt: skip
     decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv,

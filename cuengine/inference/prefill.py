@@ -1,18 +1,19 @@
 """Prefill: prompts through the training forward kernels, K and V into the cache.
 
 A group of n prompts, right-padded to T tokens (n * T <= max_seq rows of scratch), runs as one
-(n, T) batch: the embedding, then per block RMSNorm, the qkv GEMM (cuBLASLt, bias on Qwen2), RoPE,
-the K/V append to the cache (`rope_kv_append`, rotate=False: rope_forward already rotated, bitwise
-the decode rotation), causal attention (the raw flash kernel: no per-shape cuDNN graph to build),
-the output GEMM, the fused residual + RMSNorm, the MLP GEMMs and SwiGLU. The rounding points are
-the training forward's, so the cache holds what a full forward computes. Only each prompt's last
-row continues: its final residual goes to the decode residual buffer, where the LM head reads it.
+(n, T) batch: the embedding, then per block RMSNorm, the qkv GEMM (cuBLASLt, bias on Qwen2),
+QK-norm (Qwen3), RoPE, the K/V append to the cache (`rope_kv_append`, rotate=False: rope_forward
+already rotated, bitwise the decode rotation), causal attention (the raw flash kernel: no
+per-shape cuDNN graph to build), the output GEMM, the fused residual + RMSNorm, the MLP GEMMs and
+SwiGLU. The rounding points are the training forward's, so the cache holds what a full forward
+computes. Only each prompt's last row continues: its final residual goes to the decode residual
+buffer, where the LM head reads it.
 """
 
 from __future__ import annotations
 
 from .. import blas
-from ..kernels import activations, attention, decode_attention, encoder, rmsnorm, rope
+from ..kernels import activations, attention, decode_attention, encoder, qknorm, rmsnorm, rope
 
 
 def prefill_group(st, first: int, n: int, T: int, off: int, lens) -> None:
@@ -34,6 +35,8 @@ def prefill_group(st, first: int, n: int, T: int, off: int, lens) -> None:
         else:  # res_ffn[i-1] = res_att[i-1] + mlp_down[i-1]
             rmsnorm.fused_residual_rmsnorm_forward(res, ln, rstd, res_att, out, w["ln1_w"], eps)
         blas.matmul(qkv, ln, w["qkv_w"], w.get("qkv_b"))  # (N, Q)
+        if cfg.qk_norm:  # in place: prefill keeps nothing for a backward
+            qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, N), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
         rope.rope_forward(qkv3, qkv3, st.freqs, Hq, Hkv)
         decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], slots, positions, None, Hq, Hkv,
                                         rotate=False)  # fmt: skip

@@ -77,6 +77,7 @@ class InferenceState:
         B, S, L = self.max_batch, self.max_seq, cfg.num_layers
         C, H, Q, V = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels, cfg.vocab_size
         Hq, Hkv, hs = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
+        A = cfg.att_channels  # attention output width: Hq * hs (C except on Qwen3)
 
         with alloc.context("KV cache"):
             self.k_cache = alloc.allocate(dt, "k_cache", (L, B, Hkv, S, hs))
@@ -107,7 +108,9 @@ class InferenceState:
             self.slots = a(INT32, "decode_slots", (B,)).copy_from_numpy(np.arange(B, dtype=np.int32))
             self.residual = a(dt, "decode_residual", (B, C))
             self.qkv = a(dt, "decode_qkv", (B, Q))
-            self.att = a(dt, "decode_att", (B, C))
+            self.att = a(dt, "decode_att", (B, A))
+            # QK-norm's per-head rstd (Qwen3), which decode and prefill compute but never read
+            self.qk_rstd = a(FP32, "decode_qk_rstd", (max(B, S), Hq + Hkv)) if cfg.qk_norm else None
             self.up = a(dt, "decode_up", (B, 2 * H))  # [gate | up]
             self.act = a(dt, "decode_swiglu", (B, H))  # "split" and "gemm"
             self.ln = a(dt, "decode_ln2", (B, C))  # "gemm": the normalised FFN input
@@ -124,7 +127,7 @@ class InferenceState:
             self.p_ln = a(dt, "prefill_ln", (S, C))
             self.p_rstd = a(FP32, "prefill_rstd", (S,))
             self.p_qkv = a(dt, "prefill_qkv", (S, Q))
-            self.p_att = a(dt, "prefill_att", (S, C))
+            self.p_att = a(dt, "prefill_att", (S, A))
             self.p_lse = a(FP32, "prefill_lse", (Hq * S,))
             self.p_out = a(dt, "prefill_out", (S, C))  # att_o, then mlp_down
             self.p_up = a(dt, "prefill_up", (S, 2 * H))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import blas
-from ..kernels import activations, attention, classifier, fp8, rmsnorm, rope
+from ..kernels import activations, attention, classifier, fp8, qknorm, rmsnorm, rope
 from .records import LayerActivations, LayerGradients, QuantTensor
 
 
@@ -39,6 +39,8 @@ class Kernels:
     rmsnorm_backward: Callable = rmsnorm.rmsnorm_backward
     rope_forward: Callable = rope.rope_forward
     rope_backward: Callable = rope.rope_backward
+    qknorm_forward: Callable = qknorm.qknorm_forward
+    qknorm_backward: Callable = qknorm.qknorm_backward
     attention_forward: Callable = attention.attention_forward
     attention_backward: Callable = attention.attention_backward
     swiglu_forward: Callable = activations.swiglu_forward
@@ -151,6 +153,18 @@ class Blocks:
         with rs.stack.temporary(rs.dtype, (rs.B, rs.T, 2 * self.cfg.intermediate_size), "mlp_up") as t:
             yield t
 
+    def _qkv(self, i: int, a: LayerActivations, reuse_quant: bool = False) -> None:
+        """a.qkv = RoPE(QK-norm(ln1 · qkv_wᵀ + qkv_b)); QK-norm (Qwen3) keeps its input in a.qkv_pre."""
+        k, rs, cfg = self.k, self.rs, self.cfg
+        w, p = self.weights.block(i), f"layers.{i}."
+        Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
+        if cfg.qk_norm:
+            self.qmm_forward(a.qkv_pre, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant)
+            k.qknorm_forward(a.qkv, a.qk_rstd, a.qkv_pre, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, cfg.rms_norm_eps)
+        else:
+            self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant)  # (B, T, Q)
+        k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # in place
+
     # ---- one block ---------------------------------------------------------------------------
     def forward(self, i: int, residual) -> None:
         """Block i's forward from its input `residual` (B, T, C) and its ln1 (already computed)."""
@@ -172,8 +186,7 @@ class Blocks:
         w, p = self.weights.block(i), f"layers.{i}."
         Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         att_o = mlp_down = rs.lnf  # (B, T, C): never needed in backward
-        self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"))  # (B, T, Q)
-        k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # in place
+        self._qkv(i, a)
         k.attention_forward(a.att.value, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
                             workspace=rs.att_workspace)  # fmt: skip
         if a.att.quant is not None:  # the attention kernels record no abs-max
@@ -194,8 +207,7 @@ class Blocks:
         if o.rc_ln1:
             k.rmsnorm_forward(a.ln1.value, a.ln1_rstd, residual, w["ln1_w"], eps)
         if o.rc_qkv:
-            self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=not o.rc_ln1)
-            k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)
+            self._qkv(i, a, reuse_quant=not o.rc_ln1)
         if o.rc_att:
             k.attention_forward(a.att.value, a.lse, a.qkv, Hq, Hkv, backend=o.attention_backend,
                                 workspace=rs.att_workspace)  # fmt: skip
@@ -243,7 +255,15 @@ class Blocks:
                                      a.att.value.shard_view(c, n), a.lse.shard_view(c, n), a.qkv.shard_view(c, n),
                                      Hq, Hkv, backend=o.attention_backend, workspace=rs.att_workspace,
                                      deterministic=o.attention_deterministic)  # fmt: skip
-            k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv, abs_max=d_qkv.abs_max)
+            # with QK-norm, d_qkv's FP8 abs-max is that of the gradient the matmul reads: after QK-norm's backward
+            if cfg.qk_norm:
+                k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv)
+                k.qknorm_backward(d_qkv_raw, G["q_norm_w"], G["k_norm_w"], rs.qk_scratch, d_qkv_raw, a.qkv_pre,
+                                  w["q_norm_w"], w["k_norm_w"], a.qk_rstd, Hq, Hkv)  # fmt: skip
+                if d_qkv.abs_max is not None:
+                    k.abs_max(d_qkv.abs_max, d_qkv_raw)
+            else:
+                k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv, abs_max=d_qkv.abs_max)
             self.qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, a.ln1, p + "qkv_w",
                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
 

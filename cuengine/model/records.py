@@ -5,7 +5,8 @@ state shares a buffer across layers when backward recomputes it (the recompute f
 layer's gradient record aliases layer 0's buffers. FP8 stats are never shared: each layer's quant
 copies carry their own stats slot, so a shared quant buffer still keeps each layer's scales.
 
-Shapes: C hidden, H intermediate, Q = (Hq + 2 Hkv) * head_size, Hq query heads.
+Shapes: C hidden, H intermediate, Q = (Hq + 2 Hkv) * head_size, Hq query heads, A = Hq * head_size
+the attention output (C except on Qwen3).
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ class LayerActivations:
     ln1_rstd: Tensor  # (B, T) fp32
     ln2_rstd: Tensor  # (B, T) fp32
     ln1: QuantTensor  # (B, T, C) RMSNorm of the block input
-    qkv: Tensor  # (B, T, Q) after RoPE
+    qkv: Tensor  # (B, T, Q) after RoPE (and QK-norm)
     lse: Tensor  # (B, Hq, T) fp32 attention log-sum-exp
-    att: QuantTensor  # (B, T, C) attention output, before the output projection
+    att: QuantTensor  # (B, T, A) attention output, before the output projection
     res_att: Tensor  # (B, T, C) residual after attention: block input + att_o
     ln2: QuantTensor  # (B, T, C) RMSNorm of res_att
     mlp_up: Tensor | None  # (B, T, 2H) [gate | up]; None when recomputed onto the stack (opts.rc_mlp_up)
     swiglu: QuantTensor  # (B, T, H) silu(gate) * up
+    # QK-norm (cfg.qk_norm) only, shared across layers like qkv under the recompute flags:
+    qkv_pre: Tensor | None = None  # (B, T, Q) the projection's output, before QK-norm (its backward reads it)
+    qk_rstd: Tensor | None = None  # (B, T, Hq + Hkv) fp32 per-head 1/rms of QK-norm
 
 
 @dataclass
@@ -57,7 +61,7 @@ class LayerGradients:
     d_res_ffn: QuantTensor  # (B, T, C) gradient of the block output (the next block's residual)
     d_res_att: QuantTensor  # (B, T, C) gradient of res_att
     d_ln2: Tensor  # (B, T, C)
-    d_att_y: Tensor  # (B, T, C) gradient of att
+    d_att_y: Tensor  # (B, T, A) gradient of att
     d_ln1: Tensor  # (B, T, C)
     # d_qkv and d_mlp_up are stack temporaries; with FP8 these are their quant copies:
     d_qkv_q: Tensor | None  # (B, T, Q) in the gradient dtype

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..alloc import DeviceMemoryStack
 from ..dtypes import BF16, BYTE, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import attention, encoder, fp8, rmsnorm, rope
+from ..kernels import attention, encoder, fp8, qknorm, rmsnorm, rope
 from ..tensor import STATS_SLOTS, Tensor
 from .records import LayerActivations, LayerGradients, QuantTensor
 
@@ -150,6 +150,10 @@ class RunState:
             self.rms_scratch = alloc.allocate(FP32, "rms_scratch", rmsnorm.rmsnorm_scratch_shape(N, C))
             self.bias_scratch = alloc.allocate(FP32, "bias_scratch", fp8.bias_backward_scratch_shape(N, Q))
             self.enc_scratch = alloc.allocate(INT32, "enc_scratch", encoder.encoder_scratch_shape(B, T, C))
+            self.qk_scratch = None
+            if cfg.qk_norm:
+                shape = qknorm.qknorm_scratch_shape(N, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size)
+                self.qk_scratch = alloc.allocate(FP32, "qknorm_scratch", shape)
             # forward runs on the whole batch, backward on attn_bwd_chunks shards: the larger need of the two
             heads = (T, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size)
             kw = {
@@ -171,7 +175,7 @@ class RunState:
     # ---- the seed's allocate_or_reuse ---------------------------------------------------------
     def _forward_buffers(self) -> list[LayerActivations]:
         cfg, o, B, T, dt, alloc = self.cfg, self.opts, self.B, self.T, self.dtype, self.alloc
-        C, H, Q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels
+        C, H, Q, A = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels, cfg.att_channels
         mm = _dtype(o.matmul_dtype)
         keep = o.keep_all_activations
         shared: dict[str, Tensor] = {"ln2": self.lnf}
@@ -202,18 +206,22 @@ class RunState:
                 ln2=act(o.rc_ln2 or o.fp8, "ln2", i, (B, T, C), quant_share=o.recompute_rmsnorm),
                 qkv=act(o.rc_qkv, "qkv", i, (B, T, Q)),
                 lse=alloc.allocate(FP32, f"lse.{i}", (B, cfg.num_q_heads, T)),
-                att=act(o.rc_att, "att", i, (B, T, C), quant_share=True),  # backward re-quantizes att
+                att=act(o.rc_att, "att", i, (B, T, A), quant_share=True),  # backward re-quantizes att
                 res_att=act(o.recompute_block, "res_att", i, (B, T, C)),
                 swiglu=act(o.rc_swiglu or o.fp8, "swiglu", i, (B, T, H), quant_share=o.rc_swiglu),
                 # with rc_mlp_up a stack temporary in forward and backward (Blocks._mlp_up)
                 mlp_up=None if o.rc_mlp_up else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H)),
             )
+            if cfg.qk_norm:  # QK-norm's input and rstd: recomputed with qkv, so shared as qkv is
+                a.qkv_pre = act(o.rc_qkv, "qkv_pre", i, (B, T, Q))
+                a.qk_rstd = buffer(o.rc_qkv and not keep, "qk_rstd", FP32, f"qk_rstd.{i}",
+                                   (B, T, cfg.num_q_heads + cfg.num_kv_heads))  # fmt: skip
             layers.append(a)
         return layers
 
     def _backward_buffers(self) -> list[LayerGradients]:
         cfg, o, B, T, dt, alloc = self.cfg, self.opts, self.B, self.T, self.dtype, self.alloc
-        C, H, Q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels
+        C, H, Q, A = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_channels, cfg.att_channels
         gd = _dtype(o.grad_dtype)
         keep = o.keep_all_activations
         layers = []
@@ -222,7 +230,8 @@ class RunState:
                 d_res_ffn = alloc.allocate(dt, f"d_res_ffn.{i}", (B, T, C))
                 d_res_att = alloc.allocate(dt, f"d_res_att.{i}", (B, T, C)) if keep else d_res_ffn
                 d_ln2 = alloc.allocate(dt, f"d_ln2.{i}", (B, T, C)) if keep else self.d_lnf
-                d_att_y = alloc.allocate(dt, f"d_att_y.{i}", (B, T, C)) if keep else self.d_lnf
+                # d_lnf's buffer where it has the shape; with A != C (Qwen3) a buffer of its own
+                d_att_y = alloc.allocate(dt, f"d_att_y.{i}", (B, T, A)) if keep or A != C else self.d_lnf
                 d_ln1 = alloc.allocate(dt, f"d_ln1.{i}", (B, T, C)) if keep else self.d_lnf
                 d_res_ffn_q = d_res_att_q = d_qkv_q = d_mlp_up_q = None
                 if o.fp8:

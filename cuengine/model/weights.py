@@ -2,9 +2,10 @@
 
 The engine packs HF's per-projection matrices so that one matmul does the work of several:
 q/k/v stack into `qkv_w` ((Hq + 2 Hkv) * hs, C) (+ `qkv_b` on Qwen2) and gate/up stack into
-`up_w` (2H, C) = [gate | up]. Every packed tensor is a row-stack, so each HF tensor is a zero-copy
-row view of an engine tensor; `hf_layout` is the one table of that mapping, used by import,
-export and `LlamaModel.gradients()`.
+`up_w` (2H, C) = [gate | up]; o_proj is `atto_w` (C, Hq * hs), and Qwen3's per-head q_norm and
+k_norm are `q_norm_w` and `k_norm_w` (hs,). Every packed tensor is a row-stack, so each HF tensor
+is a zero-copy row view of an engine tensor; `hf_layout` is the one table of that mapping, used by
+import, export and `LlamaModel.gradients()`.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def param_specs(cfg) -> list[tuple[str, tuple[int, ...], bool]]:
     """[(engine name, shape, decays)] in the engine's canonical order; `decays` marks the
     matrices that take weight decay (norm weights and biases do not)."""
     C, H, V, Q = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.qkv_channels
+    A, hs = cfg.att_channels, cfg.head_size
     specs = [("wte", (V, C), True)]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         specs += [(p + "ln1_w", (C,), False), (p + "ln2_w", (C,), False), (p + "qkv_w", (Q, C), True)]
         if cfg.qkv_bias:
             specs.append((p + "qkv_b", (Q,), False))
-        specs += [(p + "atto_w", (C, C), True), (p + "up_w", (2 * H, C), True), (p + "down_w", (C, H), True)]
+        if cfg.qk_norm:
+            specs += [(p + "q_norm_w", (hs,), False), (p + "k_norm_w", (hs,), False)]
+        specs += [(p + "atto_w", (C, A), True), (p + "up_w", (2 * H, C), True), (p + "down_w", (C, H), True)]
     specs.append(("lnf_w", (C,), False))
     if not cfg.tied_embeddings:
         specs.append(("lm_head", (V, C), True))
@@ -61,6 +65,9 @@ def hf_layout(cfg) -> dict[str, list[tuple[str, int, int]]]:
             a = h + "self_attn."
             out[e + suffix] = [(a + f"q_proj.{hsuf}", 0, q), (a + f"k_proj.{hsuf}", q, q + kv),
                                (a + f"v_proj.{hsuf}", q + kv, q + 2 * kv)]  # fmt: skip
+        if cfg.qk_norm:
+            out[e + "q_norm_w"] = [(h + "self_attn.q_norm.weight", 0, 0)]
+            out[e + "k_norm_w"] = [(h + "self_attn.k_norm.weight", 0, 0)]
         out[e + "atto_w"] = [(h + "self_attn.o_proj.weight", 0, 0)]
         out[e + "up_w"] = [(h + "mlp.gate_proj.weight", 0, H), (h + "mlp.up_proj.weight", H, 2 * H)]
         out[e + "down_w"] = [(h + "mlp.down_proj.weight", 0, 0)]
@@ -137,7 +144,7 @@ class ModelWeights:
     def init(self, seed: int) -> None:
         """LLMQ's random_init: N(0, 0.02) for matrices, with the output projections (o_proj,
         down_proj) scaled by 1/sqrt(2 L) so the residual stream's variance does not grow with
-        depth; norm weights 1, biases 0.
+        depth; norm weights (QK-norm's too) 1, biases 0.
 
         Every block of rows draws from its own generator seeded by (seed, tensor, block), so the
         same seed gives the same weights on every device and for any number of threads, and a
@@ -147,7 +154,7 @@ class ModelWeights:
         host, tasks = {}, []
         for idx, (name, shape, _) in enumerate(self.specs):
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("ln1_w", "ln2_w", "lnf_w", "qkv_b"):
+            if leaf in ("ln1_w", "ln2_w", "lnf_w", "q_norm_w", "k_norm_w", "qkv_b"):
                 host[name] = np.full(shape, 0.0 if leaf == "qkv_b" else 1.0, self.dtype.np)
                 continue
             host[name] = np.empty(shape, self.dtype.np)
