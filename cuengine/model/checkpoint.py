@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
     weights.safetensors    engine tensors in the model dtype (packed qkv / up, engine names)
-    optimizer.safetensors  "m.<name>" and "v.<name>" in their own dtypes
+    optimizer.safetensors  the optimizer's `state_tensors()`: "m.<name>" and "v.<name>" in their own
+                           dtypes for AdamW; codes and block abs-maxes for adamw8bit
     state.json             step, optimizer seed, config, options and the caller's `extra`
 It is written into a temporary sibling directory, flushed to disk and renamed into place, so a
 crash never leaves a half-written checkpoint under the final name (see `save`).
@@ -157,18 +158,14 @@ def load(model, path) -> dict:
         raise ValueError(f"checkpoint: {path} was trained with seed {state['seed']}, the model has {model.opts.seed}")
     weights = _read_checked(path / "weights.safetensors",
                             {n: (t.shape, t.dtype.np) for n, t in model.weights.tensors.items()})  # fmt: skip
-    opt = model.opt_state
-    want = {}
-    for n in opt.m:
-        want[f"m.{n}"] = (opt.m[n].shape, opt.m[n].dtype.np)
-        want[f"v.{n}"] = (opt.v[n].shape, opt.v[n].dtype.np)
-    moments = _read_checked(path / "optimizer.safetensors", want)
+    opt_tensors = model.opt_state.state_tensors()
+    moments = _read_checked(path / "optimizer.safetensors",
+                            {k: (t.shape, t.dtype.np) for k, t in opt_tensors.items()})  # fmt: skip
     # Everything is read and checked: now write.
     for n, t in model.weights.tensors.items():
         t.copy_from_numpy(weights[n])
-    for n in opt.m:
-        opt.m[n].copy_from_numpy(moments[f"m.{n}"])
-        opt.v[n].copy_from_numpy(moments[f"v.{n}"])
+    for k, t in opt_tensors.items():
+        t.copy_from_numpy(moments[k])
     model.weights.requantize()
     model.step = state["step"]
     return state["extra"]

@@ -19,8 +19,8 @@ from ..dtypes import dtype as _dtype
 from ..inference import InferenceMixin
 from ..kernels import encoder, rmsnorm
 from . import checkpoint
-from .blocks import RECORDING, Blocks
 from .adamw8bit import AdamW8bitState
+from .blocks import RECORDING, Blocks
 from .optimizer import AdamWState
 from .options import TrainOptions
 from .run_state import RunState

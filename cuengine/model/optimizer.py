@@ -47,12 +47,16 @@ class AdamWState:
         for t in (*self.m.values(), *self.v.values()):
             t.fill_zero()
 
-    def host_arrays(self) -> dict[str, np.ndarray]:
+    def state_tensors(self) -> dict:
+        """{checkpoint key: Tensor} of the state a checkpoint keeps: the moments."""
         out = {}
         for name in self.m:
-            out[f"m.{name}"] = self.m[name].numpy()
-            out[f"v.{name}"] = self.v[name].numpy()
+            out[f"m.{name}"] = self.m[name]
+            out[f"v.{name}"] = self.v[name]
         return out
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        return {k: t.numpy() for k, t in self.state_tensors().items()}
 
     def set_hparams(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
         """Enqueue the copy of the next update's hyper-parameters to the device (no host sync,

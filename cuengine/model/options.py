@@ -16,6 +16,7 @@ _MODEL_DTYPES = ("bf16", "fp32")
 _MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
 _FP8_GRAD_DTYPES = ("e4m3", "e5m2")
 _BACKENDS = ("auto", "raw", "cudnn")
+OPTIMIZERS = ("adamw", "adamw8bit")
 
 # `--memory` presets of the CLI and tools/bench_train.py: the recompute parts (TrainOptions.recompute_<part>)
 # each adds. "lean" recomputes the cheapest activations to rebuild: RMSNorm (two memory-bound passes
@@ -50,6 +51,7 @@ class TrainOptions:
     attention_deterministic: bool = True
     use_cuda_graphs: bool = False  # capture each block's forward and backward once, then replay
     # ---- optimizer ---------------------------------------------------------------------------
+    optimizer: str = "adamw"  # "adamw" or "adamw8bit" (8-bit block-wise moments, kernels/adamw8bit.py)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (not norms or biases)
     beta1: float = 0.9  # AdamW first-moment decay
@@ -100,6 +102,8 @@ class TrainOptions:
             known = matmul or model
             if grad is not None and (grad in _FP8_GRAD_DTYPES or (known is not None and grad != known)):
                 raise bad(f"grad_dtype {grad!r} needs FP8 matmuls; with {known or 'the model dtype'} leave it None")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("opt_m_dtype", "opt_v_dtype"):
             if getattr(self, name) not in ("fp32", "bf16"):
                 raise bad(f"{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r}")

@@ -1,0 +1,158 @@
+"""8-bit AdamW: m and v as 8-bit codes with one fp32 abs-max per block of 256 elements.
+
+bitsandbytes' block-wise dynamic quantization (Dettmers et al., "8-bit Optimizers via Block-wise
+Quantization", 2022): a code is an index into a 256-entry map whose values are spread
+logarithmically over [-1, 1] (signed, for m) or [0, 1] (unsigned, for v), scaled by the block's
+abs-max. A linear int8 code would round the small second moments of a block to zero, and
+m / (sqrt(0) + eps) then blows up; the dynamic map keeps about 2 significant digits over 7 decades.
+Each kernel dequantizes, updates in fp32 exactly as `adamw.adamw_update`, and requantizes, in one
+pass. State: 2 bytes per parameter plus 8 bytes per 256, against 8 for fp32 moments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .. import _checks
+from ..dtypes import BF16, BYTE, FP32
+from . import _build
+from .adamw import _store
+
+QBLOCK = 256  # elements per abs-max scale
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> np.ndarray:
+    """bitsandbytes' `create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)`: 256 sorted
+    fp32 values; for each decade 10^-6 .. 10^0, the midpoints of an even split of [0.1, 1] (twice
+    as many per decade unsigned, which needs no sign), plus 0 and 1."""
+    data = []
+    for i in range(7):
+        items = 2**i + 1 if signed else 2 ** (i + 1) + 1
+        bounds = np.linspace(0.1, 1, items)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += list(10.0 ** (-6 + i) * means)
+        if signed:
+            data += list(-(10.0 ** (-6 + i)) * means)
+    data += [0.0, 1.0]
+    assert len(data) == 256
+    return np.sort(np.array(data, np.float64)).astype(np.float32)
+
+
+@functools.cache
+def make_qmaps() -> np.ndarray:
+    """The (1024,) fp32 `qmaps` buffer `adamw8bit_update` reads: [signed map | its midpoints, +inf |
+    unsigned map | its midpoints, +inf]; the midpoints are rounded to fp32 here, once, for both the
+    kernel and the twin."""
+    parts = []
+    for signed in (True, False):
+        c = dynamic_map(signed)
+        mids = (c[:-1] + c[1:]) * np.float32(0.5)
+        parts += [c, mids, np.array([np.inf], np.float32)]
+    return np.concatenate(parts).astype(np.float32)
+
+
+def num_blocks(n: int) -> int:
+    return -(-int(n) // QBLOCK)
+
+
+def quantize_reference(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8, abs-max per block) of fp32 `x` (N,), as the kernel requantizes."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    nb = num_blocks(x.size)
+    pad = np.zeros(nb * QBLOCK, np.float32)
+    pad[: x.size] = np.abs(x) if signed else x
+    amax = pad.reshape(nb, QBLOCK).max(axis=1).astype(np.float32)
+    a = np.repeat(amax, QBLOCK)[: x.size]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        norm = np.where(a > 0, x / np.where(a > 0, a, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = make_qmaps()
+    mids = q[256:511] if signed else q[768:1023]
+    return np.searchsorted(mids, norm, side="left").astype(np.uint8), amax
+
+
+def dequantize_reference(codes: np.ndarray, absmax: np.ndarray, signed: bool) -> np.ndarray:
+    c = dynamic_map(signed)
+    a = np.repeat(np.asarray(absmax, np.float32), QBLOCK)[: codes.size]
+    return (c[np.asarray(codes).reshape(-1)] * a).astype(np.float32)
+
+
+def adamw8bit_reference(param, grad, qm, qv, absmax_m, absmax_v, hparams, grad_scale, weight_decay_on: bool,
+                        seed: int):  # fmt: skip
+    """The NumPy twin: returns new (param, qm, qv, absmax_m, absmax_v); a non-finite grad_scale
+    returns the inputs unchanged. The fp32 operations are adamw_reference's, in its order."""
+    f32 = np.float32
+    hp = np.asarray(hparams, f32)
+    lr, b1, b2, eps = hp[0], hp[1], hp[2], hp[3]
+    wd = hp[4] if weight_decay_on else f32(0)
+    step = int(hp[5])
+    bc1 = f32(1.0 - np.float64(b1) ** np.float64(hp[5]))
+    bc2 = f32(1.0 - np.float64(b2) ** np.float64(hp[5]))
+    gs = f32(1) if grad_scale is None else f32(grad_scale)
+    if not np.isfinite(gs):
+        return param.copy(), qm.copy(), qv.copy(), absmax_m.copy(), absmax_v.copy()
+    p = param.astype(f32).reshape(-1)
+    m = dequantize_reference(qm, absmax_m, True)
+    v = dequantize_reference(qv, absmax_v, False)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        g = grad.astype(f32).reshape(-1) * gs
+        m = b1 * m + (f32(1) - b1) * g
+        v = b2 * v + (f32(1) - b2) * (g * g)
+        upd = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * p
+        p = p - lr * upd
+    qm2, am = quantize_reference(m, True)
+    qv2, av = quantize_reference(v, False)
+    p = _store(p, param.dtype, seed, step, 0).reshape(param.shape)
+    return p, qm2.reshape(qm.shape), qv2.reshape(qv.shape), am, av
+
+
+def adamw8bit_update(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale, weight_decay_on: bool,
+                     seed: int, stream=None) -> None:  # fmt: skip
+    """One 8-bit AdamW step, in place on param, the codes and their block abs-maxes.
+
+    Args:
+        param: fp32 or bf16, N elements (any shape).
+        grad: fp32 or bf16, N elements.
+        qm, qv: byte (uint8), N elements each: codes of m (signed map) and v (unsigned map).
+        absmax_m, absmax_v: (ceil(N/256),) fp32: each block's abs-max (all zero: m = v = 0).
+        qmaps: (1024,) fp32 on the device holding `make_qmaps()`.
+        hparams, grad_scale, weight_decay_on, seed: as in `adamw.adamw_update` (a non-finite
+            grad_scale writes nothing; bf16 params round stochastically with adamw's draws).
+
+    NumPy equivalent: `adamw8bit_reference(...)`.
+    """
+    what = "adamw8bit_update"
+    _checks.expect(param, f"{what}: param", dtype=(FP32, BF16))  # (N,)
+    _checks.expect(grad, f"{what}: grad", dtype=(FP32, BF16))  # (N,)
+    _checks.expect(qm, f"{what}: qm", dtype=BYTE)  # (N,)
+    _checks.expect(qv, f"{what}: qv", dtype=BYTE)  # (N,)
+    n = param.nelem
+    nb = num_blocks(n)
+    _checks.expect(absmax_m, f"{what}: absmax_m", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
+    _checks.expect(absmax_v, f"{what}: absmax_v", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
+    _checks.expect(qmaps, f"{what}: qmaps", dtype=FP32, shape=(1024,))  # (1024,)
+    _checks.expect(hparams, f"{what}: hparams", dtype=FP32, shape=(8,))  # (8,)
+    if grad_scale is not None:
+        _checks.expect(grad_scale, f"{what}: grad_scale", dtype=FP32, shape=(1,))  # (1,)
+    for t, label in ((grad, "grad"), (qm, "qm"), (qv, "qv")):
+        if t.nelem != n:
+            raise ValueError(
+                f"{what}: {label} {t.name!r} {t.shape} {t.dtype} has {t.nelem} elements, "
+                f"param {param.name!r} {param.shape} has {n}"
+            )
+    dev = _checks.same_device(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale)
+    seed = int(seed) & 0xFFFFFFFF
+    if n == 0:
+        return
+    if dev.is_cpu:
+        gs = None if grad_scale is None else grad_scale.array()[0]
+        out = adamw8bit_reference(param.array(), grad.array(), qm.array(), qv.array(), absmax_m.array(),
+                                  absmax_v.array(), hparams.array(), gs, weight_decay_on, seed)  # fmt: skip
+        _build.write_twin_results(zip((param, qm, qv, absmax_m, absmax_v), out))
+        return
+    name = _build.kernel_name("adamw8bit", param, grad)
+    args = (param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale, np.int32(bool(weight_decay_on)),
+            np.uint32(seed), np.int64(n))  # fmt: skip
+    _build.launch("adamw8bit", name, nb, QBLOCK, args, dev, stream)

@@ -1,0 +1,72 @@
+"""8-bit AdamW state: m and v as block-wise dynamic 8-bit codes (see kernels/adamw8bit.py).
+
+Everything but the moments is AdamWState's: the hyper-parameters on the device, the deterministic
+global norm and the NaN clip scale that skips a step, so `LlamaModel` drives either alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import BYTE, FP32
+from ..kernels import adamw8bit, norm
+from .optimizer import AdamWState
+
+
+class AdamW8bitState(AdamWState):
+    """Codes `qm`/`qv` (one byte per parameter) and fp32 block abs-maxes `absmax_m`/`absmax_v`
+    (one per 256 parameters), all in context "Optimizer" and all kept by checkpoints.
+
+    Args:
+        specs: [(name, shape, decays)] from `weights.param_specs`.
+        alloc: the TensorAllocator.
+    """
+
+    def __init__(self, specs, alloc):  # AdamWState.__init__ would allocate fp32 moments
+        self.specs = specs
+        self.device = alloc.device
+        self.qm, self.qv, self.absmax_m, self.absmax_v = {}, {}, {}, {}
+        with alloc.context("Optimizer"):
+            for name, shape, _ in specs:
+                nb = adamw8bit.num_blocks(int(np.prod(shape)))
+                self.qm[name] = alloc.allocate(BYTE, f"qm.{name}", shape)
+                self.qv[name] = alloc.allocate(BYTE, f"qv.{name}", shape)
+                self.absmax_m[name] = alloc.allocate(FP32, f"absmax_m.{name}", (nb,))
+                self.absmax_v[name] = alloc.allocate(FP32, f"absmax_v.{name}", (nb,))
+            self.qmaps = alloc.allocate(FP32, "qmaps", (1024,))
+            self.hparams = alloc.allocate(FP32, "hparams", (8,))  # adamw.make_hparams layout
+            self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
+            self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
+            self.norm_result = alloc.allocate(FP32, "norm_result", (2,))  # [‖g‖, clip scale]
+            self.norm_host = alloc.allocate(FP32, "norm_host", (2,), kind="pinned")
+        self.hparams_event = self.device.event()
+        self.qmaps.copy_from_numpy(adamw8bit.make_qmaps())
+        self.zero()
+
+    def state_tensors(self) -> dict:
+        """{checkpoint key: Tensor} of the state a checkpoint keeps."""
+        out = {}
+        for name in self.qm:
+            out[f"qm.{name}"] = self.qm[name]
+            out[f"qv.{name}"] = self.qv[name]
+            out[f"absmax_m.{name}"] = self.absmax_m[name]
+            out[f"absmax_v.{name}"] = self.absmax_v[name]
+        return out
+
+    def zero(self) -> None:
+        """A zero abs-max dequantizes every code of its block to 0; the codes are zeroed too, so a
+        fresh state is the same bytes whatever was there before."""
+        for t in self.state_tensors().values():
+            t.fill_zero()
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        return {k: t.numpy() for k, t in self.state_tensors().items()}
+
+    def update(self, weights, grads: dict, seed: int, stream=None) -> None:
+        """One 8-bit AdamW update of every parameter (see AdamWState.update: a NaN clip scale writes
+        nothing; each tensor's rounding seed is derived from `seed` the same way)."""
+        scale = self.norm_result.rows(1, 2)
+        for i, (name, _, decays) in enumerate(self.specs):
+            adamw8bit.adamw8bit_update(weights[name], grads[name], self.qm[name], self.qv[name], self.absmax_m[name],
+                                       self.absmax_v[name], self.qmaps, self.hparams, scale, decays,
+                                       (seed + 7919 * i) & 0x7FFFFFFF, stream=stream)  # fmt: skip
