@@ -1,0 +1,195 @@
+"""raw_kernels/rmsnorm.cu and fp8.cu on the host, for tests/test_kernel_emulation.py.
+
+The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch
+loop) with a common.cuh stand-in for the helpers these families use: bf16/fp16/fp8 types and
+conversions (fp8 SATFINITE round-to-nearest-even by search over the 256 codes), 16-byte packs that
+fail on a misaligned access, __reduce_max_sync and atomicMax. Static shared arrays are plain
+statics (blocks run one after another); rmsnorm's dynamic shared memory is the emulator's buffer.
+The real launchers drive it (their `launch` is redirected), so grids, variants, tails and index
+arithmetic are checked without a GPU; register limits and timing are not.
+"""
+
+import ctypes
+import shutil
+import subprocess
+
+import attention_emulator as AE
+import numpy as np
+
+import cuengine as ce
+from cuengine.kernels._build import kernel_dir
+
+# The attention emulator's fibers, barriers and bf16, without its PTX helpers; min/max come from <algorithm>.
+_BASE = (
+    AE.EMU_HEADER[: AE.EMU_HEADER.index("// ---- the PTX helpers, emulated ----")]
+    .replace("#define __align__(n) alignas(n)", "#define __align__(n) alignas(n)\n#define __shared__ static")
+    .replace("inline int min(int a, int b) { return a < b ? a : b; }", "")
+    .replace("struct alignas(16) int4 { int x, y, z, w; };", "")
+)
+_COMMON = r"""
+#include <algorithm>
+using std::min; using std::max; using std::isfinite;
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+struct uint2 { unsigned x, y; }; struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+struct WarpU { unsigned u[32]; };
+extern WarpU g_wu[32];
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+    WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
+    w.u[l] = v; wbar(); unsigned r = 0; for (int i = 0; i < 32; ++i) r = r > w.u[i] ? r : w.u[i]; wbar(); return r;
+}
+inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; if (v > o) *p = v; return o; }
+typedef _Float16 half;
+inline float __half2float(half h) { return (float)h; }
+inline half __float2half_rn(float f) { return (half)f; }
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+inline float fp8_decode(unsigned char c, int e5) {
+    int s = c >> 7, e, m; float v;
+    if (!e5) {
+        e = (c >> 3) & 15; m = c & 7;
+        if (e == 15 && m == 7) return NAN;
+        v = e ? ldexpf(1 + m / 8.f, e - 7) : ldexpf(m / 8.f, -6);
+    } else {
+        e = (c >> 2) & 31; m = c & 3;
+        if (e == 31) return m ? NAN : INFINITY;
+        v = e ? ldexpf(1 + m / 4.f, e - 15) : ldexpf(m / 4.f, -14);
+    }
+    return s ? -v : v;
+}
+inline unsigned char __nv_cvt_float_to_fp8(float x, __nv_saturation_t, __nv_fp8_interpretation_t k) {
+    int e5 = k == __NV_E5M2; float lim = e5 ? 57344.f : 448.f;
+    if (x != x) return e5 ? 0x7f : 0x7f;
+    if (x > lim) x = lim; if (x < -lim) x = -lim;
+    int best = -1; double bd = 1e300;
+    for (int c = 0; c < 256; ++c) { float v = fp8_decode(c, e5); if (!(v == v) || std::isinf(v)) continue;
+        if (v == 0 && (c & 0x80)) continue;
+        double d = fabs((double)v - x); if (d < bd || (d == bd && (c & 1) == 0)) { bd = d; best = c; } }
+    if (fp8_decode(best, e5) == 0 && std::signbit(x)) best = 0x80;
+    return (unsigned char)best;
+}
+inline unsigned short __nv_cvt_float2_to_fp8x2(float2 v, __nv_saturation_t s, __nv_fp8_interpretation_t k) {
+    return __nv_cvt_float_to_fp8(v.x, s, k) | (__nv_cvt_float_to_fp8(v.y, s, k) << 8);
+}
+struct __nv_fp8_e4m3 { unsigned char __x; operator float() const { return fp8_decode(__x, 0); } };
+struct __nv_fp8_e5m2 { unsigned char __x; operator float() const { return fp8_decode(__x, 1); } };
+typedef __nv_fp8_e4m3 fp8e4; typedef __nv_fp8_e5m2 fp8e5;
+inline float to_float(half x) { return (float)x; }
+inline float to_float(fp8e4 x) { return float(x); }
+inline float to_float(fp8e5 x) { return float(x); }
+template <> inline half from_float<half>(float x) { return (half)x; }
+template <> inline fp8e4 from_float<fp8e4>(float x) {
+    fp8e4 r; r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3); return r;
+}
+template <> inline fp8e5 from_float<fp8e5>(float x) {
+    fp8e5 r; r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2); return r;
+}
+#define STAT_ABS_MAX 0
+#define STAT_SCALE 4
+#define STAT_SCALE_INV 8
+template <typename T> struct fp8_limits { static constexpr float max = 0.f; };
+template <> struct fp8_limits<fp8e4> { static constexpr float max = 448.f; };
+template <> struct fp8_limits<fp8e5> { static constexpr float max = 57344.f; };
+template <typename T> struct alignas(16) Pack16 {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+    static Pack16 load(const T* p) {
+        if ((uintptr_t)p % 16) fail("misaligned Pack16 load");
+        return *reinterpret_cast<const Pack16*>(p);
+    }
+    void store(T* p) const {
+        if ((uintptr_t)p % 16) fail("misaligned Pack16 store");
+        *reinterpret_cast<Pack16*>(p) = *this;
+    }
+};
+inline unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+inline void block_atomic_abs_max(float* dst, unsigned bits) {
+    static unsigned s_bits[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) s_bits[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+        bits = lane < (int)(blockDim.x + 31) / 32 ? s_bits[lane] : 0u;
+        bits = __reduce_max_sync(0xffffffffu, bits);
+        if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
+    }
+}
+"""
+
+
+def build(family, kernels, workdir):
+    """Compile raw_kernels/<family>.cu with the stand-ins into workdir; the library, or None without g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return None
+    src = (kernel_dir() / f"{family}.cu").read_text()
+    src = src.replace("extern __shared__ float s_dweight[];", "float* s_dweight = (float*)g_smem;")
+    (workdir / f"{family}_emu.cu").write_text(src)
+    (workdir / "common.cuh").write_text(_BASE + _COMMON)
+    main = AE.EMU_MAIN.replace('#include "attention_emu.cu"', f'#include "{family}_emu.cu"')
+    a = main.index("static const Entry kernels[] = {")
+    b = main.index("};", a)
+    main = main[:a] + "static const Entry kernels[] = {" + ", ".join(f"K({k})" for k in kernels) + main[b:]
+    main = main.replace("WarpX g_warps[32];", "WarpX g_warps[32];\nWarpU g_wu[32];")
+    (workdir / f"{family}_main.cpp").write_text(main)
+    out = workdir / f"lib{family}.so"
+    done = subprocess.run(
+        [gxx, "-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-o", str(out), str(workdir / f"{family}_main.cpp")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[:5000]
+    lib = ctypes.CDLL(str(out))
+    lib.emu_launch.restype = ctypes.c_int
+    lib.emu_error.restype = ctypes.c_char_p
+    return lib
+
+
+class EmulatedCuda(AE.EmulatedCuda):
+    num_sms = 4  # grid-stride kernels size their grids by it
+
+
+def launch(lib, family, name, grid, block, args, device, stream=None, shared_mem=0):
+    """kernels._build.launch for the emulator: `lib` from build(), the other arguments as launch takes them."""
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    vals = []
+    for x in args:
+        if x is None:
+            vals.append(ctypes.c_void_p(0))
+        elif isinstance(x, ce.Tensor):
+            vals.append(ctypes.c_void_p(x.ptr))
+        elif isinstance(x, np.int32):
+            vals.append(ctypes.c_int(int(x)))
+        elif isinstance(x, np.int64):
+            vals.append(ctypes.c_longlong(int(x)))
+        elif isinstance(x, np.float32):
+            vals.append(ctypes.c_float(float(x)))
+        else:
+            raise TypeError(f"{name}: argument {x!r}")
+    argv = (ctypes.c_void_p * len(vals))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals))
+    rc = lib.emu_launch(name.encode(), gx, gy, gz, int(block), int(shared_mem), argv)
+    assert rc == 0, f"emulated launch of {name} failed ({rc}): {lib.emu_error().decode()}"
+
+
+DEV = EmulatedCuda()
+
+
+def tensor(values, dtype, name="t", pad=4096):
+    """A tensor in host memory on the emulated device, with 0xA5 canary margins on both sides."""
+    dt = ce.dtype(dtype)
+    raw = np.ascontiguousarray(np.asarray(values).astype(dt.np)).reshape(-1).view(np.uint8)
+    storage = np.full(raw.size + 2 * pad, 0xA5, np.uint8)
+    storage[pad : pad + raw.size] = raw
+    return ce.Tensor(dt, np.shape(values), DEV, storage, pad, name)
+
+
+def margins_ok(x) -> bool:
+    """Nothing was written outside the tensor."""
+    m = np.concatenate([x.storage[: x.offset], x.storage[x.offset + x.nbytes :]])
+    return np.all(m == 0xA5)
