@@ -431,6 +431,7 @@ def test_decode_logits_match_full_forward(dev, preset, dtype, arm):
 
 
 # ---- GPU: the model on cuda against the cpu twin ----------------------------------------------
+DEVICE = "cuda"  # the GPU tests' device (a module constant, so their bodies can be tried against the cpu)
 GPU_OPTS = {
     "bf16": {},
     "recompute+offload+graphs": {"recompute_block": True, "offload_residual": True, "use_cuda_graphs": True},
@@ -445,18 +446,17 @@ GPU_OPTS = {
 def test_gpu_matches_cpu(preset, opts, head_size):
     """As tests/test_model.py's test_gpu_matches_cpu: three steps on both devices; losses and
     norms within the bf16 tolerance, gradients within 3x the matmul dtype's."""
-    cfg = tiny(preset, head_size=head_size)
-    if not cfg.qk_norm:
-        cfg = cfg.replace(hidden_size=4 * head_size)
+    base = TransformerConfig.preset(preset)
+    cfg = base.replace(head_size=head_size, **({} if base.qk_norm else {"hidden_size": 4 * head_size}))
     res = {}
-    for d in ("cpu", "cuda"):
+    for d in ("cpu", DEVICE):
         m = randomize(make(cfg, device=d, **opts))
         losses, norms = [], []
         for s in range(3):
             losses.append(m.train_step(*batch(cfg, seed=10 + s), lr=1e-3))
             norms.append(m.opt_state.norm_result.numpy()[0])
         res[d] = (losses, norms, {k: v.numpy().astype(np.float32) for k, v in m.gradients().items()})
-    (lc, nc, gc), (lg, ng, gg) = res["cpu"], res["cuda"]
+    (lc, nc, gc), (lg, ng, gg) = res["cpu"], res[DEVICE]
     np.testing.assert_allclose(lg, lc, rtol=TOL["bf16"][0])
     np.testing.assert_allclose(ng, nc, rtol=TOL["bf16"][0])
     assert_grads_close(gg, gc, opts.get("matmul_dtype", "bf16"), factor=3.0)
@@ -466,9 +466,9 @@ def test_gpu_matches_cpu(preset, opts, head_size):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_gpu_qwen3_options_bitwise(precision):
     cfg = tiny("tiny-qwen3", head_size=64)
-    _, base, base_n = run_steps(cfg, device="cuda", **PRECISIONS[precision])
+    _, base, base_n = run_steps(cfg, device=DEVICE, **PRECISIONS[precision])
     for flags in FLAG_SETS:
-        _, losses, norms = run_steps(cfg, device="cuda", **flags, **PRECISIONS[precision])
+        _, losses, norms = run_steps(cfg, device=DEVICE, **flags, **PRECISIONS[precision])
         assert losses == base and [n.tobytes() for n in norms] == [n.tobytes() for n in base_n], flags
 
 
@@ -476,7 +476,7 @@ def test_gpu_qwen3_options_bitwise(precision):
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_gpu_reference_fp32(preset):
     cfg = tiny(preset, dtype="fp32")
-    m = randomize(make(cfg, device="cuda"))
+    m = randomize(make(cfg, device=DEVICE))
     x, y = batch(cfg)
     m.forward(x)
     m.backward(x, y)
