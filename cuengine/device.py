@@ -276,5 +276,11 @@ def device(name: str | Device = "auto") -> Device:
     if kind != "cuda":
         raise ValueError(f"unknown device {name!r}; use 'cuda', 'cuda:N', 'cpu' or 'auto'")
     if not cuda_available():
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise RuntimeError(
+                "device 'cuda' asked for, but CuPy is not installed (pip install 'cuengine[cuda]'); use 'cpu' or 'auto'"
+            ) from None
         raise RuntimeError("device 'cuda' asked for, but CuPy finds no CUDA device; use 'cpu' or 'auto'")
     return _make_device("cuda", int(idx or 0))

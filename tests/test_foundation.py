@@ -56,6 +56,24 @@ def test_cuda_without_gpu_is_a_clear_error():
         ce.device("cuda")
 
 
+def test_cuda_without_cupy_says_how_to_install_it(monkeypatch):
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    for mod in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    with pytest.raises(RuntimeError, match=r"CuPy is not installed \(pip install 'cuengine\[cuda\]'\)"):
+        ce.device("cuda")
+
+
 def test_stream_event_sync(dev):
     s = dev.new_stream()
     t = ce.Tensor.from_numpy(np.arange(8, dtype=np.float32), dev, name="x")
