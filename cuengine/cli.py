@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
     if dev.is_cuda:
         line += f", MFU {100 * r['mfu']:.1f}% of {CEILINGS['bf16_peak'] / 1e12:.0f} TFLOP/s, {r['mem_gib']:.2f} GiB"
     print(line)
-    print(str(r["report"]) if args.report else str(r["report"]).split("\n\n")[0])
+    print(r["report"].table(per_buffer=args.report))
     return 0
 
 

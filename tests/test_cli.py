@@ -205,6 +205,14 @@ def test_bench_minimal(capsys):
                              "--warmup", 1, "--device", "cpu")  # fmt: skip
     assert code == 0, err
     assert "tok/s" in out and "tiny" in out
+    assert "total device" in out and "wte" not in out  # the per-context summary only
+
+
+def test_bench_report_lists_every_buffer(capsys):
+    code, out, err = run_cli(capsys, "bench", "--preset", "tiny", "--batch-size", 2, "--seq-len", 32, "--steps", 1,
+                             "--warmup", 1, "--device", "cpu", "--report")  # fmt: skip
+    assert code == 0, err
+    assert "total device" in out and "wte" in out and "d.wte" in out
 
 
 # ---- cuda (the lead runs these on an H200) --------------------------------------------------------
