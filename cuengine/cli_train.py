@@ -47,12 +47,12 @@ DEVICE_DEFAULTS = {
 TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", recompute=[], offload_residual=False,
                       cuda_graphs=False, lmhead_chunks=1, weight_decay=0.1, grad_clip=1.0, z_loss=0.0, seed=0,
                       save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
-                      grad_dtype=None, log=None)
+                      grad_dtype=None, log=None, optimizer="adamw")
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
             "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "recompute", "offload_residual",
             "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "z_loss", "seed", "eval_every", "eval_batches",
-            "save_every", "save_minutes", "log", "sample_tokens")
+            "save_every", "save_minutes", "log", "sample_tokens", "optimizer")
 # fmt: on
 # A resumed run sees the batches the uninterrupted run would: these may not change on --resume.
 FIXED_ON_RESUME = ("data", "batch_size", "seq_len", "grad_accum")
@@ -145,7 +145,8 @@ def _train_options(run, cfg):
         opts = TrainOptions(model_dtype=run["dtype"], matmul_dtype=run["matmul_dtype"], grad_dtype=run["grad_dtype"],
                             offload_residual=run["offload_residual"], use_cuda_graphs=run["cuda_graphs"],
                             lmhead_chunks=run["lmhead_chunks"], weight_decay=run["weight_decay"],
-                            grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"], **kw)  # fmt: skip
+                            grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"],
+                            optimizer=run["optimizer"], **kw)  # fmt: skip
         return opts.resolved(cfg.dtype)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -393,6 +394,7 @@ def add_train_parser(t) -> None:
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay ({_dflt('weight_decay')})")
     g.add_argument("--grad-clip", type=float, help=f"global gradient-norm clip; 0 disables ({_dflt('grad_clip')})")
     g.add_argument("--z-loss", type=float, help=f"weight of the z-loss term lse^2 in the loss ({_dflt('z_loss')})")
+    g.add_argument("--optimizer", help=f"adamw, or adamw8bit: AdamW with 8-bit moments ({_dflt('optimizer')})")
     g = t.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     engine_flags(g, _dflt("dtype"))

@@ -11,8 +11,9 @@ from conftest import DEVICES, assert_bitwise
 from test_model import FLAG_SETS, batch, make, run_steps, tiny
 
 import cuengine as ce
+from cuengine import cli
 from cuengine.kernels import adamw, adamw8bit
-from cuengine.model import TrainOptions
+from cuengine.model import LlamaModel, TrainOptions
 from cuengine.model.adamw8bit import AdamW8bitState
 
 N = 1000  # four blocks, the last partial
@@ -186,3 +187,19 @@ def test_gpu_adamw8bit_matches_cpu_and_flags_bitwise(opts):
     _, cpu, _ = run_steps(cfg, device="cpu", optimizer="adamw8bit", **opts)
     np.testing.assert_allclose(base, cpu, rtol=2e-2)
     assert "cuda" in DEVICES
+
+
+def test_cli_optimizer_reaches_the_model(tmp_path, monkeypatch, capsys):
+    seen = []
+    init = LlamaModel.__init__
+
+    def spy(self, cfg, opts=None, *args, **kwargs):
+        seen.append(opts.optimizer)
+        init(self, cfg, opts, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaModel, "__init__", spy)
+    fast = ["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--sample-tokens", "0"]
+    assert cli.main(["train", *fast, "--steps", "1", "--optimizer", "adamw8bit", "--out", str(tmp_path / "run")]) == 0
+    assert seen and set(seen) == {"adamw8bit"}
+    assert cli.main(["train", *fast, "--steps", "1", "--optimizer", "sgd", "--out", str(tmp_path / "r2")]) != 0
+    assert "optimizer must be one of" in capsys.readouterr().err
