@@ -27,10 +27,10 @@ def random_batch(vocab: int, B: int, T: int, seed: int = 0) -> tuple[np.ndarray,
 
 
 def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int, grad_accum: int = 1) -> dict:
-    """Time `steps` train steps of a fresh model, each of `grad_accum` micro-batches of (B, T).
-    Returns {"ms": median step, "tok_s", "mfu" (NaN on cpu), "mem_gib" (the allocator's device
-    total), "params", "first_loss", "loss", "setup_s" (build, init and warm-up), "report" (the
-    MemoryReport)}."""
+    """Time `steps` train steps of a fresh model, each of `grad_accum` micro-batches of (B, T), then
+    `steps` updates (norm + optimizer) alone. Returns {"ms": median step, "update_ms": median update,
+    "tok_s", "mfu" (NaN on cpu), "mem_gib" (the allocator's device total), "params", "first_loss",
+    "loss", "setup_s" (build, init and warm-up), "report" (the MemoryReport)}."""
     from .model import LlamaModel
 
     t0 = time.perf_counter()
@@ -55,7 +55,8 @@ def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int,
     step_ms = time_ms(device, lambda: losses.append(step()), warmup=0, iters=steps)
     tok_s = grad_accum * B * T / (step_ms / 1e3)
     mfu_ = mfu(model.flops_per_token(T), tok_s) if device.is_cuda else float("nan")
+    update_ms = time_ms(device, lambda: model.update(lr=1e-4), warmup=0, iters=steps)  # norm + optimizer alone
     rep = model.memory_report()
-    return {"ms": step_ms, "tok_s": tok_s, "mfu": mfu_, "mem_gib": rep.device_bytes / 2**30,
+    return {"ms": step_ms, "update_ms": update_ms, "tok_s": tok_s, "mfu": mfu_, "mem_gib": rep.device_bytes / 2**30,
             "params": model.num_parameters(), "first_loss": losses[0], "loss": losses[-1], "setup_s": setup_s,
             "report": rep}  # fmt: skip

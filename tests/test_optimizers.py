@@ -203,3 +203,11 @@ def test_cli_optimizer_reaches_the_model(tmp_path, monkeypatch, capsys):
     assert seen and set(seen) == {"adamw8bit"}
     assert cli.main(["train", *fast, "--steps", "1", "--optimizer", "sgd", "--out", str(tmp_path / "r2")]) != 0
     assert "optimizer must be one of" in capsys.readouterr().err
+
+
+def test_bench_reports_update_time_and_optimizer_memory():
+    from cuengine.bench_train import bench_train_step
+
+    cfg = tiny("tiny")
+    r = bench_train_step(cfg, TrainOptions(optimizer="adamw8bit"), ce.device("cpu"), 2, 16, steps=1, warmup=1)
+    assert r["update_ms"] > 0 and r["report"].by_context["Optimizer"][0] > 0

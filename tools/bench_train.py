@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"],
+                   help="prints its update time and optimizer memory")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--report", action="store_true", help="print the memory report of each engine run")
     args = p.parse_args(argv)
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
         return 0
     extra = {f"recompute_{r}": True for r in (*args.recompute, *MEMORY_PRESETS[args.memory])}
     extra.update(lmhead_chunks=args.lmhead_chunks, offload_residual=args.offload_residual,
-                 opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
+                 opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,
                  attention_deterministic=not args.nondeterministic_attention)  # fmt: skip
     accum = args.grad_accum
     try:
@@ -147,6 +149,8 @@ def main(argv=None) -> int:
             print(f"{preset} {dtype}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
                   f"{r['mem_gib']:.2f} GiB, loss {r['first_loss']:.3f} -> {r['loss']:.3f}, setup {r['setup_s']:.0f} s"
                   + (f", target {target / 1e3:.0f}k" if target else ""), flush=True)  # fmt: skip
+            print(f"  {args.optimizer}: update {r['update_ms']:.2f} ms, optimizer memory "
+                  f"{r['report'].by_context['Optimizer'][0] / 2**30:.3f} GiB", flush=True)  # fmt: skip
             if args.report:
                 print(r["report"])
             runs.append(r)
