@@ -14,6 +14,7 @@ from conftest import TOL
 from test_inference import SEQ, assert_logits_close, decode_logits, sequences
 from test_model import FLAG_SETS, assert_grads_close, batch, make, randomize, run_steps, valid
 
+from cuengine.alloc import TensorAllocator
 from cuengine.kernels.rope import rope_freqs
 from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
 from cuengine.model.weights import hf_views
@@ -483,3 +484,52 @@ def test_gpu_reference_fp32(preset):
     want_loss, want, _ = ref.loss_and_grads(cfg, m.weights.host_arrays(), x, y)
     assert abs(m.loss_sum() / valid(y) - want_loss) < TOL["fp32"][0] * want_loss
     assert_grads_close(m.gradients(), want, "fp32", factor=2.0)
+
+
+# ---- long context: a run state that does not fit says what would -------------------------------
+def plan_bytes(cfg, b, t, **opts):
+    """(weights, weights + run state) device bytes of a model of cfg allocated for (b, t)."""
+    a = TensorAllocator("cpu")
+    m = LlamaModel(cfg, TrainOptions(**opts), device="cpu", alloc=a)
+    weights = a.report().total
+    m.allocate_run_state(b, t)
+    return weights, a.report().total
+
+
+def refused(cfg, b, t, limit):
+    """The MemoryError of allocating (b, t) under a device limit; also checks nothing stayed allocated."""
+    a = TensorAllocator("cpu", limit_bytes=limit)
+    m = LlamaModel(cfg, device="cpu", alloc=a)
+    before = a.report().total
+    with pytest.raises(MemoryError) as err:
+        m.allocate_run_state(b, t)
+    assert a.report().total == before and m.rs is None and m.grads is None
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "preset,changes,b,t,flags",
+    [
+        ("tiny-qwen3", {}, 2, 256, {"recompute_block": True}),
+        # logits of T x V dominate: LM-head chunks of 1024 rows are enough
+        ("tiny-llama3", {"max_position_embeddings": 4096, "vocab_size": 8192}, 1, 4096, {"lmhead_chunks": 4}),
+    ],
+)
+def test_run_state_that_does_not_fit_names_the_options_that_do(preset, changes, b, t, flags):
+    cfg = tiny(preset, **changes)
+    _, full = plan_bytes(cfg, b, t)
+    _, small = plan_bytes(cfg, b, t, **flags)
+    limit = (full + small) // 2
+    msg = refused(cfg, b, t, limit)
+    want = ", ".join(f"{k}={v}" for k, v in flags.items())
+    assert f"allocate_run_state: B={b}, T={t} does not fit in memory" in msg
+    assert f"TrainOptions({want}) makes it fit" in msg, msg
+    m = LlamaModel(cfg, TrainOptions(**flags), device="cpu", alloc=TensorAllocator("cpu", limit_bytes=limit))
+    m.allocate_run_state(b, t)  # the advice holds
+
+
+def test_run_state_that_nothing_fits_says_so():
+    cfg = tiny("tiny-qwen3")
+    weights, _ = plan_bytes(cfg, 2, 256)
+    msg = refused(cfg, 2, 256, weights + (64 << 10))
+    assert "not even lmhead_chunks, recompute_block and offload_residual together make it fit" in msg

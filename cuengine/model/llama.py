@@ -8,6 +8,7 @@ graphs, the optimizer step); the blocks, their FP8 matmuls and the LM head are `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -30,6 +31,10 @@ from .weights import ModelWeights, hf_views
 def count_valid(targets: np.ndarray) -> int:
     """The number of targets that count in the loss (not -1), from the host array."""
     return int(np.count_nonzero(targets != -1))
+
+
+class _Fits(Exception):
+    """Raised inside a trial allocation that succeeded, so that all_or_nothing releases it."""
 
 
 class LlamaModel(InferenceMixin):
@@ -80,12 +85,13 @@ class LlamaModel(InferenceMixin):
 
     def flops_per_token(self, T: int) -> float:
         """Training FLOPs per token at sequence length T: 6 per matmul parameter (forward 2,
-        backward 4) plus causal attention, 6·L·C·T (QKᵀ and PV, half the positions masked)."""
+        backward 4) plus causal attention, 6·L·(Hq·hs)·T (QKᵀ and PV, half the positions masked;
+        Hq·hs is C except on Qwen3)."""
         cfg = self.cfg
         matmul_params = self.num_parameters()
         if not cfg.tied_embeddings:
             matmul_params -= cfg.vocab_size * cfg.hidden_size  # the embedding lookup is no matmul
-        return 6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.hidden_size * T
+        return 6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.att_channels * T
 
     def _reset_optimizer(self) -> None:
         self.step = 0
@@ -96,7 +102,12 @@ class LlamaModel(InferenceMixin):
     def allocate_run_state(self, B: int, T: int) -> None:
         """Allocate every buffer a step of batch (B, T) needs: activations, gradients, optimizer
         state, scratch and the stack (sized by running a block and the LM head against a simulated
-        stack). Call once, before stepping."""
+        stack). Call once, before stepping.
+
+        The buffers are one plan (`TensorAllocator.all_or_nothing`): when it does not fit in memory
+        nothing stays allocated, and the MemoryError says which recompute / offload / LM-head
+        chunking options would make it fit, found by allocating the plan with each in turn (a
+        long T needs them: activations grow with T, the logits with T times the vocabulary)."""
         o, cfg = self.opts, self.cfg
         if B < 1 or T < 1:
             raise ValueError(f"allocate_run_state: B and T must be >= 1, got B={B}, T={T}")
@@ -112,18 +123,63 @@ class LlamaModel(InferenceMixin):
         if self.rs is not None:
             raise ValueError("allocate_run_state: the run state is already allocated; make a new LlamaModel")
         blas.init(self.alloc)
-        self.rs = RunState(cfg, o, B, T, self.alloc)
-        with self.alloc.context("Gradients"):
-            self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
-        block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
-                        if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
-        if o.optimizer == "adamw8bit":
-            self.opt_state = AdamW8bitState(self.weights.specs, self.alloc)
-        else:
-            self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
-        self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)
-        recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
-        self.rs.size_stack(lambda: self._step_temporaries(recording))
+        try:
+            self._build_run_state(o, B, T)
+            return
+        except MemoryError as err:
+            why = str(err)  # leaving the handler drops the traceback, and with it the failed plan's buffers
+        raise MemoryError(f"allocate_run_state: B={B}, T={T} does not fit in memory with these options; "
+                          f"{self._options_that_fit(B, T)}\n{why}")  # fmt: skip
+
+    def _build_run_state(self, o: TrainOptions, B: int, T: int) -> None:
+        """The run state, gradients, optimizer state and stack for options `o`: all of it, or
+        (MemoryError) none of it."""
+        cfg = self.cfg
+        try:
+            with self.alloc.all_or_nothing(f"the run state of B={B}, T={T}"):
+                self.rs = RunState(cfg, o, B, T, self.alloc)
+                with self.alloc.context("Gradients"):
+                    self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
+                block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
+                                if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
+                if o.optimizer == "adamw8bit":
+                    self.opt_state = AdamW8bitState(self.weights.specs, self.alloc)
+                else:
+                    self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
+                self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)
+                recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
+                self.rs.size_stack(lambda: self._step_temporaries(recording))
+        except BaseException:
+            self.rs = self.grads = self.opt_state = self._blocks = None
+            raise
+
+    def _options_that_fit(self, B: int, T: int) -> str:
+        """Which options would make a (B, T) run state fit: the first of a ladder, cheapest in step
+        time first (LM-head chunks of >= 1024 rows, then the "lean" recompute set, then
+        recompute_block, then also offload_residual), whose plan allocates; each is released again."""
+        o, N = self.opts, B * T
+        chunks = o.lmhead_chunks
+        while N % (2 * chunks) == 0 and N // (2 * chunks) >= 1024:
+            chunks *= 2
+        base = {"lmhead_chunks": chunks} if chunks != o.lmhead_chunks else {}
+        lean, block = {"recompute_swiglu": True, "recompute_rmsnorm": True}, {"recompute_block": True}
+        ladder = [base, {**base, **lean}, {**base, **block}, {**base, **block, "offload_residual": True}]
+        for changes in ladder:
+            trial = dataclasses.replace(o, keep_all_activations=False, **changes)
+            if not changes or trial == o:
+                continue
+            try:
+                with self.alloc.all_or_nothing("a trial run state"):
+                    self._build_run_state(trial, B, T)
+                    raise _Fits
+            except _Fits:
+                self.rs = self.grads = self.opt_state = self._blocks = None
+                flags = ", ".join(f"{k}={v}" for k, v in changes.items())
+                return f"TrainOptions({flags}) makes it fit (its buffers were allocated and released)"
+            except MemoryError:
+                continue
+        return ("not even lmhead_chunks, recompute_block and offload_residual together make it fit: lower B or T, "
+                "or use more GPUs")  # fmt: skip
 
     def _step_temporaries(self, blocks: Blocks) -> None:
         """Everything in a step that takes stack memory: a block's forward and backward (every
