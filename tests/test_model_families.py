@@ -533,3 +533,16 @@ def test_run_state_that_nothing_fits_says_so():
     weights, _ = plan_bytes(cfg, 2, 256)
     msg = refused(cfg, 2, 256, weights + (64 << 10))
     assert "not even lmhead_chunks, recompute_block and offload_residual together make it fit" in msg
+
+
+def test_bench_train_long_context_lmhead_chunks():
+    """tools/bench_train.py --lmhead-chunks auto: chunks of >= 1024 rows, a power of two dividing B*T."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train_tool", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [bench.lmhead_chunks("auto", n) for n in (1024, 8192, 16384, 3000)] == [1, 8, 16, 2]
+    assert bench.lmhead_chunks("3", 8192) == 3

@@ -16,6 +16,16 @@ printed. DESIGN.md targets: 0.5B BF16 >= 170k tok/s, FP8 >= 200k; 1.5B BF16 >= 6
     python tools/bench_train.py --preset qwen2.5-0.5b qwen2.5-1.5b --batch 32 --grad-accum 16 --no-peer
     python tools/bench_train.py --preset qwen2.5-3b --no-peer --memory lean
 
+Long context (issue 17): `--long-context` runs B=1 at T = 1024, 8192 and 16384 (or the `--seq`
+values given) with LM-head chunks of 1024 rows (`--lmhead-chunks auto`); add the memory flags and
+the attention backend to compare, e.g.
+
+    python tools/bench_train.py --preset qwen2.5-0.5b --long-context --dtype bf16 --recompute block --offload-residual
+    python tools/bench_train.py --preset qwen2.5-0.5b --long-context --memory lean --attention-backend raw
+
+A T that does not fit prints allocate_run_state's answer (which options would make it fit); the
+peer is run at every T and reported where it fits.
+
 `--grad-accum N` makes a step N micro-batches of (--batch, --seq) and one update (tokens/s counts all
 of them); the peer then runs N forward/backward passes before its optimizer step too. LLMQ's figures
 at B=32 x 16 (524k-token steps): 160k (0.5B) and 61.4k (1.5B) tok/s, bf16.
@@ -91,6 +101,17 @@ def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: b
     return out
 
 
+def lmhead_chunks(arg: str, rows: int) -> int:
+    """--lmhead-chunks: an int, or "auto": the most chunks (a power of two dividing `rows`) that
+    keep >= 1024 rows each, so the (rows / chunks, V) logits stay small at long T."""
+    if arg != "auto":
+        return int(arg)
+    chunks = 1
+    while rows % (2 * chunks) == 0 and rows // (2 * chunks) >= 1024:
+        chunks *= 2
+    return chunks
+
+
 def main(argv=None) -> int:
     from cuengine.model.options import MEMORY_PRESETS
 
@@ -99,11 +120,15 @@ def main(argv=None) -> int:
                    help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, ... (TransformerConfig.preset)")  # fmt: skip
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths T (default 1024)")
+    p.add_argument("--long-context", action="store_true",
+                   help="B=1, T = 1024 8192 16384 (unless --seq), --lmhead-chunks auto (unless given)")  # fmt: skip
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "raw", "cudnn"])
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lmhead-chunks", type=int, default=1)
+    p.add_argument("--lmhead-chunks", default=None,
+                   help="an int, or 'auto': chunks of >= 1024 rows (default 1; auto with --long-context)")  # fmt: skip
     p.add_argument("--recompute", nargs="*", default=[],
                    help="recompute flags, e.g. ffn swiglu rmsnorm (TrainOptions.recompute_<name>)")  # fmt: skip
     p.add_argument("--memory", choices=tuple(MEMORY_PRESETS), default="default",
@@ -122,8 +147,14 @@ def main(argv=None) -> int:
     if not ce.cuda_available():
         print("bench_train: no CUDA device; nothing to measure")
         return 0
+    if args.long_context:
+        args.batch = 1
+        args.seq = args.seq or [1024, 8192, 16384]
+        args.lmhead_chunks = args.lmhead_chunks or "auto"
+    seqs = args.seq or [1024]
+    chunks_arg = args.lmhead_chunks or "1"
     extra = {f"recompute_{r}": True for r in (*args.recompute, *MEMORY_PRESETS[args.memory])}
-    extra.update(lmhead_chunks=args.lmhead_chunks, offload_residual=args.offload_residual,
+    extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,
                  opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,
                  attention_deterministic=not args.nondeterministic_attention)  # fmt: skip
     accum = args.grad_accum
@@ -136,17 +167,21 @@ def main(argv=None) -> int:
         peer = False
         print("bench_train: torch/transformers not importable; no peer comparison")
     rows = []
-    for preset in args.preset:
+    for preset, T in ((p_, t) for p_ in args.preset for t in seqs):
         runs = []
+        label = preset if len(seqs) == 1 else f"{preset} T={T}"
+        chunks = lmhead_chunks(chunks_arg, args.batch * T)
         for dtype in args.dtype:
             try:
-                r = bench_engine(preset, dtype, args.batch, args.seq, args.steps, args.warmup, extra, accum)
+                r = bench_engine(preset, dtype, args.batch, T, args.steps, args.warmup,
+                                 dict(extra, lmhead_chunks=chunks), accum)  # fmt: skip
             except Exception as err:  # report and go on: one failing configuration should not hide the rest
-                print(f"{preset} {dtype}: FAILED: {type(err).__name__}: {err}")
+                first = "\n".join(str(err).splitlines()[:2])  # an out-of-memory's advice, without its table
+                print(f"{label} {dtype}: FAILED: {type(err).__name__}: {first}", flush=True)
                 continue
-            target = TARGETS.get((preset, dtype)) if (args.batch, args.seq, accum) == (8, 1024, 1) else None
+            target = TARGETS.get((preset, dtype)) if (args.batch, T, accum) == (8, 1024, 1) else None
             r["target"] = target
-            print(f"{preset} {dtype}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
+            print(f"{label} {dtype}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
                   f"{r['mem_gib']:.2f} GiB, loss {r['first_loss']:.3f} -> {r['loss']:.3f}, setup {r['setup_s']:.0f} s"
                   + (f", target {target / 1e3:.0f}k" if target else ""), flush=True)  # fmt: skip
             print(f"  {args.optimizer}: update {r['update_ms']:.2f} ms, optimizer memory "
@@ -157,21 +192,22 @@ def main(argv=None) -> int:
         if peer:
             for compiled in (False, True):
                 try:
-                    r = bench_peer(preset, args.batch, args.seq, args.steps, args.warmup, compiled, accum)
+                    r = bench_peer(preset, args.batch, T, args.steps, args.warmup, compiled, accum)
                 except Exception as err:
-                    print(f"{preset} peer compiled={compiled}: FAILED: {type(err).__name__}: {err}")
+                    print(f"{label} peer compiled={compiled}: FAILED: {type(err).__name__}: {str(err)[:300]}")
+                    torch.cuda.empty_cache()
                     continue
-                print(f"{preset} {r['name']}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
+                print(f"{label} {r['name']}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
                       f"{r['mem_gib']:.2f} GiB", flush=True)  # fmt: skip
                 runs.append(r)
                 torch.cuda.empty_cache()
-        rows += [(preset, r) for r in runs]
-    print(f"\n{'shape':<14}{'run':<32}{'ms/step':>9}{'ktok/s':>9}{'MFU %':>7}{'GiB':>8}{'target':>8}")
+        rows += [(label, r) for r in runs]
+    print(f"\n{'shape':<22}{'run':<32}{'ms/step':>9}{'ktok/s':>9}{'MFU %':>7}{'GiB':>8}{'target':>8}")
     for preset, r in rows:
         tgt = f"{r['target'] / 1e3:.0f}k" if r.get("target") else ""
         mfu = "" if np.isnan(r["mfu"]) else f"{100 * r['mfu']:.1f}"
-        print(f"{preset:<14}{r['name']:<32}{r['ms']:>9.2f}{r['tok_s'] / 1e3:>9.1f}{mfu:>7}{r['mem_gib']:>8.2f}{tgt:>8}")
-    for preset in args.preset:
+        print(f"{preset:<22}{r['name']:<32}{r['ms']:>9.2f}{r['tok_s'] / 1e3:>9.1f}{mfu:>7}{r['mem_gib']:>8.2f}{tgt:>8}")
+    for preset in dict.fromkeys(p_ for p_, _ in rows):
         mine = [r for p_, r in rows if p_ == preset and r["name"].startswith("cuengine")]
         peers = [r for p_, r in rows if p_ == preset and r["name"].startswith("HF")]
         for m in mine:
