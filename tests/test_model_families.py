@@ -431,6 +431,39 @@ def test_decode_logits_match_full_forward(dev, preset, dtype, arm):
         assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], dtype, f"row {i} (prompt of {n})")
 
 
+def test_qwen3_decode_adds_one_launch_per_layer(monkeypatch):
+    """QK-norm is one more launch per layer in a decode step (Qwen3 only) and reads its weights."""
+    from cuengine.inference import decode
+    from cuengine.kernels import qknorm
+
+    m = inference_model("tiny-qwen3", "bf16", "cpu")
+    st = m.allocate_inference_state(max_batch=2, max_seq_len=16, ffn_arm="fused")
+    m.generate([[1, 2], [3]], 2)
+    calls = []
+    fn = qknorm.qknorm_forward
+    monkeypatch.setattr(qknorm, "qknorm_forward", lambda *a, **k: (calls.append(a[3:5]), fn(*a, **k))[1])
+    decode.decode_step_rows(st, 2, "fused")
+    W = m.weights
+    assert len(calls) == m.cfg.num_layers
+    assert all(q is W[f"layers.{i}.q_norm_w"] and k is W[f"layers.{i}.k_norm_w"] for i, (q, k) in enumerate(calls))
+    want = sum(t.nbytes for n, t in W.tensors.items() if n.endswith(("ln1_w", "ln2_w", "lnf_w", "norm_w")))
+    linears = sum(lin.w.nbytes for lin in st.linears.values())
+    assert st.bytes_per_token() == linears + want + m.cfg.hidden_size * 2  # + the embedding row
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_checkpoint_resume_is_bitwise(tmp_path, preset):
+    cfg = tiny(preset)
+    a = make(cfg)
+    for s in range(2):
+        a.train_step(*batch(cfg, seed=s), lr=1e-3)
+    a.save_checkpoint(tmp_path / "ckpt")
+    want = [a.train_step(*batch(cfg, seed=s), lr=1e-3) for s in range(2, 4)]
+    b = make(cfg, seed=99)
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert [b.train_step(*batch(cfg, seed=s), lr=1e-3) for s in range(2, 4)] == want
+
+
 # ---- GPU: the model on cuda against the cpu twin ----------------------------------------------
 DEVICE = "cuda"  # the GPU tests' device (a module constant, so their bodies can be tried against the cpu)
 GPU_OPTS = {

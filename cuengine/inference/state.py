@@ -156,8 +156,9 @@ class InferenceState:
         """Weight bytes one batch-1 decode step reads: the linear layers in their decode form plus
         the embedding row and norm weights (the bound's numerator: bytes / copy bandwidth)."""
         total = sum(lin.w.nbytes + (lin.scale.nbytes if lin.scale is not None else 0) for lin in self.linears.values())
-        norms = (2 * self.cfg.num_layers + 1) * self.cfg.hidden_size * self.dtype.itemsize
-        return total + norms + self.cfg.hidden_size * self.dtype.itemsize
+        cfg, L = self.cfg, self.cfg.num_layers
+        norms = (2 * L + 1) * cfg.hidden_size + (2 * L * cfg.head_size if cfg.qk_norm else 0)  # Qwen3's QK-norm too
+        return total + (norms + cfg.hidden_size) * self.dtype.itemsize
 
     # ---- a generation ------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: np.ndarray) -> None:
