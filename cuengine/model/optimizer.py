@@ -36,10 +36,10 @@ class AdamWState:
                 self.m[name] = alloc.allocate(_dtype(m_dtype), f"m.{name}", shape)
                 self.v[name] = alloc.allocate(_dtype(v_dtype), f"v.{name}", shape)
             self.hparams = alloc.allocate(FP32, "hparams", (8,))  # adamw.make_hparams layout
-            self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
+            self.hparams_host = alloc.staging(self.hparams, "hparams_host")  # pinned on cuda; hparams on cpu
             self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
             self.norm_result = alloc.allocate(FP32, "norm_result", (2,))  # [‖g‖, clip scale]
-            self.norm_host = alloc.allocate(FP32, "norm_host", (2,), kind="pinned")
+            self.norm_host = alloc.staging(self.norm_result, "norm_host")
         self.hparams_event = self.device.event()  # the last copy out of hparams_host
         self.zero()
 

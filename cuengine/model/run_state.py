@@ -109,16 +109,15 @@ class RunState:
 
         with alloc.context("Inputs"):
             self.inputs = alloc.allocate(INT32, "inputs", (B, T))
-            self.inputs_host = alloc.allocate(INT32, "inputs_host", (B, T), kind="pinned")
+            self.inputs_host = alloc.staging(self.inputs, "inputs_host")  # pinned on cuda; inputs itself on cpu
             # The targets and the loss gradient per valid target travel in one upload: B*T ids, then
             # d_loss's fp32 bits, which the classifier reads on the device (graph replays see new values).
             self.targets_upload = alloc.allocate(INT32, "targets", (N + 1,))
-            self.targets_upload_host = alloc.allocate(INT32, "targets_host", (N + 1,), kind="pinned")
+            self.targets_upload_host = alloc.staging(self.targets_upload, "targets_host")
             self.targets = self.targets_upload.rows(0, N).reshape(B, T)  # (B, T)
             self.d_loss = self.targets_upload[N:].view(FP32)  # (1,)
             self.targets_host = self.targets_upload_host.rows(0, N).reshape(B, T)  # (B, T)
             self.d_loss_host = self.targets_upload_host[N:].view(FP32)  # (1,)
-            self.losses_host = alloc.allocate(FP32, "losses_host", (N,), kind="pinned")
         self.inputs_event = dev.event()  # the last copy out of inputs_host
         self.targets_event = dev.event()
 
@@ -139,6 +138,7 @@ class RunState:
             self.lnf = alloc.allocate(dt, "lnf", (B, T, C))
             self.lnf_rstd = alloc.allocate(FP32, "lnf_rstd", (B, T))
             self.losses = alloc.allocate(FP32, "losses", (N,))
+            self.losses_host = alloc.staging(self.losses, "losses_host")
             self.head_lse = alloc.allocate(FP32, "head_lse", (N,))
             self.residuals = ResidualStore(alloc, dt, (B, T, C), L, opts.offload_residual, dev.stream)
             self.acts = self._forward_buffers()
