@@ -394,7 +394,7 @@ def add_train_parser(t) -> None:
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay ({_dflt('weight_decay')})")
     g.add_argument("--grad-clip", type=float, help=f"global gradient-norm clip; 0 disables ({_dflt('grad_clip')})")
     g.add_argument("--z-loss", type=float, help=f"weight of the z-loss term lse^2 in the loss ({_dflt('z_loss')})")
-    g.add_argument("--optimizer", help=f"adamw, or adamw8bit: AdamW with 8-bit moments ({_dflt('optimizer')})")
+    g.add_argument("--optimizer", help=f"adamw, adamw8bit (8-bit moments) or muon ({_dflt('optimizer')})")
     g = t.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     engine_flags(g, _dflt("dtype"))

@@ -11,41 +11,17 @@
 // its midpoints, +inf], made once on the host (cuengine/kernels/adamw8bit.py: dynamic_map), so the
 // kernel and the NumPy twin compare against the same fp32 midpoints. hparams and the clip scale are
 // read on the device as in adamw.cu; a non-finite clip scale writes nothing. bf16 params round
-// stochastically with adamw.cu's hash (the functions below are copies of its mix32 / sr_key /
-// sr_bits; tests check the bits against adamw's NumPy twin). A max is order-independent, so the
-// result is deterministic whatever the scheduling.
+// stochastically with adamw.cu's hash (sr_hash.cuh, a copy of its functions; tests check the bits
+// against adamw's NumPy twin). A max is order-independent, so the result is deterministic
+// whatever the scheduling.
 #include "common.cuh"
+#include "sr_hash.cuh"
 
-typedef unsigned int u32;
 typedef unsigned char u8;
 
 #define QBLOCK 256
 
 // kernels
-
-__device__ __forceinline__ u32 mix32(u32 x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
-__device__ __forceinline__ u32 sr_key(u32 seed, u32 step, u32 which) {
-    return mix32(mix32(seed + 0x9e3779b9u * (which + 1u)) ^ step);
-}
-
-__device__ __forceinline__ u32 sr_bits(u32 key, long long i) {
-    return mix32(mix32(key ^ (u32)i) + (u32)((unsigned long long)i >> 32));
-}
-
-template <typename T> __device__ __forceinline__ T round_store(float x, u32 key, long long i);
-template <> __device__ __forceinline__ float round_store<float>(float x, u32, long long) { return x; }
-template <> __device__ __forceinline__ bf16 round_store<bf16>(float x, u32 key, long long i) {
-    const u32 b = (__float_as_uint(x) + (sr_bits(key, i) & 0xffffu)) & 0xffff0000u;
-    return isfinite(x) ? __ushort_as_bfloat16((unsigned short)(b >> 16)) : __float2bfloat16_rn(x);
-}
 
 // The number of the 255 sorted midpoints strictly below x: the index of the nearest code.
 __device__ __forceinline__ u8 quantize(float x, const float* mids) {

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"],
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"],
                    help="prints its update time and optimizer memory")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--report", action="store_true", help="print the memory report of each engine run")

@@ -22,6 +22,7 @@ from ..kernels import encoder, rmsnorm
 from . import checkpoint
 from .adamw8bit import AdamW8bitState
 from .blocks import RECORDING, Blocks
+from .muon import MuonState
 from .optimizer import AdamWState
 from .options import TrainOptions
 from .run_state import RunState
@@ -144,6 +145,8 @@ class LlamaModel(InferenceMixin):
                                 if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
                 if o.optimizer == "adamw8bit":
                     self.opt_state = AdamW8bitState(self.weights.specs, self.alloc)
+                elif o.optimizer == "muon":
+                    self.opt_state = MuonState(cfg, self.weights.specs, self.alloc, o.muon_momentum)
                 else:
                     self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
                 self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)

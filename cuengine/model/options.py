@@ -16,7 +16,7 @@ _MODEL_DTYPES = ("bf16", "fp32")
 _MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
 _FP8_GRAD_DTYPES = ("e4m3", "e5m2")
 _BACKENDS = ("auto", "raw", "cudnn")
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
 # `--memory` presets of the CLI and tools/bench_train.py: the recompute parts (TrainOptions.recompute_<part>)
 # each adds. "lean" recomputes the cheapest activations to rebuild: RMSNorm (two memory-bound passes
@@ -51,7 +51,8 @@ class TrainOptions:
     attention_deterministic: bool = True
     use_cuda_graphs: bool = False  # capture each block's forward and backward once, then replay
     # ---- optimizer ---------------------------------------------------------------------------
-    optimizer: str = "adamw"  # "adamw" or "adamw8bit" (8-bit block-wise moments, kernels/adamw8bit.py)
+    optimizer: str = "adamw"  # "adamw", "adamw8bit" (8-bit block-wise moments) or "muon" (see model/muon.py)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (the block matrices; the rest takes beta1/beta2)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (not norms or biases)
     beta1: float = 0.9  # AdamW first-moment decay
@@ -118,7 +119,7 @@ class TrainOptions:
         for name in ("attention_deterministic", "skip_nonfinite_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("grad_clip", "weight_decay", "eps", "z_loss", "beta1", "beta2"):
+        for name in ("grad_clip", "weight_decay", "eps", "z_loss", "beta1", "beta2", "muon_momentum"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise bad(f"{name} must be a number, got {v!r}")
@@ -126,7 +127,7 @@ class TrainOptions:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise bad(f"{name} must be finite and >= 0, got {v!r}")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "muon_momentum"):
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise bad(f"{name} must be in [0, 1), got {v!r}")
