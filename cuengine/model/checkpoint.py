@@ -26,7 +26,7 @@ from .weights import read_error, umask
 FORMAT = "cuengine-checkpoint-1"
 
 
-def save(model, out_dir, extra: dict | None = None) -> None:
+def save(model, out_dir, extra: dict | None = None, moments: dict | None = None) -> None:
     """Write the checkpoint under a temporary name, flush it to disk, then swap it in: the previous
     checkpoint is renamed to `.<name>.old` and the new one to `<name>`. A process killed at any
     point leaves a loadable checkpoint: the previous one under `<name>`, or, between the two
@@ -53,7 +53,8 @@ def save(model, out_dir, extra: dict | None = None) -> None:
     try:
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700
         save_file({n: t.numpy() for n, t in model.weights.tensors.items()}, str(tmp / "weights.safetensors"))
-        save_file(model.opt_state.host_arrays(), str(tmp / "optimizer.safetensors"))
+        moments = model.opt_state.host_arrays() if moments is None else moments  # sharded: gathered
+        save_file(moments, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(text + "\n")
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask())  # safetensors writes 0600 whatever the umask
@@ -159,13 +160,16 @@ def load(model, path) -> dict:
     weights = _read_checked(path / "weights.safetensors",
                             {n: (t.shape, t.dtype.np) for n, t in model.weights.tensors.items()})  # fmt: skip
     opt_tensors = model.opt_state.state_tensors()
-    moments = _read_checked(path / "optimizer.safetensors",
-                            {k: (t.shape, t.dtype.np) for k, t in opt_tensors.items()})  # fmt: skip
+    want = {k: (t.shape, t.dtype.np) for k, t in opt_tensors.items()}
+    sharded = model._dp is not None and not want  # ZeRO: the full moments are read whole; each rank takes its shard
+    moments = _read_checked(path / "optimizer.safetensors", model._dp.moment_shapes() if sharded else want)
     # Everything is read and checked: now write.
     for n, t in model.weights.tensors.items():
         t.copy_from_numpy(weights[n])
     for k, t in opt_tensors.items():
         t.copy_from_numpy(moments[k])
+    if sharded:
+        model._dp.load_moments(moments)
     model.weights.requantize()
     model.step = state["step"]
     return state["extra"]

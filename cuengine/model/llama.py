@@ -16,6 +16,8 @@ import numpy as np
 from .. import blas
 from ..alloc import TensorAllocator
 from ..device import device as _get_device
+from ..dist.plan import ShardPlan
+from ..dist.zero import DataParallel, flat_buckets
 from ..dtypes import dtype as _dtype
 from ..inference import InferenceMixin
 from ..kernels import encoder, rmsnorm
@@ -26,7 +28,7 @@ from .muon import MuonState
 from .optimizer import AdamWState
 from .options import TrainOptions
 from .run_state import RunState
-from .weights import ModelWeights, hf_views
+from .weights import ModelWeights, hf_views, param_specs
 
 
 def count_valid(targets: np.ndarray) -> int:
@@ -46,15 +48,26 @@ class LlamaModel(InferenceMixin):
         opts: TrainOptions (None: defaults); missing dtypes are filled in from the config.
         device: "cpu", "cuda", "auto" or a Device.
         alloc: optional TensorAllocator to allocate from (e.g. with a memory limit).
+        comm: optional `cuengine.dist` Communicator of several ranks, each training on its own
+            batch; `opts.zero_stage` says what is sharded (`cuengine.dist.zero`). The device must
+            be the communicator's. Losses, valid-target counts and gradient norms are then those
+            of all ranks' batches together.
     """
 
-    def __init__(self, cfg, opts: TrainOptions | None = None, device="auto", alloc: TensorAllocator | None = None):
+    def __init__(self, cfg, opts: TrainOptions | None = None, device="auto", alloc: TensorAllocator | None = None,
+                 comm=None):  # fmt: skip
         self.cfg = cfg
         self.opts = (opts or TrainOptions()).resolved(cfg.dtype)
         self.device = _get_device(device)
         self.alloc = alloc or TensorAllocator(self.device)
         self.dtype = _dtype(self.opts.model_dtype)
-        self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8)
+        self.comm = comm if comm is not None and comm.world_size > 1 else None
+        self._plan = self._dp = None
+        if self.comm is not None:
+            if self.comm.device is not self.device:
+                raise ValueError(f"LlamaModel: the model is on {self.device}, the communicator on {self.comm.device}")
+            self._plan = ShardPlan(param_specs(cfg), self.comm.world_size)
+        self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8, layout=self._plan)
         self.rs: RunState | None = None
         self.grads: dict | None = None
         self._blocks: Blocks | None = None
@@ -98,6 +111,8 @@ class LlamaModel(InferenceMixin):
         self.step = 0
         if self.opt_state is not None:
             self.opt_state.zero()
+        if self._dp is not None:
+            self._dp.zero()
 
     # ---- run state ---------------------------------------------------------------------------
     def allocate_run_state(self, B: int, T: int) -> None:
@@ -139,16 +154,27 @@ class LlamaModel(InferenceMixin):
         try:
             with self.alloc.all_or_nothing(f"the run state of B={B}, T={T}"):
                 self.rs = RunState(cfg, o, B, T, self.alloc)
-                with self.alloc.context("Gradients"):
-                    self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
+                opt_specs = self.weights.specs
+                if self.comm is None:
+                    with self.alloc.context("Gradients"):
+                        self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
+                else:
+                    if o.zero_stage and getattr(o, "optimizer", "adamw") != "adamw":
+                        raise ValueError(f"allocate_run_state: zero_stage {o.zero_stage} shards AdamW's moments; "
+                                         f"with optimizer={o.optimizer!r} use zero_stage=0")  # fmt: skip
+                    self._dp = DataParallel(self.comm, o.zero_stage, self._plan, self.dtype, self.alloc, B * T,
+                                            o.opt_m_dtype, o.opt_v_dtype)  # fmt: skip
+                    self.grads = self._dp.grads
+                    if o.zero_stage > 0:
+                        opt_specs = []  # the moments are DataParallel's shards
                 block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
                                 if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
                 if o.optimizer == "adamw8bit":
-                    self.opt_state = AdamW8bitState(self.weights.specs, self.alloc)
+                    self.opt_state = AdamW8bitState(opt_specs, self.alloc)
                 elif o.optimizer == "muon":
                     self.opt_state = MuonState(cfg, self.weights.specs, self.alloc, o.muon_momentum)
                 else:
-                    self.opt_state = AdamWState(self.weights.specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
+                    self.opt_state = AdamWState(opt_specs, self.alloc, o.opt_m_dtype, o.opt_v_dtype)
                 self._blocks = Blocks(cfg, o, self.weights, self.rs, block_grads)
                 recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
                 self.rs.size_stack(lambda: self._step_temporaries(recording))
@@ -328,26 +354,37 @@ class LlamaModel(InferenceMixin):
         elif isinstance(valid_tokens, bool) or not isinstance(valid_tokens, (int, np.integer)) or valid_tokens < here:
             raise ValueError(f"backward: valid_tokens={valid_tokens!r} must be an int >= the {here} valid targets "
                              "of this micro-batch (it counts those of every micro-batch)")  # fmt: skip
+        if self._dp is not None:  # every rank's valid targets weigh alike: count them all (once per step)
+            if micro_step == 0:
+                self._global_valid = self._dp.global_count(int(valid_tokens))
+            valid_tokens = self._global_valid
         self._upload_targets(targets, 1.0 / max(int(valid_tokens), 1))
         if self._whole_graphs:
-            first = micro_step == 0
-            self._graph(("backward", first), lambda: self._backward(micro_step))
+            key = ("backward", micro_step == 0)
+            if self._dp is not None:  # ranks communicate in the last micro-step's backward
+                key += (micro_step == grad_accum_steps - 1,)
+            self._graph(key, lambda: self._backward(micro_step, grad_accum_steps))
         else:
-            self._backward(micro_step)
+            self._backward(micro_step, grad_accum_steps)
 
-    def _backward(self, micro_step: int) -> None:
-        rs, cfg, W, G = self.rs, self.cfg, self.weights, self.grads
+    def _backward(self, micro_step: int, grad_accum_steps: int = 1) -> None:
+        rs, cfg, W, G, dp = self.rs, self.cfg, self.weights, self.grads, self._dp
         L, res = cfg.num_layers, rs.residuals
         if micro_step == 0:
-            for g in G.values():
-                g.fill_zero()
+            if dp is None:
+                for g in G.values():
+                    g.fill_zero()
             rs.losses.fill_zero()
+        if dp is not None:
+            dp.begin_backward(micro_step, grad_accum_steps)
         self._blocks.lm_head(rs.d_loss, d_head=self._head_grad)
         top = rs.dacts[L - 1].d_res_ffn
         top.value.fill_zero()
         rmsnorm.rmsnorm_backward(top.value, G["lnf_w"], rs.rms_scratch, top.value, rs.d_lnf, res.get(L - 1),
                                  W["lnf_w"], rs.lnf_rstd, abs_max=top.abs_max)  # fmt: skip
         res.release(L - 1)
+        if dp is not None:
+            dp.bucket_done("head")
         # res_ffn[L-2] is still in its device buffer from forward (only res_ffn[L-1] came after
         # it, into the other buffer), so the first fetch is for L-3, issued in the loop.
         for i in reversed(range(L)):
@@ -355,6 +392,8 @@ class LlamaModel(InferenceMixin):
                 res.fetch(i - 2)
             a, g, w = rs.acts[i], rs.dacts[i], W.block(i)
             residual = rs.encoded if i == 0 else res.get(i - 1)
+            if dp is not None:
+                dp.before_layer(i)
             self._graph(("backward", i), lambda i=i, r=residual: self._blocks.backward(i, r))
             dg = G[f"layers.{i}.ln1_w"]
             if i > 0:
@@ -365,7 +404,12 @@ class LlamaModel(InferenceMixin):
             else:
                 rmsnorm.rmsnorm_backward(rs.d_emb, dg, rs.rms_scratch, g.d_res_att.value, g.d_ln1, rs.encoded,
                                          w["ln1_w"], a.ln1_rstd)  # fmt: skip
+            if dp is not None:
+                dp.bucket_done(f"layers.{i}")
         encoder.encoder_backward(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
+        if dp is not None:
+            dp.bucket_done("embedding")
+            dp.end_backward(rs.losses)
 
     # ---- update ------------------------------------------------------------------------------
     def update(self, lr: float, step: int | None = None) -> None:
@@ -382,7 +426,10 @@ class LlamaModel(InferenceMixin):
         self._adamw(lr, step)
 
     def _norm(self) -> None:
-        self.opt_state.global_norm(self.grads, self.opts.grad_clip)
+        if self._dp is None:
+            self.opt_state.global_norm(self.grads, self.opts.grad_clip)
+        else:
+            self._dp.global_norm(self.opt_state, self.opts.grad_clip)
 
     def _adamw(self, lr: float, step: int | None = None) -> None:
         o = self.opts
@@ -391,7 +438,11 @@ class LlamaModel(InferenceMixin):
         self._graph(("adamw",), self._update)
 
     def _update(self) -> None:
-        self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
+        if self._dp is None:
+            self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
+        else:
+            self._dp.update(self.weights.tensors, flat_buckets(self._plan, self.weights.flat), self.opt_state,
+                            self.opts.seed)  # fmt: skip
         self.weights.requantize()
 
     def loss_sum(self) -> float:
@@ -399,13 +450,16 @@ class LlamaModel(InferenceMixin):
         accumulation; divided by the valid targets it is the mean loss); waits for the device, so
         call it once per step."""
         rs = self.rs
+        if self._dp is not None:  # several ranks: over every rank's tokens
+            return self._dp.loss_sum()
         self.device.copy(rs.losses_host, rs.losses)
         return float(np.sum(rs.losses_host.array(), dtype=np.float64))
 
     def finish_step(self, lr: float, valid_tokens: int) -> float:
         """After `backward` of every micro-batch: the gradient norm, one host sync to read the loss
         and the norm, then the AdamW update; returns the mean loss over `valid_tokens` (the valid
-        targets of all micro-batches, as passed to `backward`).
+        targets of all micro-batches, as passed to `backward`; with several ranks this rank's, and
+        the loss is that of all ranks' batches).
 
         A non-finite loss raises FloatingPointError and updates nothing. So does a non-finite
         gradient norm, unless `TrainOptions.skip_nonfinite_steps`: then the step is skipped
@@ -419,10 +473,13 @@ class LlamaModel(InferenceMixin):
             raise ValueError(f"finish_step: valid_tokens must be an int >= 1, got {valid_tokens!r}")
         rs, opt = self.rs, self.opt_state
         self._graph(("norm",), self._norm)
-        self.device.copy_async(rs.losses_host, rs.losses)
         self.device.copy_async(opt.norm_host, opt.norm_result)
-        self.device.stream.synchronize()
-        loss = float(np.sum(rs.losses_host.array(), dtype=np.float64)) / int(valid_tokens)
+        if self._dp is None:
+            self.device.copy_async(rs.losses_host, rs.losses)
+            self.device.stream.synchronize()
+            loss = float(np.sum(rs.losses_host.array(), dtype=np.float64)) / int(valid_tokens)
+        else:  # the gathered losses of every rank over the count of all their valid targets
+            loss = self._dp.loss_sum() / self._global_valid
         norm = float(opt.norm_host.array()[0])
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
@@ -465,6 +522,9 @@ class LlamaModel(InferenceMixin):
         self._upload_targets(targets, 0.0)
         rs.losses.fill_zero()
         self._blocks.lm_head(0.0)
+        if self._dp is not None:  # the mean over every rank's batch
+            self._dp.gather_losses(rs.losses)
+            n = self._dp.global_count(n)
         loss = self.loss_sum() / n
         if not math.isfinite(loss):
             raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
@@ -523,9 +583,19 @@ class LlamaModel(InferenceMixin):
 
     def save_checkpoint(self, out_dir, extra: dict | None = None) -> None:
         """Weights, optimizer moments, RNG and step into `out_dir` (written to a temporary
-        directory, then renamed). `extra` is any JSON-able dict, returned by load_checkpoint."""
+        directory, then renamed). `extra` is any JSON-able dict, returned by load_checkpoint.
+
+        With several ranks every rank calls it: sharded moments are gathered and rank 0 writes
+        the checkpoint one process would write (so any number of ranks can load it), then all
+        ranks wait for it."""
         self._need_rs("save_checkpoint")
-        checkpoint.save(self, out_dir, extra)
+        if self.comm is None:
+            checkpoint.save(self, out_dir, extra)
+            return
+        moments = self._dp.gather_moments() if self.opts.zero_stage > 0 else None
+        if self.comm.rank == 0:
+            checkpoint.save(self, out_dir, extra, moments=moments)
+        self.comm.barrier()
 
     def load_checkpoint(self, path) -> dict:
         """Restore what save_checkpoint wrote; returns its `extra`. Checks everything first:

@@ -61,6 +61,8 @@ class TrainOptions:
     z_loss: float = 0.0  # coefficient of the z-loss (lse^2) regulariser
     skip_nonfinite_steps: bool = False  # a non-finite gradient norm skips the step (counted) instead of raising
     seed: int = 42  # seeds the optimizer's stochastic-rounding stream
+    # ---- several GPUs ------------------------------------------------------------------------
+    zero_stage: int = 0  # with a communicator of several ranks: 0 data parallel, 1 shard AdamW, 2 also gradients
 
     def __post_init__(self):
         self.validate()
@@ -114,6 +116,8 @@ class TrainOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
+        if self.zero_stage not in (0, 1, 2) or isinstance(self.zero_stage, bool):
+            raise bad(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
         if self.attention_backend not in _BACKENDS:
             raise bad(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         for name in ("attention_deterministic", "skip_nonfinite_steps"):

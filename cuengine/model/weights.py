@@ -103,17 +103,27 @@ class ModelWeights:
         fp8: also keep E4M3 copies of the block matrices (with their scales) for FP8 matmuls, and
             their transposes (`fp8_tp`, sharing the stats slot) for the backward's TN-only dinp GEMM:
             made once per update from the same read of the weights, not once per backward matmul.
+        layout: None, or a `cuengine.dist.ShardPlan`: then every parameter is a view of one flat
+            buffer (`self.flat`) in the plan's layout, which ranks all-gather in place.
     """
 
-    def __init__(self, cfg, dtype, alloc, fp8: bool = False):
+    def __init__(self, cfg, dtype, alloc, fp8: bool = False, layout=None):
         self.cfg = cfg
         self.dtype = _dtype(dtype)
         self.device = alloc.device
         self.specs = param_specs(cfg)
         self.tensors: dict[str, Tensor] = {}
+        self.flat = None
         with alloc.context("Weights"):
+            if layout is not None:
+                self.flat = alloc.allocate(self.dtype, "weights", (layout.total,)).fill_zero()
             for name, shape, _ in self.specs:
-                self.tensors[name] = alloc.allocate(self.dtype, name, shape)
+                if self.flat is None:
+                    self.tensors[name] = alloc.allocate(self.dtype, name, shape)
+                else:
+                    s = layout.params[name]
+                    self.tensors[name] = self.flat.rows(s.offset, s.offset + s.numel).reshape(shape)
+                    self.tensors[name].name = name
         self._blocks = [{k[len(f"layers.{i}.") :]: v for k, v in self.tensors.items() if k.startswith(f"layers.{i}.")}
                         for i in range(cfg.num_layers)]  # fmt: skip
         self.fp8: dict[str, Tensor] = {}
