@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import sys
 import time
@@ -70,8 +71,9 @@ _TRAIN_NUMBERS = {
     "eval_batches": (1, True), "save_every": (0, True), "save_minutes": (0.0, False), "lmhead_chunks": (1, True),
     "weight_decay": (0.0, False), "grad_clip": (0.0, False), "z_loss": (0.0, False), "seed": (0, True),
     "stop_after": (1, True),
-    "print_every": (0, True), "sample_tokens": (0, True),
+    "print_every": (0, True), "sample_tokens": (0, True), "gpus": (1, True),
 }  # fmt: skip
+_COMM = None  # this process's communicator when `--gpus N` made it one of N ranks (see _train_on_gpus)
 
 
 def _restartable(out: Path) -> bool:
@@ -102,6 +104,10 @@ def _resolve(args, dev_kind: str) -> dict:
                 raise UsageError(f"--resume: {flag} {given} differs from the run's {saved[key]} ({out / RUN_FILE}); "
                                  f"a resumed run keeps its data and batch shape (start a new run with "
                                  f"--model {out / EXPORT} to change them)")  # fmt: skip
+        if saved.get("gpus", 1) != args.gpus:
+            n = saved.get("gpus", 1)
+            raise UsageError(f"--resume: the run trained on {n} GPU(s); continue it with --gpus {n} (a resumed run "
+                             "keeps its global batch, --batch-size per GPU times --gpus)")  # fmt: skip
     defaults = dict(DEVICE_DEFAULTS[dev_kind], **TRAIN_DEFAULTS)
     run = {}
     for key in RUN_KEYS:
@@ -160,7 +166,7 @@ def _prepare_train(args):
     from . import data
 
     check_numbers(args, _TRAIN_NUMBERS)
-    dev = open_device(args.device)
+    dev = _COMM.device if _COMM is not None else open_device(args.device)
     run = _resolve(args, dev.kind)
     check_numbers(argparse.Namespace(**run), _TRAIN_NUMBERS)
     if run["warmup"] >= run["steps"] and run["schedule"] != "constant":
@@ -197,7 +203,13 @@ def _prepare_train(args):
         raise UsageError(str(err)) from None
 
     LlamaModel = model_api()[2]
-    model = LlamaModel(cfg, _train_options(run, cfg), dev)
+    opts = _train_options(run, cfg)
+    if _COMM is not None:  # each rank trains on its rows of every global batch; AdamW state sharded
+        from .dist import RankSource
+
+        opts.zero_stage = 1
+        train, val = (RankSource(s, _COMM.rank, _COMM.world_size) for s in (train, val))
+    model = LlamaModel(cfg, opts, dev, comm=_COMM)
     if run["model"] is not None:
         read_weights(model, run["model"])
     else:
@@ -291,6 +303,10 @@ def _plot(log_path: Path) -> None:
 
 
 def cmd_train(args) -> int:
+    if args.gpus > 1 and _COMM is None:
+        return _train_on_gpus(args)
+    writer = _COMM is None or _COMM.rank == 0  # with several ranks, rank 0 writes the run's files
+    ranks = 1 if _COMM is None else _COMM.world_size
     run, out, dev, trainer, val, tokenizer = _prepare_train(args)
     model, B, T, accum, total = trainer.model, trainer.B, trainer.T, trainer.accum, trainer.steps
     start, stop = trainer.step, args.stop_after or total
@@ -298,19 +314,22 @@ def cmd_train(args) -> int:
         print(f"{out}: already trained to step {start}; nothing to do")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
     log_path = Path(run["log"]) if run["log"] else out / LOG_FILE
-    kept = []
-    if args.resume and log_path.is_file():  # drop what ran after the checkpoint, it runs again
-        kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("".join(line + "\n" for line in kept))
+    if writer:
+        (out / RUN_FILE).write_text(json.dumps(dict(run, gpus=ranks), indent=1) + "\n")
+        kept = []
+        if args.resume and log_path.is_file():  # drop what ran after the checkpoint, it runs again
+            kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("".join(line + "\n" for line in kept))
 
     print(f"cuengine train: {dev.name}, {model.num_parameters() / 1e6:.2f}M parameters, {model.cfg.num_layers} "
           f"layers, B={B} T={T} grad_accum={accum}, {total} steps; data {trainer.source.name} "
           f"({trainer.source.num_tokens:,} tokens), out {out}", flush=True)  # fmt: skip
-    progress = _Progress(total, args.print_every, B * T * accum, model.flops_per_token(T) if dev.is_cuda else None)
-    with log_path.open("a") as log:
+    # all ranks' tokens per step; MFU per GPU
+    flops = model.flops_per_token(T) / ranks if dev.is_cuda else None
+    progress = _Progress(total, args.print_every, B * T * accum * ranks, flops)
+    with log_path.open("a") if writer else open(os.devnull, "w") as log:
 
         def log_step(rec):
             log.write(json.dumps(rec) + "\n")
@@ -324,13 +343,16 @@ def cmd_train(args) -> int:
             kept = "the last checkpoint is kept" if trainer.last_saved else "no checkpoint yet; run it again"
             print(f"\ncuengine train: {err}; stopping ({kept})", file=sys.stderr)
             return 1
-    _plot(log_path)
+    if writer:
+        _plot(log_path)
     if trainer.stop_requested and step < stop:  # (a Ctrl-C in the last step lets the run finish)
         print(f"\ncuengine train: interrupted after step {step} of {total}; checkpoint written; continue with: "
               f"cuengine train --resume --out {out}", file=sys.stderr)  # fmt: skip
         return 130
     if step < total:
         print(f"stopped after step {step} of {total}; continue with: cuengine train --resume --out {out}")
+        return 0
+    if not writer:
         return 0
     _export(model, out, run)
     if run["sample_tokens"]:
@@ -397,6 +419,9 @@ def add_train_parser(t) -> None:
     g.add_argument("--optimizer", help=f"adamw, adamw8bit (8-bit moments) or muon ({_dflt('optimizer')})")
     g = t.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    g.add_argument("--gpus", type=int, default=1,
+                   help="GPUs of this host to train on, one process each (data parallel over NCCL with the AdamW "
+                        "state sharded, ZeRO-1); --batch-size is per GPU (default: 1)")  # fmt: skip
     engine_flags(g, _dflt("dtype"))
     g.add_argument("--cuda-graphs", action="store_true", default=None,
                    help="capture and replay each block (default: off)")  # fmt: skip
@@ -425,3 +450,37 @@ def add_train_parser(t) -> None:
     g.add_argument("--sample-tokens", type=int,
                    help=f"tokens of the sample generated at the end; 0: none ({_dflt('sample_tokens')})")  # fmt: skip
     t.set_defaults(fn=cmd_train)
+
+
+# ---- several GPUs: one process per GPU; rank 0 prints and writes the run's files --------------------
+def _train_on_gpus(args) -> int:
+    """`--gpus N`: N ranks of `cmd_train` (spawned, torchrun's environment); their exit code.
+
+    A Ctrl-C reaches every process of the terminal's group: the ranks agree to stop after the
+    step with a checkpoint, so this process ignores it (and so, until the trainer installs its
+    handler, do the ranks it starts) rather than terminating them mid-step."""
+    import signal
+
+    from .dist import WorkerError, launch
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return launch(_train_rank, args.gpus, args)[0]
+    except WorkerError as err:
+        print(f"cuengine train: {err}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _train_rank(args) -> int:
+    global _COMM
+    from . import dist
+
+    _COMM = dist.init()
+    if _COMM.rank != 0:  # rank 0 speaks for the run; a rank's failure reaches the launcher as its traceback
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the life of this worker process)
+    try:
+        return cmd_train(args)
+    finally:
+        _COMM.close()

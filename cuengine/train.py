@@ -179,11 +179,13 @@ class Trainer:
 
     def _run(self, stop: int) -> int:
         model, dev = self.model, self.model.device
-        tokens_per_step = self.B * self.T * self.accum
+        comm = getattr(model, "comm", None)  # several ranks: one step trains on all of their batches
+        ranks = 1 if comm is None else comm.world_size
+        tokens_per_step = self.B * self.T * self.accum * ranks
         flops_tok = model.flops_per_token(self.T) if dev.is_cuda else None
         saved_at = time.monotonic()
         self.stop_requested = False
-        while self.step < stop and not self.stop_requested:
+        while self.step < stop:
             lr = self.lr(self.step)
             t0 = time.perf_counter()
             try:
@@ -195,19 +197,25 @@ class Trainer:
             rec = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * tokens_per_step,
                    "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3, "memory": memory_bytes(dev)}  # fmt: skip
             if flops_tok is not None:
-                rec["mfu"] = mfu(flops_tok, rec["tok_per_s"])
+                rec["mfu"] = mfu(flops_tok, rec["tok_per_s"] / ranks)  # per GPU
             if self.val is not None and (
                 (self.eval_every and self.step % self.eval_every == 0) or self.step == self.steps
             ):
                 rec["val_loss"] = evaluate(model, self.val, self.B, self.T, self.eval_batches)
             for hook in self.hooks:
                 hook(rec)
+            # one reading of the stop request serves the checkpoint and the loop: a Ctrl-C after it
+            # stops after the next step, with a checkpoint
+            stop_now = self.stop_requested
+            timed = bool(self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
+            if comm is not None:  # clocks and Ctrl-C differ per rank: all ranks do what rank 0 decides
+                stop_now, timed = comm.broadcast_object((stop_now, timed))
             if self.checkpoint_dir is not None and (
-                (self.save_every and self.step % self.save_every == 0)
-                or (self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
-                or self.step == stop
-                or self.stop_requested
+                (self.save_every and self.step % self.save_every == 0) or timed or self.step == stop or stop_now
             ):
                 self.save()
                 saved_at = time.monotonic()
+            if stop_now:
+                self.stop_requested = True
+                break
         return self.step
