@@ -26,7 +26,8 @@ def random_batch(vocab: int, B: int, T: int, seed: int = 0) -> tuple[np.ndarray,
     return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
 
 
-def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int, grad_accum: int = 1) -> dict:
+def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int, grad_accum: int = 1,
+                     comm=None) -> dict:  # fmt: skip
     """Time `steps` train steps of a fresh model, each of `grad_accum` micro-batches of (B, T), then
     `steps` updates (norm + optimizer) alone. Returns {"ms": median step, "update_ms": median update,
     "tok_s", "mfu" (NaN on cpu), "mem_gib" (the allocator's device total), "params", "first_loss",
@@ -34,7 +35,7 @@ def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int,
     from .model import LlamaModel
 
     t0 = time.perf_counter()
-    model = LlamaModel(cfg, opts, device=device)
+    model = LlamaModel(cfg, opts, device=device, comm=comm)
     model.init_weights(42)
     model.allocate_run_state(B, T)
     x, y = random_batch(cfg.vocab_size, B, T)
@@ -53,8 +54,9 @@ def bench_train_step(cfg, opts, device, B: int, T: int, steps: int, warmup: int,
     device.synchronize()
     setup_s = time.perf_counter() - t0
     step_ms = time_ms(device, lambda: losses.append(step()), warmup=0, iters=steps)
-    tok_s = grad_accum * B * T / (step_ms / 1e3)
-    mfu_ = mfu(model.flops_per_token(T), tok_s) if device.is_cuda else float("nan")
+    ranks = 1 if comm is None else comm.world_size  # with a comm: every rank's tokens, MFU per GPU
+    tok_s = ranks * grad_accum * B * T / (step_ms / 1e3)
+    mfu_ = mfu(model.flops_per_token(T), tok_s / ranks) if device.is_cuda else float("nan")
     update_ms = time_ms(device, lambda: model.update(lr=1e-4), warmup=0, iters=steps)  # norm + optimizer alone
     rep = model.memory_report()
     return {"ms": step_ms, "update_ms": update_ms, "tok_s": tok_s, "mfu": mfu_, "mem_gib": rep.device_bytes / 2**30,

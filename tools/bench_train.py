@@ -29,6 +29,12 @@ peer is run at every T and reported where it fits.
 `--grad-accum N` makes a step N micro-batches of (--batch, --seq) and one update (tokens/s counts all
 of them); the peer then runs N forward/backward passes before its optimizer step too. LLMQ's figures
 at B=32 x 16 (524k-token steps): 160k (0.5B) and 61.4k (1.5B) tok/s, bf16.
+
+`--gpus N` also runs each engine configuration data parallel on N GPUs (one process each, NCCL,
+`--zero-stage`, --batch per GPU) right after its 1-GPU run, and prints the speedup (target >= 0.95 N),
+the exposed communication per step (the N-GPU step time minus the 1-GPU one at the same per-GPU
+batch: what backward and the optimizer did not hide) and the memory per GPU beside the 1-GPU figure
+and the optimizer bytes that sharding saves.
 """
 
 from __future__ import annotations
@@ -52,6 +58,49 @@ def bench_engine(preset: str, dtype: str, B: int, T: int, steps: int, warmup: in
     opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra)
     r = bench_train_step(TransformerConfig.preset(preset), opts, ce.device("cuda"), B, T, steps, warmup, accum)
     return dict(r, name=f"cuengine {dtype}")
+
+
+def bench_rank(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int, extra: dict, accum: int,
+               zero_stage: int) -> dict:  # fmt: skip
+    """One rank of `--gpus N` (spawned by `cuengine.dist.launch`): `bench_engine` with a communicator."""
+    import cuengine as ce
+    from cuengine.bench_train import bench_train_step
+    from cuengine.model import TrainOptions, TransformerConfig
+
+    comm = ce.dist.init()
+    opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, zero_stage=zero_stage,
+                        **extra)  # fmt: skip
+    r = bench_train_step(TransformerConfig.preset(preset), opts, comm.device, B, T, steps, warmup, accum, comm=comm)
+    r["report"] = str(r["report"])
+    comm.close()
+    return r
+
+
+def bench_dist(r1: dict, preset: str, dtype: str, args, extra: dict) -> dict | None:
+    """The `--gpus` run beside the 1-GPU result `r1`; prints the comparison."""
+    import gc
+
+    import cuengine as ce
+
+    gc.collect()  # the 1-GPU model's buffers go before the ranks allocate theirs
+    n, z = args.gpus, args.zero_stage
+    try:
+        res = ce.dist.launch(bench_rank, n, preset, dtype, args.batch, args.seq, args.steps, args.warmup, extra,
+                             args.grad_accum, z, backend="nccl", timeout=600)  # fmt: skip
+    except Exception as err:
+        print(f"{preset} {dtype} x{n}: FAILED: {type(err).__name__}: {err}")
+        return None
+    r = dict(res[0], name=f"cuengine {dtype} {n} GPUs zero{z}", mem_gib=max(x["mem_gib"] for x in res), target=None)
+    opt_bytes = (2 if args.opt_dtype == "bf16" else 4) * 2 * r["params"]
+    saved = opt_bytes * (1 - 1 / n) if z > 0 else 0.0
+    print(
+        f"{preset} {dtype} x{n} zero{z}: {r['ms']:.2f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s = "
+        f"{r['tok_s'] / r1['tok_s']:.2f}x one GPU (target >= {0.95 * n:.2f}x); exposed communication "
+        f"{r['ms'] - r1['ms']:.2f} ms/step; {r['mem_gib']:.2f} GiB per GPU vs {r1['mem_gib']:.2f} on one "
+        f"(sharded optimizer bytes saved: {saved / 2**30:.2f} GiB; target: below by at least that)",
+        flush=True,
+    )
+    return r
 
 
 def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: bool, accum: int = 1) -> dict:
@@ -141,6 +190,8 @@ def main(argv=None) -> int:
                    help="prints its update time and optimizer memory")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--report", action="store_true", help="print the memory report of each engine run")
+    p.add_argument("--gpus", type=int, default=1, help="also run each engine configuration on this many GPUs")
+    p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage of the --gpus runs")
     args = p.parse_args(argv)
     import cuengine as ce
 
@@ -189,6 +240,10 @@ def main(argv=None) -> int:
             if args.report:
                 print(r["report"])
             runs.append(r)
+            if args.gpus > 1:
+                d = bench_dist(r, preset, dtype, args, extra)
+                if d is not None:
+                    runs.append(d)
         if peer:
             for compiled in (False, True):
                 try:
