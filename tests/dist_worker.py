@@ -166,3 +166,69 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
         out["moment_shapes"] = dp.moment_shapes()
     comm.close()
     return out
+
+
+MODEL_T = 16
+
+
+def global_batch(cfg, step: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([7, step])
+    x = rng.integers(0, cfg.vocab_size, (rows, MODEL_T)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab_size, (rows, MODEL_T)).astype(np.int32)
+    y[0, 3] = -1  # an ignored position
+    return x, y
+
+
+def train_model(cfg_changes: dict, opts: dict, B: int, steps, accum: int = 1, save_at=None, save_to=None,
+                load=None, device="cpu") -> dict:  # fmt: skip
+    """Train `steps` (a range of step numbers) on rank `comm.rank`'s rows of each global batch
+    (world_size * B * accum rows), with ce.dist.init()'s communicator; optionally load a checkpoint
+    first and save one after step `save_at`. Returns the losses and the final weights."""
+    from cuengine.model.config import TransformerConfig
+
+    comm = ce.dist.init(device=device)
+    cfg = TransformerConfig.preset(cfg_changes.get("preset", "tiny")).replace(
+        **{k: v for k, v in cfg_changes.items() if k != "preset"}
+    )
+    dev = comm.device if comm.world_size > 1 else ce.device(device)
+    model = ce.LlamaModel(cfg, ce.TrainOptions(**opts), device=dev, comm=comm)
+    model.init_weights(seed=1)
+    model.allocate_run_state(B, MODEL_T)
+    extra = model.load_checkpoint(load) if load else None
+    world, r = comm.world_size, comm.rank
+    losses = []
+    for step in steps:
+        x, y = global_batch(cfg, step, world * B * accum)
+        if accum == 1:
+            losses.append(model.train_step(x[r * B : (r + 1) * B], y[r * B : (r + 1) * B], lr=1e-2))
+        else:  # as Trainer does: this rank's valid targets of all micro-batches
+            parts = [slice((k * world + r) * B, (k * world + r + 1) * B) for k in range(accum)]
+            n = sum(int(np.count_nonzero(y[rows] != -1)) for rows in parts)
+            for k, rows in enumerate(parts):
+                model.forward(x[rows])
+                model.backward(x[rows], y[rows], micro_step=k, grad_accum_steps=accum, valid_tokens=n)
+            losses.append(model.finish_step(1e-2, n))
+        if step == save_at:
+            model.save_checkpoint(save_to, extra={"step": step})
+    out = {"losses": losses, "extra": extra, "weights": {n: t.numpy() for n, t in model.weights.tensors.items()}}
+    comm.close()
+    return out
+
+
+def model_grads(cfg_changes: dict, B: int, device="cpu") -> dict:
+    """The gradients after one backward with zero_stage 0 (all-reduced: the whole batch's)."""
+    from cuengine.model.config import TransformerConfig
+
+    comm = ce.dist.init(device=device)
+    cfg = TransformerConfig.preset(cfg_changes["preset"]).replace(dtype=cfg_changes["dtype"])
+    dev = comm.device if comm.world_size > 1 else ce.device(device)
+    model = ce.LlamaModel(cfg, ce.TrainOptions(), device=dev, comm=comm)
+    model.init_weights(seed=1)
+    model.allocate_run_state(B, MODEL_T)
+    x, y = global_batch(cfg, 0, comm.world_size * B)
+    rows = slice(comm.rank * B, (comm.rank + 1) * B)
+    model.forward(x[rows])
+    model.backward(x[rows], y[rows])
+    out = {n: t.numpy() for n, t in model.gradients().items()}
+    comm.close()
+    return out

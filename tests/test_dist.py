@@ -556,3 +556,174 @@ def test_data_parallel_stages_agree_with_one_process(world):
         for n in ref:
             np.testing.assert_allclose(moments[f"m.{n}"], ref_opt.m[n].numpy(), rtol=1e-6, atol=1e-9)
             np.testing.assert_allclose(moments[f"v.{n}"], ref_opt.v[n].numpy(), rtol=1e-6, atol=1e-12)
+
+
+# ---- LlamaModel on several ranks (the NumPy double on cpu) ---------------------------------------
+FP32 = {"preset": "tiny", "dtype": "fp32"}
+
+
+def train(world, B, steps, opts=None, cfg=FP32, **kw):
+    """One process, no launcher: the reference."""
+    assert world == 1
+    return dist_worker.train_model(cfg, opts or {}, B, steps, **kw)
+
+
+def _launch_kw(world, cfg, opts, B, steps, accum=1, save_at=None, save_to=None, load=None):
+    res = dist.launch(dist_worker.train_model, world, cfg, opts, B, steps, accum, save_at, save_to, load,
+                      backend="fake", timeout=120)  # fmt: skip
+    for r in res[1:]:  # every rank reports the same global loss and holds the same weights
+        assert r["losses"] == res[0]["losses"]
+        for n, a in r["weights"].items():
+            np.testing.assert_array_equal(a, res[0]["weights"][n], err_msg=n)
+    return res[0]
+
+
+def assert_losses_close(got, want, rtol):
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_two_ranks_of_b2_train_like_one_rank_of_b4(clean_env, preset):
+    cfg = {"preset": preset, "dtype": "fp32"}
+    one = train(1, 4, range(3), cfg=cfg)
+    two = _launch_kw(2, cfg, {}, 2, range(3))
+    assert_losses_close(two["losses"], one["losses"], 1e-5)
+    # AdamW's m/sqrt(v) magnifies the last-bit differences of summing per rank where a gradient is
+    # nearly zero, so weights agree only to about lr * 1e-2 after a few steps
+    for n, a in one["weights"].items():
+        np.testing.assert_allclose(two["weights"][n], a, rtol=0, atol=1e-4, err_msg=n)
+
+
+def test_two_ranks_sum_to_the_gradient_of_the_whole_batch(clean_env):
+    one = dist_worker.model_grads(FP32, 4)
+    two = dist.launch(dist_worker.model_grads, 2, FP32, 2, backend="fake", timeout=120)
+    for n, g in one.items():
+        for r in range(2):
+            assert_close(two[r][n], g, "fp32", what=f"rank {r} {n}", scale=max(float(np.abs(g).max()), 1e-3))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero_stages_equal_plain_data_parallel(clean_env, dtype):
+    """On the double every stage reduces in the same order, and a shard rounds its bf16 weights
+    and moments with the draws of the whole tensor, so the stages agree bit for bit."""
+    cfg = {"preset": "tiny", "dtype": dtype}
+    base = _launch_kw(2, cfg, {"zero_stage": 0}, 2, range(3))
+    for stage in (1, 2):
+        run = _launch_kw(2, cfg, {"zero_stage": stage}, 2, range(3))
+        assert run["losses"] == base["losses"], f"zero_stage {stage}"
+        for n, a in base["weights"].items():
+            np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
+
+
+def test_bf16_two_ranks_match_one_rank(clean_env):
+    cfg = {"preset": "tiny", "dtype": "bf16"}
+    one = train(1, 4, range(3), cfg=cfg)
+    two = _launch_kw(2, cfg, {"zero_stage": 1}, 2, range(3))
+    assert_close(two["losses"], one["losses"], "bf16", what="losses")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_accumulation_across_ranks(clean_env, stage):
+    one = train(1, 2, range(3), accum=2)
+    two = _launch_kw(2, FP32, {"zero_stage": stage}, 1, range(3), accum=2)
+    assert_losses_close(two["losses"], one["losses"], 1e-5)
+
+
+def test_checkpoint_saved_on_two_ranks_resumes_on_one_and_back(clean_env, tmp_path):
+    ck = str(tmp_path / "ck")
+    two = _launch_kw(2, FP32, {"zero_stage": 1}, 2, range(4), save_at=1, save_to=ck)
+    one = train(1, 4, range(2, 4), load=ck)
+    assert one["extra"] == {"step": 1}
+    assert_losses_close(one["losses"], two["losses"][2:], 1e-5)
+    # and a one-process checkpoint resumes on two ranks with sharded gradients and moments
+    ck1 = str(tmp_path / "ck1")
+    one_full = train(1, 4, range(4), save_at=1, save_to=ck1)
+    back = _launch_kw(2, FP32, {"zero_stage": 2}, 2, range(2, 4), load=ck1)
+    assert_losses_close(back["losses"], one_full["losses"][2:], 1e-5)
+
+
+def test_model_and_communicator_must_share_a_device(clean_env):
+    class Elsewhere:
+        world_size, rank, device = 2, 0, object()
+
+    with pytest.raises(ValueError, match="the communicator on"):
+        ce.LlamaModel(TransformerConfig.preset("tiny"), device="cpu", comm=Elsewhere())
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
+        ce.TrainOptions(zero_stage=3)
+
+
+# ---- LlamaModel on two GPUs over NCCL --------------------------------------------------------------
+def _nccl_train(opts, B, steps, cfg, **kw):
+    args = dict(accum=1, save_at=None, save_to=None, load=None)
+    args.update(kw)
+    res = dist.launch(dist_worker.train_model, 2, cfg, opts, B, steps, args["accum"], args["save_at"], args["save_to"],
+                      args["load"], "cuda", backend="nccl", timeout=300)  # fmt: skip
+    assert res[1]["losses"] == res[0]["losses"], "the ranks disagree about the global loss"
+    return res[0]
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nccl_two_gpus_of_b4_match_one_gpu_of_b8(clean_env, dtype):
+    cfg = {"preset": "tiny", "dtype": dtype}
+    one = dist_worker.train_model(cfg, {}, 8, range(20), device="cuda")
+    two = _nccl_train({"zero_stage": 1}, 4, range(20), cfg)
+    if dtype == "fp32":
+        assert_losses_close(two["losses"], one["losses"], 1e-5)
+    else:
+        assert_close(two["losses"], one["losses"], "bf16", what="losses")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nccl_zero_stages_equal_plain_data_parallel(clean_env, dtype):
+    cfg = {"preset": "tiny", "dtype": dtype}
+    base = _nccl_train({"zero_stage": 0}, 4, range(10), cfg)
+    for opts in ({"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 1, "use_cuda_graphs": True}):
+        run = _nccl_train(opts, 4, range(10), cfg)
+        assert_losses_close(run["losses"], base["losses"], 1e-6)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_fp8_two_gpus_train(clean_env):
+    cfg = {"preset": "tiny", "dtype": "bf16"}
+    one = dist_worker.train_model(cfg, {"matmul_dtype": "e4m3"}, 8, range(5), device="cuda")
+    two = _nccl_train({"zero_stage": 1, "matmul_dtype": "e4m3"}, 4, range(5), cfg)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=5e-2)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_checkpoint_of_two_gpus_resumes_on_one(clean_env, tmp_path):
+    ck = str(tmp_path / "ck")
+    two = _nccl_train({"zero_stage": 1}, 4, range(6), FP32, save_at=2, save_to=ck)
+    one = dist_worker.train_model(FP32, {}, 8, range(3, 6), load=ck, device="cuda")
+    assert_losses_close(one["losses"], two["losses"][3:], 1e-5)
+
+
+def test_cli_train_on_two_ranks_matches_one_process_and_resumes(clean_env, tmp_path):
+    """`cuengine train --gpus 2` (here through the NumPy double) trains on the same global batches
+    as one process with twice the batch, and resumes with the same --gpus to the same losses."""
+    import json
+
+    from cuengine import cli
+
+    clean_env.setenv("CUENGINE_DIST_BACKEND", "fake")
+    common = ["train", "--device", "cpu", "--preset", "tiny", "--seq-len", "32", "--steps", "6", "--warmup", "1",
+              "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--dtype", "fp32"]  # fmt: skip
+
+    def losses(out):
+        return [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+
+    assert cli.main(common + ["--batch-size", "4", "--out", str(tmp_path / "one")]) == 0
+    assert cli.main(common + ["--batch-size", "2", "--gpus", "2", "--out", str(tmp_path / "two")]) == 0
+    assert_losses_close(losses(tmp_path / "two"), losses(tmp_path / "one"), 1e-5)
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["gpus"] == 2
+    half = common + ["--batch-size", "2", "--gpus", "2", "--out", str(tmp_path / "half")]
+    assert cli.main(half + ["--stop-after", "3"]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "half"), "--resume"]) == 2  # another --gpus: refused
+    assert cli.main(["train", "--out", str(tmp_path / "half"), "--resume", "--gpus", "2"]) == 0
+    assert_losses_close(losses(tmp_path / "half"), losses(tmp_path / "one"), 1e-5)
