@@ -151,7 +151,7 @@ def baselines():
 @pytest.mark.parametrize("optimizer", NEW_OPTIMIZERS)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize(
-    "flags", FLAG_SETS[::2] + FLAG_SETS[-1:], ids=lambda f: "+".join(f"{k}={v}" for k, v in f.items())
+    "flags", FLAG_SETS[::2] + [FLAG_SETS[9]], ids=lambda f: "+".join(f"{k}={v}" for k, v in f.items())
 )
 def test_flags_bitwise(flags, precision, optimizer, baselines):
     """Recompute, offload, chunking and CUDA-graph flags give the baseline's losses, norms and weights bitwise."""
@@ -309,3 +309,21 @@ def test_bench_reports_update_time_and_optimizer_memory():
     cfg = tiny("tiny")
     r = bench_train_step(cfg, TrainOptions(optimizer="adamw8bit"), ce.device("cpu"), 2, 16, steps=1, warmup=1)
     assert r["update_ms"] > 0 and r["report"].by_context["Optimizer"][0] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_200_steps_of_the_embedded_corpus(tmp_path):
+    """`cuengine train`'s default model and corpus, 200 steps each: adamw8bit's loss (mean of the last
+    20 steps) within 1% of AdamW's; Muon's printed for the benchmark table and below AdamW's start."""
+    import json
+
+    final = {}
+    for opt in ("adamw", "adamw8bit", "muon"):
+        out = tmp_path / opt
+        assert cli.main(["train", "--device", "cuda", "--steps", "200", "--optimizer", opt, "--eval-every", "0",
+                         "--sample-tokens", "0", "--out", str(out)]) == 0  # fmt: skip
+        losses = [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+        final[opt] = float(np.mean(losses[-20:]))
+        assert final[opt] < 0.8 * losses[0], (opt, losses[0], final[opt])
+    print("loss after 200 steps:", final)
+    assert abs(final["adamw8bit"] - final["adamw"]) <= 0.01 * final["adamw"], final
