@@ -12,7 +12,7 @@ from test_model import FLAG_SETS, batch, make, run_steps, tiny
 
 import cuengine as ce
 from cuengine import cli
-from cuengine.kernels import adamw, adamw8bit
+from cuengine.kernels import adamw, adamw8bit, muon
 from cuengine.model import LlamaModel, TrainOptions
 from cuengine.model.adamw8bit import AdamW8bitState
 from cuengine.model.muon import lr_scale, newton_schulz_reference
@@ -327,3 +327,40 @@ def test_gpu_200_steps_of_the_embedded_corpus(tmp_path):
         assert final[opt] < 0.8 * losses[0], (opt, losses[0], final[opt])
     print("loss after 200 steps:", final)
     assert abs(final["adamw8bit"] - final["adamw"]) <= 0.01 * final["adamw"], final
+
+
+@pytest.mark.parametrize("pdtype", ["fp32", "bf16"])
+def test_muon_kernels_match_their_twins(dev, pdtype):
+    """Each Muon kernel against the NumPy twin on the cpu, bitwise (elementwise fp32 with the same
+    rounding points); on the cpu this checks the formulas against NumPy written out here."""
+    rng = np.random.default_rng(3)
+    n, f32, bf = 1000, np.float32, ce.dtype("bf16").np
+    buf0 = rng.standard_normal(n).astype(f32)
+    grad0 = rng.standard_normal(n).astype(ce.dtype(pdtype).np)
+    hp = adamw.make_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, 7)
+    hp[6] = 0.95
+    t = {"buf": buf0, "out": np.zeros(n, f32), "grad": grad0, "hp": hp, "gs": np.array([0.5], f32),
+         "x": rng.standard_normal(n).astype(bf), "y": rng.standard_normal(n).astype(bf), "z": np.zeros(n, bf),
+         "res": np.array([3.0, 1.0], f32), "p": (rng.standard_normal(n) * 0.1).astype(ce.dtype(pdtype).np)}  # fmt: skip
+    d = {k: ce.Tensor.from_numpy(a, dev, name=k) for k, a in t.items()}
+    muon.muon_momentum(d["buf"], d["out"], d["grad"], d["hp"], d["gs"])
+    g = grad0.astype(f32) * f32(0.5)
+    b = f32(0.95) * buf0 + g
+    assert_bitwise(d["buf"].numpy(), b, "buf")
+    assert_bitwise(d["out"].numpy(), g + f32(0.95) * b, "out")
+    muon.muon_normalize(d["z"], d["out"], d["res"])
+    assert_bitwise(d["z"].numpy(), ((g + f32(0.95) * b) / (f32(3.0) + f32(1e-7))).astype(bf), "normalize")
+    muon.muon_axpby(d["x"], d["x"], d["y"], 3.4445, -4.775)
+    want_x = (f32(3.4445) * t["x"].astype(f32) + f32(-4.775) * t["y"].astype(f32)).astype(bf)
+    assert_bitwise(d["x"].numpy(), want_x, "axpby")
+    muon.muon_apply(d["p"], d["x"], d["hp"], d["gs"], 1.6, 11, 256)
+    p = t["p"].astype(f32)
+    p = p - f32(1e-2) * (f32(0.1) * p + f32(1.6) * want_x.astype(f32))
+    want_p = adamw.stochastic_round_bf16(p, adamw.sr_bits(11, 7, 0, np.arange(256, 256 + n))) if pdtype == "bf16" else p
+    assert_bitwise(d["p"].numpy(), want_p, "apply")
+    d["gs"].copy_from_numpy(np.array([np.nan], f32))
+    before = d["p"].numpy().copy(), d["buf"].numpy().copy()
+    muon.muon_momentum(d["buf"], d["out"], d["grad"], d["hp"], d["gs"])
+    muon.muon_apply(d["p"], d["x"], d["hp"], d["gs"], 1.6, 11, 256)
+    assert_bitwise(d["p"].numpy(), before[0], "skipped apply")
+    assert_bitwise(d["buf"].numpy(), before[1], "skipped momentum")
