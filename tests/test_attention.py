@@ -350,14 +350,18 @@ def _on_cuda(case, dtype_name, backend):
     return {k: t[k].numpy() for k in ("att", "lse", "dqkv")}
 
 
+TAIL = 6.0  # the per-element bound for the rare tail, in multiples of the table (see _compare)
 DQKV_FACTOR = 2.0  # the flash backward rounds P and dS to bf16 for its MMAs: two roundings the twin does not make
 
 
 def _compare(got, want, dtype_name, what, factor=1.0):
-    """Per element: |got - want| <= rtol |want| + atol s, with (rtol, atol) from the tolerance table
-    and s the rms of the element's channel (last axis), not the largest value: a small part such as
-    dq beside larger dk/dv is held to its own size. s is at least 1e-3 x the largest value, so that
-    rounding noise in an all-but-zero channel (dq at T = 1) passes."""
+    """In units of each channel's rms s (last axis; not the largest value, so a small part such as dq
+    beside larger dk/dv is held to its own size; s >= 1e-3 x the largest value, so rounding noise in
+    an all-but-zero channel such as dq at T = 1 passes), two bounds from the tolerance table:
+    - the rms error over all elements <= rtol (a systematic 3% error in any channel shows here);
+    - every element within TAIL x (atol + rtol |want|): bf16 paths round P and dS at other points
+      than the twin, and on the H200 a few elements in a million land up to ~5 atol away.
+    factor scales both (0 demands bitwise equality)."""
     want64, got64 = np.asarray(want, np.float64), np.asarray(got, np.float64)
     if what == "lse":
         np.testing.assert_allclose(got64, want64, rtol=LSE_TOL[0] * factor, atol=LSE_TOL[1] * factor, err_msg=what)
@@ -366,7 +370,13 @@ def _compare(got, want, dtype_name, what, factor=1.0):
     flat = want64.reshape(-1, want64.shape[-1])
     s = np.maximum(np.sqrt(np.mean(flat * flat, axis=0)), 1e-3 * float(np.abs(want64).max(initial=0.0)))
     s = np.where(s > 0, s, 1.0)
-    np.testing.assert_allclose(got64 / s, want64 / s, rtol=rtol * factor, atol=atol * factor, err_msg=what)
+    g, w = got64 / s, want64 / s
+    if factor == 0:
+        np.testing.assert_array_equal(got64, want64, err_msg=what)
+        return
+    rms_err = float(np.sqrt(np.mean((g - w) ** 2))) if g.size else 0.0
+    assert rms_err <= rtol * factor, f"{what}: rms error {rms_err:.4g} (in channel-rms units) > {rtol * factor:.4g}"
+    np.testing.assert_allclose(g, w, rtol=TAIL * rtol * factor, atol=TAIL * atol * factor, err_msg=what)
 
 
 def _check_against_twin(case, dtype_name, backend):
