@@ -8,9 +8,10 @@ the update that train_step leaves running. MFU is against cuengine.benchmark.CEI
 causal attention), the same count for FP8. Memory is the engine allocator's device total
 (nothing is allocated in a step).
 
-When torch and transformers import, the same step runs in HF transformers (Qwen2ForCausalLM from
-the config, bf16 weights, SDPA, fused AdamW), eager and under torch.compile, and the ratio is
-printed. DESIGN.md targets: 0.5B BF16 >= 170k tok/s, FP8 >= 200k; 1.5B BF16 >= 66k, FP8 >= 85k.
+When torch and transformers import, the same step runs in HF transformers (the preset's
+architecture from its config.json: Qwen2, Qwen3 or Llama; bf16 weights, SDPA, fused AdamW), eager
+and under torch.compile, and the ratio is printed. DESIGN.md targets: 0.5B BF16 >= 170k tok/s,
+FP8 >= 200k; 1.5B BF16 >= 66k, FP8 >= 85k.
 
     python tools/bench_train.py --preset qwen2.5-0.5b --dtype bf16 fp8 --steps 10
     python tools/bench_train.py --preset qwen2.5-0.5b qwen2.5-1.5b --batch 32 --grad-accum 16 --no-peer
@@ -111,11 +112,9 @@ def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: b
     from cuengine.model import TransformerConfig
 
     cfg = TransformerConfig.preset(preset)
-    hf_cfg = transformers.Qwen2Config(
-        **{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
-    )
+    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.to_hf_dict().items() if k != "torch_dtype"})
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x, y = (torch.from_numpy(a.astype(np.int64)).cuda() for a in random_batch(cfg.vocab_size, B, T))
