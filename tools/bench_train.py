@@ -77,7 +77,7 @@ def bench_rank(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int,
     return r
 
 
-def bench_dist(r1: dict, preset: str, dtype: str, args, extra: dict) -> dict | None:
+def bench_dist(r1: dict, preset: str, dtype: str, T: int, args, extra: dict) -> dict | None:
     """The `--gpus` run beside the 1-GPU result `r1`; prints the comparison."""
     import gc
 
@@ -86,7 +86,7 @@ def bench_dist(r1: dict, preset: str, dtype: str, args, extra: dict) -> dict | N
     gc.collect()  # the 1-GPU model's buffers go before the ranks allocate theirs
     n, z = args.gpus, args.zero_stage
     try:
-        res = ce.dist.launch(bench_rank, n, preset, dtype, args.batch, args.seq, args.steps, args.warmup, extra,
+        res = ce.dist.launch(bench_rank, n, preset, dtype, args.batch, T, args.steps, args.warmup, extra,
                              args.grad_accum, z, backend="nccl", timeout=600)  # fmt: skip
     except Exception as err:
         print(f"{preset} {dtype} x{n}: FAILED: {type(err).__name__}: {err}")
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                 print(r["report"])
             runs.append(r)
             if args.gpus > 1:
-                d = bench_dist(r, preset, dtype, args, extra)
+                d = bench_dist(r, preset, dtype, T, args, dict(extra, lmhead_chunks=chunks))
                 if d is not None:
                     runs.append(d)
         if peer:
