@@ -675,15 +675,21 @@ def test_nccl_two_gpus_of_b4_match_one_gpu_of_b8(clean_env, dtype):
         assert_close(two["losses"], one["losses"], "bf16", what="losses")
 
 
+ZERO_CASES = {"zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2},
+              "zero1+graphs": {"zero_stage": 1, "use_cuda_graphs": True}}  # fmt: skip
+
+
 @pytest.mark.gpu
 @two_gpus
+@pytest.mark.parametrize("case", list(ZERO_CASES))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_nccl_zero_stages_equal_plain_data_parallel(clean_env, dtype):
+def test_nccl_zero_stages_equal_plain_data_parallel(clean_env, dtype, case):
+    """One case per test, so that a case that hangs (seen on the H200 pair, 2026-11-30, with the three
+    cases in one test; which one is not known yet) is named, and the others still run."""
     cfg = {"preset": "tiny", "dtype": dtype}
     base = _nccl_train({"zero_stage": 0}, 4, range(10), cfg)
-    for opts in ({"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 1, "use_cuda_graphs": True}):
-        run = _nccl_train(opts, 4, range(10), cfg)
-        assert_losses_close(run["losses"], base["losses"], 1e-6)
+    run = _nccl_train(ZERO_CASES[case], 4, range(10), cfg)
+    assert_losses_close(run["losses"], base["losses"], 1e-6)
 
 
 @pytest.mark.gpu
