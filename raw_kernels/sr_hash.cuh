@@ -1,12 +1,12 @@
-// The stochastic rounding of adamw.cu (its mix32 / sr_key / sr_bits / round_store, copied bit for bit):
-// a bf16 store adds 16 random bits from a counter-based hash of (seed, step, array, element index)
-// below the mantissa and truncates. Included by adamw8bit.cu and muon.cu, whose NumPy twins draw
-// the same bits through cuengine.kernels.adamw.sr_bits.
+// The optimizers' stochastic rounding: a bf16 store adds 16 random bits from a counter-based hash of
+// (seed, step, array, element index) below the mantissa and truncates. Included by adamw.cu,
+// adamw8bit.cu and muon.cu, whose NumPy twins draw the same bits through cuengine.kernels.adamw.sr_bits.
 #pragma once
 #include "common.cuh"
 
-typedef unsigned int u32;
+typedef unsigned int u32;  // NVRTC has no <stdint.h>
 
+// lowbias32 (C. Wellons' hash prospector): a strong 32-bit integer mixer.
 __device__ __forceinline__ u32 mix32(u32 x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
