@@ -8,7 +8,6 @@ graphs, the optimizer step); the blocks, their FP8 matmuls and the LM head are `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -21,14 +20,15 @@ from ..dist.zero import DataParallel, flat_buckets
 from ..dtypes import dtype as _dtype
 from ..inference import InferenceMixin
 from ..kernels import encoder, rmsnorm
-from . import checkpoint
 from .adamw8bit import AdamW8bitState
 from .blocks import RECORDING, Blocks
+from .fit import options_that_fit
 from .muon import MuonState
 from .optimizer import AdamWState
 from .options import TrainOptions
+from .params import ParametersMixin
 from .run_state import RunState
-from .weights import ModelWeights, hf_views, param_specs
+from .weights import ModelWeights, param_specs
 
 
 def count_valid(targets: np.ndarray) -> int:
@@ -36,11 +36,7 @@ def count_valid(targets: np.ndarray) -> int:
     return int(np.count_nonzero(targets != -1))
 
 
-class _Fits(Exception):
-    """Raised inside a trial allocation that succeeded, so that all_or_nothing releases it."""
-
-
-class LlamaModel(InferenceMixin):
+class LlamaModel(ParametersMixin, InferenceMixin):
     """A LLaMA or Qwen2 causal LM on one device.
 
     Args:
@@ -78,42 +74,6 @@ class LlamaModel(InferenceMixin):
         self._in_graph = False
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (opts.skip_nonfinite_steps)
 
-    # ---- weights -----------------------------------------------------------------------------
-    def init_weights(self, seed: int = 42) -> None:
-        """Seeded random init (see `ModelWeights.init`); resets the optimizer state and step."""
-        self.weights.init(seed)
-        self._reset_optimizer()
-
-    def import_weights(self, path, allow_cast: bool = False) -> None:
-        """Load HF safetensors (file, directory or sharded index); see `ModelWeights.load_hf`."""
-        self.weights.load_hf(path, allow_cast=allow_cast)
-        self._reset_optimizer()
-
-    def export_weights(self, out_dir) -> None:
-        """Write `model.safetensors` + `config.json` that HF transformers loads unchanged."""
-        self.device.synchronize()
-        self.weights.save_hf(out_dir)
-
-    def num_parameters(self) -> int:
-        return self.weights.num_parameters()
-
-    def flops_per_token(self, T: int) -> float:
-        """Training FLOPs per token at sequence length T: 6 per matmul parameter (forward 2,
-        backward 4) plus causal attention, 6·L·(Hq·hs)·T (QKᵀ and PV, half the positions masked;
-        Hq·hs is C except on Qwen3)."""
-        cfg = self.cfg
-        matmul_params = self.num_parameters()
-        if not cfg.tied_embeddings:
-            matmul_params -= cfg.vocab_size * cfg.hidden_size  # the embedding lookup is no matmul
-        return 6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.att_channels * T
-
-    def _reset_optimizer(self) -> None:
-        self.step = 0
-        if self.opt_state is not None:
-            self.opt_state.zero()
-        if self._dp is not None:
-            self._dp.zero()
-
     # ---- run state ---------------------------------------------------------------------------
     def allocate_run_state(self, B: int, T: int) -> None:
         """Allocate every buffer a step of batch (B, T) needs: activations, gradients, optimizer
@@ -145,7 +105,7 @@ class LlamaModel(InferenceMixin):
         except MemoryError as err:
             why = str(err)  # leaving the handler drops the traceback, and with it the failed plan's buffers
         raise MemoryError(f"allocate_run_state: B={B}, T={T} does not fit in memory with these options; "
-                          f"{self._options_that_fit(B, T)}\n{why}")  # fmt: skip
+                          f"{options_that_fit(self, B, T)}\n{why}")  # fmt: skip
 
     def _build_run_state(self, o: TrainOptions, B: int, T: int) -> None:
         """The run state, gradients, optimizer state and stack for options `o`: all of it, or
@@ -181,34 +141,6 @@ class LlamaModel(InferenceMixin):
         except BaseException:
             self.rs = self.grads = self.opt_state = self._blocks = None
             raise
-
-    def _options_that_fit(self, B: int, T: int) -> str:
-        """Which options would make a (B, T) run state fit: the first of a ladder, cheapest in step
-        time first (LM-head chunks of >= 1024 rows, then the "lean" recompute set, then
-        recompute_block, then also offload_residual), whose plan allocates; each is released again."""
-        o, N = self.opts, B * T
-        chunks = o.lmhead_chunks
-        while N % (2 * chunks) == 0 and N // (2 * chunks) >= 1024:
-            chunks *= 2
-        base = {"lmhead_chunks": chunks} if chunks != o.lmhead_chunks else {}
-        lean, block = {"recompute_swiglu": True, "recompute_rmsnorm": True}, {"recompute_block": True}
-        ladder = [base, {**base, **lean}, {**base, **block}, {**base, **block, "offload_residual": True}]
-        for changes in ladder:
-            trial = dataclasses.replace(o, keep_all_activations=False, **changes)
-            if not changes or trial == o:
-                continue
-            try:
-                with self.alloc.all_or_nothing("a trial run state"):
-                    self._build_run_state(trial, B, T)
-                    raise _Fits
-            except _Fits:
-                self.rs = self.grads = self.opt_state = self._blocks = None
-                flags = ", ".join(f"{k}={v}" for k, v in changes.items())
-                return f"TrainOptions({flags}) makes it fit (its buffers were allocated and released)"
-            except MemoryError:
-                continue
-        return ("not even lmhead_chunks, recompute_block and offload_residual together make it fit: lower B or T, "
-                "or use more GPUs")  # fmt: skip
 
     def _step_temporaries(self, blocks: Blocks) -> None:
         """Everything in a step that takes stack memory: a block's forward and backward (every
@@ -556,49 +488,3 @@ class LlamaModel(InferenceMixin):
                 self._blocks.real_rows, self._in_graph = None, False
         self._blocks.lm_head(0.0, logits_out=out)
         return out.reshape(rs.B, rs.T, -1)[:b, :t]
-
-    # ---- gradients and checkpoints -----------------------------------------------------------
-    def gradients(self) -> dict:
-        """{HF name: Tensor}: zero-copy views of the gradients (q/k/v and gate/up unpacked)."""
-        self._need_rs("gradients")
-        return hf_views(self.cfg, self.grads)
-
-    def parameters(self) -> dict:
-        """{HF name: Tensor}: zero-copy, writable views of the master weights (q/k/v and gate/up
-        unpacked into row views), so a script can write its own update with any tool that reads a
-        Tensor (CuPy, DLPack, the kernel launchers, NumPy on the cpu device), then call
-        `parameters_changed()` instead of `update`."""
-        return hf_views(self.cfg, self.weights.tensors)
-
-    def parameters_changed(self) -> None:
-        """Refresh what derives from the weights after a write through `parameters()`: the FP8
-        copies and their scales, and the inference engine's FP8 decode copies if it has any (they
-        are requantized at every generation anyway). Captured CUDA graphs need nothing: a graph
-        holds the buffers' addresses, not their contents, and the views share those buffers.
-        Enqueued on the main stream after whatever wrote the weights there; a write from another
-        stream or from the host must be finished before this call."""
-        self.weights.requantize()
-        if self._inference is not None:
-            self._inference.refresh_weights()
-
-    def save_checkpoint(self, out_dir, extra: dict | None = None) -> None:
-        """Weights, optimizer moments, RNG and step into `out_dir` (written to a temporary
-        directory, then renamed). `extra` is any JSON-able dict, returned by load_checkpoint.
-
-        With several ranks every rank calls it: sharded moments are gathered and rank 0 writes
-        the checkpoint one process would write (so any number of ranks can load it), then all
-        ranks wait for it."""
-        self._need_rs("save_checkpoint")
-        if self.comm is None:
-            checkpoint.save(self, out_dir, extra)
-            return
-        moments = self._dp.gather_moments() if self.opts.zero_stage > 0 else None
-        if self.comm.rank == 0:
-            checkpoint.save(self, out_dir, extra, moments=moments)
-        self.comm.barrier()
-
-    def load_checkpoint(self, path) -> dict:
-        """Restore what save_checkpoint wrote; returns its `extra`. Checks everything first:
-        a checkpoint of another shape raises ValueError and changes nothing."""
-        self._need_rs("load_checkpoint")
-        return checkpoint.load(self, path)
