@@ -59,30 +59,41 @@ def _store(x: np.ndarray, dtype, seed: int, step: int, which: int, offset: int =
     return x.astype(dtype)
 
 
-def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int, index_offset: int = 0):
-    """The NumPy twin: returns new (param, m, v) in their own dtypes.
-
-    Arrays may be of any shape with equal sizes; hparams as in `adamw_update`; grad_scale a
-    float or None. Same fp32 operations, in the same order, as the kernel; beta^step in float64.
-    A non-finite grad_scale returns the inputs unchanged (the skipped step).
-    """
+def adamw_fp32_np(p, grad, m, v, hparams, grad_scale, weight_decay_on: bool):
+    """The kernels' fp32 AdamW arithmetic, in their order, on flat fp32 p, m, v (grad any float
+    dtype): returns (p, m, v, step), or None for a skipped step (a non-finite grad_scale). Shared
+    by the AdamW and 8-bit AdamW twins; beta^step in float64 as the host computes it."""
     f32 = np.float32
     hp = np.asarray(hparams, f32)
     lr, b1, b2, eps = hp[0], hp[1], hp[2], hp[3]
     wd = hp[4] if weight_decay_on else f32(0)
-    step = int(hp[5])
     bc1 = f32(1.0 - np.float64(b1) ** np.float64(hp[5]))
     bc2 = f32(1.0 - np.float64(b2) ** np.float64(hp[5]))
     gs = f32(1) if grad_scale is None else f32(grad_scale)
     if not np.isfinite(gs):
-        return param.copy(), m.copy(), v.copy()
-    p = param.astype(f32).reshape(-1)
+        return None
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         g = grad.astype(f32).reshape(-1) * gs
-        m32 = b1 * m.astype(f32).reshape(-1) + (f32(1) - b1) * g
-        v32 = b2 * v.astype(f32).reshape(-1) + (f32(1) - b2) * (g * g)
-        upd = (m32 / bc1) / (np.sqrt(v32 / bc2) + eps) + wd * p
+        m = b1 * m + (f32(1) - b1) * g
+        v = b2 * v + (f32(1) - b2) * (g * g)
+        upd = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * p
         p = p - lr * upd
+    return p, m, v, int(hp[5])
+
+
+def adamw_reference(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, seed: int, index_offset: int = 0):
+    """The NumPy twin: returns new (param, m, v) in their own dtypes.
+
+    Arrays may be of any shape with equal sizes; hparams as in `adamw_update`; grad_scale a
+    float or None. Same fp32 operations, in the same order, as the kernel (`adamw_fp32_np`).
+    A non-finite grad_scale returns the inputs unchanged (the skipped step).
+    """
+    f32 = np.float32
+    out = adamw_fp32_np(param.astype(f32).reshape(-1), grad, m.astype(f32).reshape(-1), v.astype(f32).reshape(-1),
+                        hparams, grad_scale, weight_decay_on)  # fmt: skip
+    if out is None:
+        return param.copy(), m.copy(), v.copy()
+    p, m32, v32, step = out
     k = index_offset
     return (_store(p, param.dtype, seed, step, 0, k).reshape(param.shape),
             _store(m32, m.dtype, seed, step, 1, k).reshape(m.shape),

@@ -18,7 +18,7 @@ import numpy as np
 from .. import _checks
 from ..dtypes import BF16, BYTE, FP32
 from . import _build
-from .adamw import _store
+from .adamw import _store, adamw_fp32_np
 
 QBLOCK = 256  # elements per abs-max scale
 
@@ -84,24 +84,12 @@ def adamw8bit_reference(param, grad, qm, qv, absmax_m, absmax_v, hparams, grad_s
     """The NumPy twin: returns new (param, qm, qv, absmax_m, absmax_v); a non-finite grad_scale
     returns the inputs unchanged. The fp32 operations are adamw_reference's, in its order."""
     f32 = np.float32
-    hp = np.asarray(hparams, f32)
-    lr, b1, b2, eps = hp[0], hp[1], hp[2], hp[3]
-    wd = hp[4] if weight_decay_on else f32(0)
-    step = int(hp[5])
-    bc1 = f32(1.0 - np.float64(b1) ** np.float64(hp[5]))
-    bc2 = f32(1.0 - np.float64(b2) ** np.float64(hp[5]))
-    gs = f32(1) if grad_scale is None else f32(grad_scale)
-    if not np.isfinite(gs):
-        return param.copy(), qm.copy(), qv.copy(), absmax_m.copy(), absmax_v.copy()
-    p = param.astype(f32).reshape(-1)
     m = dequantize_reference(qm, absmax_m, True)
     v = dequantize_reference(qv, absmax_v, False)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        g = grad.astype(f32).reshape(-1) * gs
-        m = b1 * m + (f32(1) - b1) * g
-        v = b2 * v + (f32(1) - b2) * (g * g)
-        upd = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * p
-        p = p - lr * upd
+    out = adamw_fp32_np(param.astype(f32).reshape(-1), grad, m, v, hparams, grad_scale, weight_decay_on)
+    if out is None:
+        return param.copy(), qm.copy(), qv.copy(), absmax_m.copy(), absmax_v.copy()
+    p, m, v, step = out
     qm2, am = quantize_reference(m, True)
     qv2, av = quantize_reference(v, False)
     p = _store(p, param.dtype, seed, step, 0).reshape(param.shape)
