@@ -12,7 +12,17 @@ import pytest
 import reference_model as ref
 from conftest import TOL
 from test_inference import SEQ, assert_logits_close, decode_logits, sequences
-from test_model import FLAG_SETS, assert_grads_close, assert_grads_near, batch, make, randomize, run_steps, valid
+from test_model import (
+    FLAG_SETS,
+    assert_fp8_near_reference,
+    assert_grads_close,
+    assert_grads_near,
+    batch,
+    make,
+    randomize,
+    run_steps,
+    valid,
+)
 
 from cuengine.alloc import TensorAllocator
 from cuengine.kernels.rope import rope_freqs
@@ -267,14 +277,7 @@ def test_fp8_gradients_near_reference(preset, grad_dtype):
             arr[: cfg.qkv_channels - cfg.num_kv_heads * cfg.head_size] /= 16  # q and k rows; exact in bf16
             w.copy_from_numpy(arr)
         m.weights.requantize()
-    x, y = batch(cfg)
-    m.forward(x)
-    m.backward(x, y)
-    want_loss, want, _ = ref.loss_and_grads(cfg, m.weights.host_arrays(), x, y)
-    assert abs(m.loss_sum() / valid(y) - want_loss) < 1e-2 * want_loss
-    for k, g in want.items():
-        err = np.linalg.norm(m.gradients()[k].numpy().astype(np.float64) - g) / np.linalg.norm(g)
-        assert err < 0.2, f"{k}: relative error {err:.2e}"
+    assert_fp8_near_reference(m, cfg)
 
 
 def test_the_scaled_rope_table_is_what_the_model_uses():
