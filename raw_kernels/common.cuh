@@ -82,3 +82,19 @@ __device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) 
         if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
     }
 }
+
+// ---- programmatic dependent launch (kernels/_build.py: launch(..., dependent=True)) -------------
+// A kernel launched as a dependent may start while its predecessor on the stream still runs: it must
+// call grid_dependency_wait() before it reads anything an earlier kernel wrote or writes anything an
+// earlier kernel reads. launch_dependents() lets the next dependent kernel start its own prologue.
+// Both are no-ops in an ordinary launch, and left out below sm_90.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}

@@ -12,8 +12,9 @@
 //                    fused: the last split block of a (row, tile) to finish (a counter in the scratch)
 //                    then merges the partials of its heads into out itself (=): no second launch.
 //   decode_attention_combine: (when not fused) out[i, h] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s (=)
-// fp32 math throughout; out is rounded once; merges run in a fixed order (deterministic). The chunk of a
-// split is chosen on the device from the row's own length: chunk = max(ceil(len / S), MIN_CHUNK), so
+// fp32 math throughout; out is rounded once; merges run in a fixed order (deterministic). Every kernel
+// here may be launched as a programmatic dependent (common.cuh): it waits for its predecessor first.
+// The chunk of a split is chosen on the device from the row's own length: chunk = max(ceil(len / S), MIN_CHUNK), so
 // every length keeps up to S splits busy and a replayed graph adapts to the lengths. Lengths and
 // positions outside the cache are clamped (attention) or skipped (append) on the device; the launchers
 // check what the host can see.
@@ -37,6 +38,8 @@ template <typename T, typename F, int P>
 __device__ void rope_kv_append_impl(T* qkv, T* k_cache, T* v_cache, const int* slots, const int* positions,
                                     const F* freqs, int Hq, int Hkv, int hs, int max_batch, int max_seq,
                                     int max_pos, bool rotate) {
+    launch_dependents();
+    grid_dependency_wait();  // qkv, slots and positions come from the kernels before
     const int r = blockIdx.x;
     const int slot = slots[r], pos = positions[r];
     if (slot < 0 || slot >= max_batch || pos < 0 || pos >= max_seq || (rotate && pos >= max_pos)) return;
@@ -141,6 +144,7 @@ __device__ void merge_partials(T* out, const float* partials, int Hq, int hs, in
         const int hh = idx / hs, e = idx - hh * hs;
         const float* pe = partials + ((size_t)i * Hq + h0 + hh) * S * (hs + 2) + e;
         float acc = 0.f;
+#pragma unroll 8  // the partials' loads go out together: one L2 round trip per 8 splits, not per split
         for (int t = 0; t < nact; ++t) acc += sm_wt[hh * S + t] * __ldcg(pe + (size_t)t * (hs + 2));
         out[(size_t)i * Hq * hs + (size_t)(h0 + hh) * hs + e] = from_float<T>(sm_L[hh] > 0.f ? acc / sm_L[hh] : 0.f);
     }
@@ -158,6 +162,8 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
     alignas(16) __shared__ float sm_q[GM][HSMAX];
     __shared__ float sm_o[NW][GM][HSMAX], sm_m[NW][GM], sm_l[NW][GM];
+    launch_dependents();
+    grid_dependency_wait();  // q, the cache and the lengths come from the kernels before
     const int s = blockIdx.x, i = blockIdx.z;
     const int g = blockIdx.y / tiles, tile = blockIdx.y - g * tiles;
     const int group = Hq / Hkv, h0 = g * group + tile * tile_heads;
@@ -345,6 +351,8 @@ __device__ void combine_impl(T* out, const float* scratch, const int* lengths, i
                              long long part_offset) {
     extern __shared__ float sm_w[];  // (S,)
     __shared__ float red[32];
+    launch_dependents();
+    grid_dependency_wait();  // the partials come from the split kernel
     const int i = blockIdx.x / Hq, h = blockIdx.x - i * Hq;
     const int len = min(max(lengths[i], 0), max_seq);
     int p0, p1, nact;
@@ -368,6 +376,7 @@ __device__ void combine_impl(T* out, const float* scratch, const int* lengths, i
     L = block_sum(L, red);  // syncs first, so red is free again and sm_w is complete
     for (int e = threadIdx.x; e < hs; e += blockDim.x) {
         float acc = 0.f;
+#pragma unroll 8
         for (int s = 0; s < nact; ++s) acc += sm_w[s] * part[(size_t)s * (hs + 2) + e];
         out[(size_t)i * Hq * hs + (size_t)h * hs + e] = from_float<T>(L > 0.f ? acc / L : 0.f);
     }

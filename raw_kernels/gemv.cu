@@ -44,18 +44,6 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
     return v;
 }
 
-// Programmatic dependent launch (sm_90+; no-ops in an ordinary launch, left out for older targets).
-__device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
 // Element j of a 32-bit word of W, as a float, exactly.
 template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
 template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
@@ -147,16 +135,29 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* __restrict__ x, const
     }
 }
 
-// The epilogue of one output: scale, round, bias, round, residual, round.
+// The epilogue operands of one output, loaded before the dot products so that they arrive during them.
+struct Epilogue {
+    float scale, bias, residual;
+};
 template <typename T, typename O>
-__device__ __forceinline__ void finish(O* out, const float* w_scale, const T* bias, const O* residual, float y, int m,
-                                       int n, int N) {
-    if (w_scale) y *= w_scale[n];
+__device__ __forceinline__ Epilogue fetch_epilogue(const float* w_scale, const T* bias, const O* residual, int m,
+                                                   int n, int N) {
+    Epilogue e{1.f, 0.f, 0.f};
+    if (w_scale) e.scale = w_scale[n];
+    if (bias) e.bias = to_float(bias[n]);
+    if (residual) e.residual = to_float(residual[(size_t)m * N + n]);
+    return e;
+}
+
+// The epilogue of one output: scale, round, bias, round, residual, round.
+template <typename O>
+__device__ __forceinline__ void finish(O* out, const Epilogue& e, bool scaled, bool biased, bool residual, float y,
+                                       int m, int n, int N) {
+    if (scaled) y *= e.scale;
     O v = from_float<O>(y);
-    if (bias) v = from_float<O>(to_float(v) + to_float(bias[n]));
-    const size_t o = (size_t)m * N + n;
-    if (residual) v = from_float<O>(to_float(residual[o]) + to_float(v));
-    out[o] = v;
+    if (biased) v = from_float<O>(to_float(v) + e.bias);
+    if (residual) v = from_float<O>(e.residual + to_float(v));
+    out[(size_t)m * N + n] = v;
 }
 
 
@@ -164,11 +165,23 @@ __device__ __forceinline__ void finish(O* out, const float* w_scale, const T* bi
 // N/2 + q/2 (q odd) in one warp.
 __device__ __forceinline__ int weight_row(int q, int N, int dual) { return dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q; }
 
+// The first U weight vectors of each of a warp's R rows for its K-slice [c0, c1).
+template <typename W>
+__device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&wrow)[R], int c0, int c1, int lane) {
+    constexpr int VW = 16 / sizeof(W);
+    for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+            wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+}
+
 
 // ---- kernels ------------------------------------------------------------------------------
 
 // Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
-// a tile's sums do not depend on which block runs it). Dynamic shared memory: BT * K * sizeof(T) bytes.
+// a tile's sums do not depend on which block runs it). A block's work is (tile, pass of BT input rows)
+// items in order; the first weight vectors of the next item are in flight while the current one reduces
+// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes.
 template <typename T, typename W, typename O, int BT>
 __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__ w, const float* w_scale,
                           const T* bias, const O* residual, const T* __restrict__ norm_weight, float eps,
@@ -186,105 +199,118 @@ __device__ void gemv_impl(O* out, const T* __restrict__ x, const W* __restrict__
     const int tiles = (N + groups * R - 1) / (groups * R);
     // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
     launch_dependents();
-    bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
+    if ((int)blockIdx.x >= tiles) return;
+    // The output this thread finishes, (tile row fr, input row ft of the pass), if any: with S = 1 lane
+    // r * BT + t of each warp, with S > 1 thread (g * R + r) * BT + t after the ordered sum of the slices.
+    const int fi = S == 1 ? lane : threadIdx.x;
+    const bool finisher = S == 1 ? lane < R * BT : threadIdx.x < groups * R * BT;
+    const int fr = (S == 1 ? group : fi / (R * BT)) * R + fi / BT % R, ft = fi % BT;
 
-    for (int tile_index = blockIdx.x; tile_index < tiles; tile_index += gridDim.x) {
-        const int tile = tile_index * groups * R;  // first row of the tile
-        const W* wrow[R];
+    int tile_index = blockIdx.x, m0 = 0;
+    const W* wrow[R];
+    const auto set_rows = [&](int ti) {
         for (int r = 0; r < R; ++r) {
-            const int q = min(tile + group * R + r, N - 1);  // rows past N load a valid row, store nothing
-            const int n = weight_row(q, N, dual);
-            wrow[r] = w + (size_t)n * K;
+            const int q = min(ti * groups * R + group * R + r, N - 1);  // rows past N load a valid row, store nothing
+            wrow[r] = w + (size_t)weight_row(q, N, dual) * K;
         }
+    };
+    set_rows(tile_index);
+    uint4 wv[U][R];
+    load_first<W>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
+    bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
+    for (;;) {
+        const int tile = tile_index * groups * R;  // first row of the tile
+        // The previous item must be done with xs and s_partial; warps that only read the staged input and
+        // keep their sums in registers run ahead across tiles.
+        if (S > 1 || b > BT || !staged) __syncthreads();
+        if (b > BT || !staged) {
+            // Under programmatic dependent launch everything above (weights only) overlaps the previous
+            // kernel; its outputs (x, residual, out's memory) are touched only after this wait.
+            if (!staged) grid_dependency_wait();
+            stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
+            __syncthreads();
+            staged = true;
+        }
+        const int fq = tile + fr, fm = m0 + ft;
+        const bool writes = finisher && fq < N && fm < b;
+        const int fn = weight_row(min(fq, N - 1), N, dual);
+        const Epilogue ep = writes ? fetch_epilogue<T, O>(w_scale, bias, residual, fm, fn, N) : Epilogue{1.f, 0.f, 0.f};
 
-        for (int m0 = 0; m0 < b; m0 += BT) {
-            // The first weight vectors are in flight while the block stages its input.
-            uint4 wv[U][R];
-            for (int u = 0; u < U; ++u)
-                for (int r = 0; r < R; ++r)
-                    wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
-                                                       : make_uint4(0u, 0u, 0u, 0u);
-            // The previous pass or tile must be done with xs and s_partial; warps that only read the
-            // staged input and keep their sums in registers run ahead across tiles.
-            if (S > 1 || b > BT || !staged) __syncthreads();
-            if (b > BT || !staged) {
-                // Under programmatic dependent launch everything above (weights only) overlaps the previous
-                // kernel; its outputs (x, residual, out's memory) are touched only after this wait.
-                if (!staged) grid_dependency_wait();
-                stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
-                __syncthreads();
-                staged = true;
-            }
-
-            float acc[R][BT];
-            for (int r = 0; r < R; ++r)
-                for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
-            for (int c = c0 + lane; c < c1; c += 32 * U) {
-                if (c != c0 + lane)
-                    for (int u = 0; u < U; ++u)
-                        for (int r = 0; r < R; ++r)
-                            wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
-                                                       : make_uint4(0u, 0u, 0u, 0u);
-                #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int cu = c + 32 * u;
-                    if (cu < c1) {
-                        static_assert(R == 2, "the word table lists two rows");
-                        const unsigned words[R][4] = {
-                            {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
-                            {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
-                        // one input vector (NT elements) at a time, so only NT weights per row are live
+        float acc[R][BT];
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
+        for (int c = c0 + lane; c < c1; c += 32 * U) {
+            if (c != c0 + lane)
+                for (int u = 0; u < U; ++u)
+                    for (int r = 0; r < R; ++r)
+                        wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cu = c + 32 * u;
+                if (cu < c1) {
+                    static_assert(R == 2, "the word table lists two rows");
+                    const unsigned words[R][4] = {
+                        {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
+                        {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
+                    // one input vector (NT elements) at a time, so only NT weights per row are live
+                    #pragma unroll
+                    for (int h = 0; h < VW / NT; ++h) {
+                        float wf[R][NT];
                         #pragma unroll
-                        for (int h = 0; h < VW / NT; ++h) {
-                            float wf[R][NT];
+                        for (int r = 0; r < R; ++r)
                             #pragma unroll
-                            for (int r = 0; r < R; ++r)
-                                #pragma unroll
-                                for (int k = 0; k < NT; ++k) {
-                                    const int e = h * NT + k;  // element of the weight vector
-                                    wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
-                                }
+                            for (int k = 0; k < NT; ++k) {
+                                const int e = h * NT + k;  // element of the weight vector
+                                wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
+                            }
+                        #pragma unroll
+                        for (int t = 0; t < BT; ++t) {
+                            const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
                             #pragma unroll
-                            for (int t = 0; t < BT; ++t) {
-                                const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
+                            for (int k = 0; k < NT; ++k) {
+                                const float xk = to_float(xv.v[k]);
                                 #pragma unroll
-                                for (int k = 0; k < NT; ++k) {
-                                    const float xk = to_float(xv.v[k]);
-                                    #pragma unroll
-                                    for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
-                                }
+                                for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
                             }
                         }
                     }
                 }
             }
-            for (int r = 0; r < R; ++r)
-                for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+        }
+        // the next item's first weights go out before this one's reduction and stores
+        int next_index = tile_index, next_m0 = m0 + BT;
+        if (next_m0 >= b) {
+            next_m0 = 0;
+            next_index += gridDim.x;
+        }
+        const bool more = next_index < tiles;
+        if (more) {
+            if (next_index != tile_index) set_rows(next_index);
+            load_first<W>(wv, wrow, c0, c1, lane);
+        }
 
-            if (S == 1) {  // lane r * BT + t finishes (row r, input row t)
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+        float y = 0.f;
+        if (S == 1) {  // lane r * BT + t holds (row r, input row t)
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < BT; ++t)
+                    if (lane == r * BT + t) y = acc[r][t];
+        } else {
+            if (lane == 0)
                 for (int r = 0; r < R; ++r)
-                    for (int t = 0; t < BT; ++t) {
-                        const int q = tile + group * R + r, m = m0 + t;
-                        if (lane == r * BT + t && q < N && m < b)
-                            finish<T, O>(out, w_scale, bias, residual, acc[r][t], m,
-                                         weight_row(q, N, dual), N);
-                    }
-            } else {
-                if (lane == 0)
-                    for (int r = 0; r < R; ++r)
-                        for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
-                __syncthreads();
-                const int i = threadIdx.x;
-                if (i < groups * R * BT) {
-                    const int g = i / (R * BT), r = i / BT % R, t = i % BT;
-                    const int q = tile + g * R + r, m = m0 + t;
-                    float y = 0.f;
-                    for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
-                    if (q < N && m < b)
-                        finish<T, O>(out, w_scale, bias, residual, y, m, weight_row(q, N, dual), N);
-                }
+                    for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
+            __syncthreads();
+            if (finisher) {
+                const int g = fi / (R * BT), r = fi / BT % R, t = fi % BT;
+                for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
             }
         }
+        if (writes) finish<O>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, fm, fn, N);
+        if (!more) break;
+        tile_index = next_index;
+        m0 = next_m0;
     }
 }
 

@@ -358,6 +358,42 @@ def test_capturable_in_a_graph(cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("captured", [False, True])
+def test_dependent_launches_wait_for_their_predecessor(cuda, monkeypatch, captured):
+    """GEMVs go out as programmatic dependent launches (their weight prefetch overlaps the previous
+    kernel): a chain in which each reads the last one's output at once must still equal the twin's
+    chain, eagerly and replayed from a graph. A kernel that read before griddepcontrol.wait would see
+    the state of an earlier link."""
+    from cuengine.kernels import _build
+
+    calls = []
+    real = _build._launch_dependent
+    monkeypatch.setattr(_build, "_launch_dependent", lambda *a: (calls.append(a[1]), real(*a)))
+    K, links = 896, 24
+    c = case(1, K, K, "fp32")
+    w = c["w"] * np.float32(0.5)
+    t = tensors(cuda, {"w": w, "norm_weight": c["norm_weight"]})
+    ys = [ce.Tensor.from_numpy(c["x"], cuda, name=f"y{i}") for i in range(2)]
+
+    def chain():
+        for i in range(links):  # y[next] = y[this] + W rmsnorm(y[this])
+            src, dst = ys[i % 2], ys[(i + 1) % 2]
+            gemv(dst, src, t["w"], residual=src, norm_weight=t["norm_weight"], eps=EPS)
+
+    if captured:
+        chain()  # compile outside the capture
+        ys[0].copy_from_numpy(c["x"])
+        cuda.capture(chain).launch()
+    else:
+        chain()
+    y = c["x"]
+    for _ in range(links):
+        y = gemv_np(y, w, residual=y, norm_weight=c["norm_weight"], eps=EPS)
+    assert len(calls) >= links, "the GEMVs did not go out as dependent launches"
+    assert_close(ys[links % 2].numpy(), y, "fp32", "chained dependent GEMVs", scale=links)
+
+
+@pytest.mark.gpu
 def test_misaligned_device_pointer(cuda):
     x = ce.Tensor.empty(ce.BF16, (1, 72), cuda, name="x")
     bad = ce.Tensor(ce.BF16, (1, 64), cuda, x.storage, offset=2, name="x_off")

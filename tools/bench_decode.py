@@ -44,7 +44,7 @@ from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
 from cuengine.kernels import sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
-PROMPT = 16  # prompt tokens before timed decode steps
+PROMPT = 16  # prompt tokens before timed decode steps (--prompt)
 TARGET_BOUND = 1.5  # batch-1 bf16 per-token time target: 1.5 x the bound (0.5B)
 
 
@@ -67,12 +67,12 @@ def prompts(cfg, b: int, T: int, seed: int = 0) -> list[list[int]]:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, T)).tolist()
 
 
-def step_ms(st, b: int, steps: int, samples: int) -> float:
-    """Median ms per decode step of b rows (graph replay), from fresh prompts of PROMPT tokens."""
+def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT) -> float:
+    """Median ms per decode step of b rows (graph replay), from fresh prompts of `prompt` tokens."""
     dev, arm = st.device, decode_arm(st, b)
     times = []
     for s in range(samples + 1):
-        p = prompts(st.cfg, b, PROMPT, seed=s)
+        p = prompts(st.cfg, b, prompt, seed=s)
         st.start(p, sampling.sampling_params(0.0, 0, 1.0, 0))
         st.prefill()
         for _ in range(3):  # eager, capture, replay
@@ -122,13 +122,13 @@ def launches(st, fn) -> int:
 
 # ---- sections -------------------------------------------------------------------------------
 def token_section(args, dev, bw) -> list[str]:
-    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s", "",
+    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens", "",
             f"{'shape':<14}{'weights':>8}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}{'per layer':>11}"]  # fmt: skip
     for preset in args.preset:
         for weights in ("bf16", "fp8"):
-            m, st = engine(preset, 1, PROMPT + 8 * args.steps, weights)
-            ms = step_ms(st, 1, args.steps, args.samples)
+            m, st = engine(preset, 1, args.prompt + 8 * args.steps, weights)
+            ms = step_ms(st, 1, args.steps, args.samples, args.prompt)
             nbytes = st.bytes_per_token()
             bound = nbytes / bw * 1e3
             arm = decode_arm(st, 1)
@@ -142,11 +142,14 @@ def token_section(args, dev, bw) -> list[str]:
 
 
 def batch_section(args, dev, bw) -> list[str]:
-    rows = [f"{'shape':<14}{'weights':>8}{'batch':>7}{'arm':>7}{'ms/step':>9}{'tok/s':>10}"]
+    rows = [
+        f"prompt {args.prompt} tokens",
+        f"{'shape':<14}{'weights':>8}{'batch':>7}{'arm':>7}{'ms/step':>9}{'tok/s':>10}",
+    ]
     for preset in args.preset:
-        m, st = engine(preset, max(args.batches), max(1024 + 8, PROMPT + 8 * args.steps), "bf16")
+        m, st = engine(preset, max(args.batches), max(1024 + 8, args.prompt + 8 * args.steps), "bf16")
         for b in args.batches:
-            ms = step_ms(st, b, args.steps, args.samples)
+            ms = step_ms(st, b, args.steps, args.samples, args.prompt)
             rows.append(f"{preset:<14}{'bf16':>8}{b:>7}{decode_arm(st, b):>7}{ms:>9.3f}{b / ms * 1e3:>10.0f}")
         p = prompts(m.cfg, 1, 1024)
         params = sampling.sampling_params(0.0, 0, 1.0, 0)
@@ -183,7 +186,7 @@ def peer_section(args, dev, bw) -> list[str]:
         model.generation_config.cache_implementation = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         for b in (1, 8):
-            x = torch.from_numpy(np.array(prompts(cfg, b, PROMPT), np.int64)).cuda()
+            x = torch.from_numpy(np.array(prompts(cfg, b, args.prompt), np.int64)).cuda()
 
             def gen(n, x=x, model=model):
                 torch.cuda.synchronize()
@@ -337,6 +340,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--steps", type=int, default=64, help="decode steps per timed sample")
     p.add_argument("--samples", type=int, default=5)
+    p.add_argument(
+        "--prompt", type=int, default=PROMPT, help="prompt tokens before the timed steps (token, batch, peer)"
+    )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
     args = p.parse_args(argv)

@@ -89,11 +89,18 @@ def _arg(a):
     raise TypeError(f"kernel argument {a!r}: pass Tensors, None, or NumPy scalars with the C type (np.int32, ...)")
 
 
-def launch(family: str, name: str, grid, block, args, device, stream=None, shared_mem: int = 0) -> None:
+def launch(family: str, name: str, grid, block, args, device, stream=None, shared_mem: int = 0,
+           dependent: bool = False) -> None:  # fmt: skip
     """Launch kernel `name` of raw_kernels/<family>.cu.
 
     `args` are Tensors (passed as pointers), None (a null pointer) or NumPy scalars
     whose type matches the C parameter (np.int32 for int, np.float32 for float, ...).
+
+    `dependent=True` launches it as a programmatic dependent launch (sm_90+): its blocks may start
+    while the previous kernel on the stream finishes, and a CUDA graph captured from the stream keeps
+    that overlap. Only for kernels that execute `griddepcontrol.wait` (common.cuh:
+    grid_dependency_wait) before they read what earlier kernels wrote or write what they read; it
+    hides the launch and the prologue of short decode kernels behind their predecessor's tail.
     """
     fn = _function(family, name, device.index)
     if shared_mem > _smem_opt_in.get(fn, 0):
@@ -105,7 +112,43 @@ def launch(family: str, name: str, grid, block, args, device, stream=None, share
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
     block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
     with device.activate():
-        fn(grid, block, tuple(_arg(a) for a in args), stream=s.raw, shared_mem=shared_mem)
+        if dependent and _dependent_launch_supported(device.index):
+            _launch_dependent(fn, grid, block, [_arg(a) for a in args], s.raw.ptr, shared_mem)
+        else:
+            fn(grid, block, tuple(_arg(a) for a in args), stream=s.raw, shared_mem=shared_mem)
+
+
+@functools.cache
+def _dependent_launch_supported(device_index: int) -> bool:
+    """Programmatic dependent launch needs sm_90+ and the driver binding that sets launch attributes."""
+    import cupy
+
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return int(cupy.cuda.Device(device_index).compute_capability) >= 90
+
+
+def _launch_dependent(fn, grid, block, args, stream_ptr: int, shared_mem: int) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization allowed; `args` as _arg returns them."""
+    from cuda.bindings import driver
+
+    values = [np.array([a]) for a in args]  # each parameter's bytes, alive until the launch has copied them
+    pointers = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    (config.gridDimX, config.gridDimY, config.gridDimZ) = (*grid, 1, 1)[:3]
+    (config.blockDimX, config.blockDimY, config.blockDimZ) = (*block, 1, 1)[:3]
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream_ptr)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.ptr), pointers.ctypes.data, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx: {err.name}")
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -216,7 +216,7 @@ def rope_kv_append(qkv, k_cache, v_cache, slots, positions, freqs, n_q_heads: in
     name = f"rope_kv_append_{_SUFFIX[qkv.dtype.name]}_{tsuf}_{'vec' if vec else 'scalar'}"
     args = (qkv, k_cache, v_cache, slots, positions, table, np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs),
             np.int32(max_batch), np.int32(max_seq), np.int32(max_pos), np.int32(rotate))  # fmt: skip
-    launch(FAMILY, name, n, 128, args, dev, stream)
+    launch(FAMILY, name, n, 128, args, dev, stream, dependent=True)
 
 
 def _layout(dtype, hs: int) -> str:
@@ -295,7 +295,8 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
             np.int32(fused))  # fmt: skip
     name = f"decode_attention_split_{suf}_{layout}_g{gm}"
     smem = 4 * tile_heads * S if fused else 0  # the fused merge's weights
-    launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream, shared_mem=smem)
+    launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream, shared_mem=smem, dependent=True)
     if not fused:
         args = (out, scratch, lengths, np.int32(n_q_heads), np.int32(hs), np.int32(max_seq), np.int32(S), part_offset)
-        launch(FAMILY, f"decode_attention_combine_{suf}", b * n_q_heads, 128, args, dev, stream, shared_mem=4 * S)
+        launch(FAMILY, f"decode_attention_combine_{suf}", b * n_q_heads, 128, args, dev, stream, shared_mem=4 * S,
+               dependent=True)  # fmt: skip

@@ -177,7 +177,7 @@ def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual
             np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
     smem = bt * K * x.dtype.itemsize
     launch(FAMILY, name, _grid(dev, ceil_div(N, _ROWS * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
-           shared_mem=smem)  # fmt: skip
+           shared_mem=smem, dependent=True)  # fmt: skip
 
 
 def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, split=None,
