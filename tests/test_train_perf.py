@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from cuengine import device as ce_device
+from cuengine.dtypes import dtype as ce_dtype
 from cuengine.kernels import attention as A
+from cuengine.kernels import fp8
 from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
 
 B, T = 2, 16
@@ -131,3 +133,123 @@ def test_fp8_weight_transposes_follow_every_update(device):
     _check_fp8_transposes(m)
     assert any(not np.array_equal(before[k], v.numpy()) for k, v in m.weights.fp8_tp.items())
     assert make(device).weights.fp8_tp == {}  # bf16 matmuls keep no FP8 copies
+
+
+# ---- FP8 LM head (TrainOptions.lmhead_fp8) ----------------------------------------------------------------
+def test_lmhead_fp8_option_is_checked():
+    with pytest.raises(ValueError, match="lmhead_fp8 needs matmul_dtype 'e4m3' \\(FP8 matmuls\\), got 'bf16'"):
+        TrainOptions(matmul_dtype="bf16", lmhead_fp8=True)
+    with pytest.raises(ValueError, match="lmhead_fp8 needs matmul_dtype 'e4m3' \\(FP8 matmuls\\), got 'fp32'"):
+        TrainOptions(lmhead_fp8=True).resolved("fp32")  # the model dtype fills matmul_dtype in
+    with pytest.raises(ValueError, match="lmhead_fp8 must be True or False, got 1"):
+        TrainOptions(matmul_dtype="e4m3", lmhead_fp8=1)
+    with pytest.raises(ValueError, match="B\\*T/lmhead_chunks = 8 rows, and FP8 GEMMs need a multiple of 16"):
+        make(matmul_dtype="e4m3", lmhead_fp8=True, lmhead_chunks=4)
+
+
+def _dequant(t) -> np.ndarray:
+    """An FP8 tensor's values times its scale_inv, in float64."""
+    return t.numpy().astype(np.float64) * float(t.stats.numpy()[8])
+
+
+def _e4m3(x: np.ndarray, real=slice(None)) -> np.ndarray:
+    """x quantized to E4M3 with the abs-max of x[real] and dequantized (float64): the twin's arithmetic."""
+    amax = np.abs(x[real].astype(np.float32)).max() if x[real].size else 0
+    q, st = fp8.quantize_reference(x, np.float32(amax), ce_dtype("e4m3"))
+    return q.astype(np.float64) * float(st[2])
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_lmhead_fp8_logits_are_e4m3_products(chunks):
+    """The logits are E4M3(lnf chunk) · E4M3(head)ᵀ rounded once to bf16, which differ from the bf16 LM
+    head's by more than bf16 rounding: the option cannot silently fall back to bf16 GEMMs."""
+    m = make(matmul_dtype="e4m3", lmhead_fp8=True, lmhead_chunks=chunks)
+    assert "wte" in m.weights.fp8 and "wte" not in make(matmul_dtype="e4m3").weights.fp8
+    x, _ = batch(m.cfg)
+    got = m.logits(x).reshape(B * T, -1).astype(np.float64)
+    lnf = m.rs.lnf.numpy().reshape(B * T, -1)
+    w = m.weights["wte"].numpy().astype(np.float64)
+    n = B * T // chunks
+    want = np.concatenate([_e4m3(lnf[c * n : (c + 1) * n]) @ _dequant(m.weights.fp8["wte"]).T for c in range(chunks)])
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+    bf16 = lnf.astype(np.float64) @ w.T
+    err = np.abs(got - bf16).max() / np.abs(bf16).max()
+    assert 2**-7 < err < 0.1, err  # more than bf16 rounding, within E4M3's
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_lmhead_fp8_padded_batch_scales_by_real_rows(chunks):
+    """A batch padded to (B, T) (logits of b < B, t < T): the head's E4M3 scales come from the real rows
+    of lnf alone, as the blocks' scales do; here the padding rows are made 10x larger."""
+    m = make(matmul_dtype="e4m3", lmhead_fp8=True, lmhead_chunks=chunks)
+    m.forward(batch(m.cfg)[0])
+    t = T // 2
+    lnf = m.rs.lnf.array().reshape(B * T, -1)
+    lnf[t:] *= 10
+    lnf = lnf.copy()
+    got = np.empty((B * T, m.cfg.vocab_size), np.float32)
+    m._blocks.real_rows = [(0, t)]
+    m._blocks.lm_head(0.0, logits_out=got)
+    w8 = _dequant(m.weights.fp8["wte"])
+    n = B * T // chunks
+    want = np.concatenate([_e4m3(lnf[c * n : (c + 1) * n], real=slice(0, max(0, t - c * n)) if c * n < t else 0)
+                           @ w8.T for c in range(chunks)])[:t]  # fmt: skip
+    np.testing.assert_allclose(got[:t], want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+    wrong = (_e4m3(lnf[:n]) @ w8.T)[:t]
+    assert np.abs(got[:t] - wrong).max() > 4 * 2**-8 * np.abs(want).max()
+
+
+def test_lmhead_fp8_backward_is_the_fp8_products():
+    """Untied head: d_lnf = D(dlogits) · D(W)  and  d_head = D(dlogits)ᵀ · D(lnf), with D the E5M2 and E4M3
+    quantize-dequantize of the dlogits the classifier wrote (captured), of the head weight and of lnf."""
+    m = make(preset="tiny-llama", matmul_dtype="e4m3", lmhead_fp8=True)
+    seen = {}
+    real = m._blocks.k.quantize_dual
+
+    def spy(out, out_tp, inp, *a, **kw):
+        real(out, out_tp, inp, *a, **kw)
+        if inp.shape[-1] == m.cfg.vocab_size:
+            seen["dl"] = _dequant(out)
+            seen["raw"] = inp.numpy().astype(np.float64)
+
+    m._blocks.k = dataclasses.replace(m._blocks.k, quantize_dual=spy)
+    x, y = batch(m.cfg)
+    m.forward(x)
+    m._upload_targets(y, 1.0 / (B * T))
+    m.grads["lm_head"].fill_zero()
+    m._blocks.lm_head(m.rs.d_loss, d_head=m.grads["lm_head"])  # d_lnf is overwritten later in backward
+    assert m.opts.grad_dtype == "e5m2"
+    dl, lnf = seen["dl"], m.rs.lnf.numpy().reshape(B * T, -1)
+    assert 0 < np.abs(dl - seen["raw"]).max() < 0.25 * np.abs(seen["raw"]).max()  # E5M2, not the bf16 values
+    d_lnf = m.rs.d_lnf.numpy().reshape(B * T, -1).astype(np.float64)
+    want = dl @ _dequant(m.weights.fp8["lm_head"])
+    np.testing.assert_allclose(d_lnf, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+    d_head = m.grads["lm_head"].numpy().astype(np.float64)
+    want = dl.T @ _e4m3(lnf)
+    np.testing.assert_allclose(d_head, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_lmhead_fp8_trains_like_the_bf16_head(device):
+    """Five steps: losses within 2% of the bf16 LM head's, and the head's E4M3 copy follows every update."""
+    losses = {}
+    for flag in (False, True):
+        m = make(device, "tiny-hs64", matmul_dtype="e4m3", lmhead_fp8=flag)
+        losses[flag] = [m.train_step(*batch(m.cfg, s % 2), lr=1e-3) for s in range(5)]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
+    assert losses[True] != losses[False]
+    assert losses[True][-1] < losses[True][0]
+    _check_fp8_transposes(m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_lmhead_fp8_matches_cpu(graphs):
+    """cuda against the cpu twin over 3 steps (FP8 rounding flips allow a little), graphs or not."""
+    res = {}
+    for device in ("cpu", "cuda"):
+        m = make(device, "tiny-hs64", matmul_dtype="e4m3", lmhead_fp8=True, use_cuda_graphs=graphs and device == "cuda")
+        res[device] = [m.train_step(*batch(m.cfg, 20 + s), lr=1e-3) for s in range(3)], m.logits(batch(m.cfg)[0])
+    np.testing.assert_allclose(res["cuda"][0], res["cpu"][0], rtol=5e-3)
+    scale = np.abs(res["cpu"][1]).max()
+    np.testing.assert_allclose(res["cuda"][1], res["cpu"][1], rtol=0, atol=0.05 * scale)

@@ -21,12 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import blas
+from ..dtypes import FP32
 from ..kernels import activations, attention, classifier, fp8, qknorm, rmsnorm, rope
+from ..tensor import STATS_SLOTS
 from .records import LayerActivations, LayerGradients, QuantTensor
 
 
 def _no_launch(*args, **kwargs) -> None:
     """A launch on a recording pass: nothing runs and no memory is touched."""
+
+
+def _fill_zero(t, stream=None) -> None:
+    t.fill_zero(stream)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Kernels:
     transpose: Callable = fp8.transpose
     bias_backward: Callable = fp8.bias_backward
     fused_classifier: Callable = classifier.fused_classifier
+    fill_zero: Callable = _fill_zero  # a stack temporary's stats slot (no memory on a recording pass)
 
     @classmethod
     def recording(cls) -> Kernels:
@@ -274,7 +281,12 @@ class Blocks:
         accumulated) also dlogits → d_head and rs.d_lnf, each token's loss weighing `d_loss` (a
         float, or rs.d_loss: read on the device, so graph replays see the value of their batch).
         With `logits_out` ((B*T, V) float32), copy the logits there instead (a host sync per chunk:
-        for generation and tests)."""
+        for generation and tests).
+
+        With TrainOptions.lmhead_fp8 the three GEMMs are FP8, as a block's (`qmm_backward`): each
+        chunk's lnf rows are quantized to E4M3 with their own abs-max (over the real rows of a
+        padded batch), the head weight's E4M3 copy and its transpose come from `weights.requantize`,
+        and dlogits goes to grad_dtype (E5M2) with its abs-max taken after the classifier wrote it."""
         k, rs, cfg = self.k, self.rs, self.cfg
         N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
         chunks = self.opts.lmhead_chunks
@@ -283,16 +295,62 @@ class Blocks:
         lnf, d_lnf = rs.lnf.reshape(N, C), rs.d_lnf.reshape(N, C)
         targets = rs.targets.reshape(N)
         backward = d_head is not None
-        with rs.stack.temporary(rs.dtype, (n, V), "lmhead_logits") as out:
+        with rs.stack.temporary(rs.dtype, (n, V), "lmhead_logits") as out, self._head_quant(n, backward) as hq:
             for c in range(chunks):
                 rows = slice(c * n, (c + 1) * n)
                 x = lnf[rows]
-                k.matmul(out, x, head)  # (n, V)
+                if hq is None:
+                    k.matmul(out, x, head)  # (n, V)
+                else:
+                    self._quantize_head_input(hq[0], x, c * n)
+                    k.matmul(out, hq[0], self.weights.fp8[self.weights.head_name])  # (n, C) · (V, C)ᵀ
                 if logits_out is not None:
                     logits_out[rows] = out.numpy().astype(np.float32)
                     continue
                 k.fused_classifier(out, rs.losses[rows], rs.head_lse[rows], targets[rows], d_loss, self.opts.z_loss,
                                    write_dlogits=backward)  # fmt: skip
-                if backward:
+                if not backward:
+                    continue
+                if hq is None:
                     k.matmul(d_head, out, x, trans_a=True, trans_b=False, accumulate=True)  # (V, C)
                     k.matmul(d_lnf[rows], out, head, trans_b=False)  # (n, C)
+                    continue
+                dlogits = QuantTensor(out, hq[1])
+                k.fill_zero(dlogits.abs_max)
+                k.abs_max(dlogits.abs_max, out)
+                self.qmm_backward(d_lnf[rows], d_head, None, dlogits, QuantTensor(x, hq[0]), self.weights.head_name,
+                                  reuse_inp=True)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _head_quant(self, n: int, backward: bool):
+        """None without lmhead_fp8; else stack temporaries (x_q (n, C) E4M3, dlogits_q (n, V) in
+        grad_dtype or None without backward), each with a stats slot of its own on the stack."""
+        if not self.opts.lmhead_fp8:
+            yield None
+            return
+        stack, C, V = self.rs.stack, self.cfg.hidden_size, self.cfg.vocab_size
+        if n % 16:  # allocate_run_state's recording pass gets here first
+            raise ValueError(f"lmhead_fp8: the LM head's weight-gradient GEMM reduces over B*T/lmhead_chunks = {n} "
+                             "rows, and FP8 GEMMs need a multiple of 16")  # fmt: skip
+        with stack.temporary(FP32, (2, STATS_SLOTS), "lmhead_fp8_stats") as stats:
+            with stack.temporary(self.opts.matmul_dtype, (n, C), "lmhead_x_q") as xq:
+                if not backward:
+                    yield xq.with_stats(stats[0]), None
+                    return
+                with stack.temporary(self.opts.grad_dtype, (n, V), "lmhead_dlogits_q") as dq:
+                    yield xq.with_stats(stats[0]), dq.with_stats(stats[1])
+
+    def _quantize_head_input(self, xq, x, first: int) -> None:
+        """xq = E4M3(x) for rows [first, first + len(x)) of lnf, scaled by their abs-max (only the
+        real rows of a padded batch count, as in `qmm_forward`)."""
+        k = self.k
+        k.fill_zero(xq.abs_max)
+        if self.real_rows is None:
+            k.abs_max(xq.abs_max, x)
+        else:
+            last = first + x.shape[0]
+            for start, stop in self.real_rows:
+                a, b = max(start, first), min(stop, last)
+                if a < b:
+                    k.abs_max(xq.abs_max, x.rows(a - first, b - first))
+        k.quantize_with_abs_max(xq, x)

@@ -63,7 +63,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             if self.comm.device is not self.device:
                 raise ValueError(f"LlamaModel: the model is on {self.device}, the communicator on {self.comm.device}")
             self._plan = ShardPlan(param_specs(cfg), self.comm.world_size)
-        self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8, layout=self._plan)
+        self.weights = ModelWeights(cfg, self.dtype, self.alloc, fp8=self.opts.fp8, layout=self._plan,
+                                    fp8_head=self.opts.lmhead_fp8)  # fmt: skip
         self.rs: RunState | None = None
         self.grads: dict | None = None
         self._blocks: Blocks | None = None

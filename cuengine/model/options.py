@@ -34,6 +34,9 @@ class TrainOptions:
     grad_dtype: str | None = None  # activation gradients fed to FP8 matmuls: "e4m3"/"e5m2" (None: matmul dtype)
     opt_m_dtype: str = "fp32"  # AdamW first moment: "fp32" or "bf16"
     opt_v_dtype: str = "fp32"  # AdamW second moment: "fp32" or "bf16"
+    # also run the LM head's three GEMMs in FP8 (E4M3 lnf and head weight, grad_dtype dlogits; per-chunk
+    # scales); needs matmul_dtype "e4m3". Off by default: the logits then carry E4M3 rounding (~2^-4 relative)
+    lmhead_fp8: bool = False
     # ---- recompute and memory ----------------------------------------------------------------
     recompute_rmsnorm: bool = False  # recompute ln1/ln2 in backward; one shared buffer each
     recompute_qkv: bool = False  # recompute the qkv projection + RoPE in backward
@@ -105,6 +108,10 @@ class TrainOptions:
             known = matmul or model
             if grad is not None and (grad in _FP8_GRAD_DTYPES or (known is not None and grad != known)):
                 raise bad(f"grad_dtype {grad!r} needs FP8 matmuls; with {known or 'the model dtype'} leave it None")
+        if not isinstance(self.lmhead_fp8, bool):
+            raise bad(f"lmhead_fp8 must be True or False, got {self.lmhead_fp8!r}")
+        if self.lmhead_fp8 and matmul is not None and not self.fp8:
+            raise bad(f"lmhead_fp8 needs matmul_dtype 'e4m3' (FP8 matmuls), got {matmul!r}")
         if self.optimizer not in OPTIMIZERS:
             raise bad(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("opt_m_dtype", "opt_v_dtype"):

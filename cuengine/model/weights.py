@@ -105,9 +105,10 @@ class ModelWeights:
             made once per update from the same read of the weights, not once per backward matmul.
         layout: None, or a `cuengine.dist.ShardPlan`: then every parameter is a view of one flat
             buffer (`self.flat`) in the plan's layout, which ranks all-gather in place.
+        fp8_head: with `fp8`, the LM head (`head_name`) gets copies too (TrainOptions.lmhead_fp8).
     """
 
-    def __init__(self, cfg, dtype, alloc, fp8: bool = False, layout=None):
+    def __init__(self, cfg, dtype, alloc, fp8: bool = False, layout=None, fp8_head: bool = False):
         self.cfg = cfg
         self.dtype = _dtype(dtype)
         self.device = alloc.device
@@ -131,7 +132,7 @@ class ModelWeights:
         if fp8:
             with alloc.context("Weights FP8"):
                 for name, shape, _ in self.specs:
-                    if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS:
+                    if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS or (fp8_head and name == self.head_name):
                         q = self.fp8[name] = alloc.allocate("e4m3", name + ".q", shape)
                         tp = alloc.allocate("e4m3", name + ".qT", shape[::-1], stats=False)
                         self.fp8_tp[name] = tp.with_stats(q.stats)
@@ -144,8 +145,12 @@ class ModelWeights:
         return self._blocks[i]
 
     @property
+    def head_name(self) -> str:
+        return "wte" if self.cfg.tied_embeddings else "lm_head"
+
+    @property
     def lm_head(self) -> Tensor:
-        return self.tensors["wte" if self.cfg.tied_embeddings else "lm_head"]
+        return self.tensors[self.head_name]
 
     def num_parameters(self) -> int:
         return sum(math.prod(s) for _, s, _ in self.specs)
