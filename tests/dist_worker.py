@@ -99,6 +99,15 @@ def hang(victim: int) -> str:
         time.sleep(0.1)
 
 
+def stuck() -> None:
+    """Every rank waits forever after a barrier, as ranks whose NCCL collective never completes
+    wait on the device: only the launcher's deadline ends them."""
+    comm = ce.dist.init()
+    comm.barrier()
+    while True:
+        time.sleep(0.1)
+
+
 def mismatch() -> None:
     """Rank 0 all-reduces while the others all-gather: every rank must get a clear error."""
     comm = ce.dist.init()
@@ -211,7 +220,9 @@ def train_model(cfg_changes: dict, opts: dict, B: int, steps, accum: int = 1, sa
         if step == save_at:
             model.save_checkpoint(save_to, extra={"step": step})
     out = {"losses": losses, "extra": extra, "weights": {n: t.numpy() for n, t in model.weights.tensors.items()}}
-    comm.close()
+    captured = len(model._graphs)
+    comm.close()  # with the model alive: NCCL destroys a communicator only after the graphs of its collectives
+    out["graphs"] = (captured, len(model._graphs))
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import weakref
 
 from .. import _checks
 from ..device import device as _get_device
@@ -42,6 +43,7 @@ class Communicator:
         self.device = device
         self.stream = device.new_stream()
         self._fork, self._join = device.event(), device.event()
+        self._on_close: list = []  # (weak reference to an owner, fn(owner)) for `on_close`
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank {self.rank} of {self.world_size}, local {self.local_rank}, {self.device})"
@@ -109,8 +111,26 @@ class Communicator:
         self._check_root(root)
         return pickle.loads(pickle.dumps(obj)) if self.world_size == 1 else self._broadcast_object(obj, root)
 
+    def on_close(self, owner, fn) -> None:
+        """At `close`, before the backend goes, call `fn(owner)` if `owner` is still alive (it is
+        held weakly, so registering keeps nothing alive).
+
+        What it is for: NCCL destroys a communicator only once every CUDA graph that captured one
+        of its collectives has been destroyed (ncclCommDestroy waits for them, without a time
+        limit), so a model that captured its step drops its graphs here. Such graphs cannot run
+        after close anyway."""
+        self._on_close.append((weakref.ref(owner), fn))
+
+    def _run_close_hooks(self) -> None:
+        hooks, self._on_close = self._on_close, []
+        for ref, fn in hooks:
+            owner = ref()
+            if owner is not None:
+                fn(owner)
+
     def close(self) -> None:
-        """Release the backend; the communicator cannot be used afterwards."""
+        """Release the backend (after the `on_close` hooks); the communicator cannot be used afterwards."""
+        self._run_close_hooks()
 
     # ---- checks ------------------------------------------------------------------------------
     def _check(self, what, t, reduce=False, op="sum"):

@@ -84,9 +84,11 @@ class FakeComm(Communicator):
         self._call("barrier")
 
     def close(self) -> None:
-        """A collective: every rank closes together (a rank that leaves early is an error)."""
+        """A collective: every rank closes together (a rank that leaves early is an error). The
+        `on_close` hooks run first, as NCCL's close runs them."""
         if self._sock is None:
             return
+        self._run_close_hooks()
         try:
             self._call("close")
         finally:

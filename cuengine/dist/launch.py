@@ -10,15 +10,23 @@ complete (NCCL waits forever on the GPU). The parent watches every worker; after
 failure the others get `grace` seconds to exit on their own (the test double and a failed
 rendezvous raise DistError), then are terminated, and `launch` raises WorkerError naming the
 rank that failed first and what happened to each of the others.
+
+A collective that some rank never joins fails nobody: NCCL waits on the GPU, and the host waits
+on the GPU. `deadline` bounds the whole job for that case: past it, each worker still running
+writes its Python stack (faulthandler, on SIGUSR1), is stopped, and WorkerError shows where each
+one was waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -48,7 +56,9 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def _worker(fn, args, conn) -> None:
+def _worker(fn, args, conn, stack_path) -> None:
+    stacks = open(stack_path, "w")  # noqa: SIM115 (faulthandler writes to it until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         result = fn(*args)
         conn.send(("ok", result))
@@ -70,7 +80,7 @@ def _exit_text(code) -> str:
 
 
 def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | None = None,
-           grace: float = 10.0) -> list:  # fmt: skip
+           grace: float = 10.0, deadline: float | None = None) -> list:  # fmt: skip
     """Run `fn(*args)` in `nprocs` new processes, ranks 0..nprocs-1 of one job on this host.
 
     Args:
@@ -81,9 +91,11 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | 
         timeout: sets CUENGINE_DIST_TIMEOUT (rendezvous; collectives of the test double).
         grace: seconds the other workers get to exit by themselves after the first failure,
             before they are terminated.
+        deadline: seconds the whole job may run (None: no limit); the workers still running then
+            are stopped, and WorkerError carries each one's Python stack.
 
     Returns the list of each rank's return value, in rank order. Raises WorkerError when a
-    worker raises or dies; every worker has exited by then.
+    worker raises, dies or outlives the deadline; every worker has exited by then.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"launch: nprocs must be an int >= 1, got {nprocs!r}")
@@ -95,18 +107,23 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | 
     if timeout is not None:
         env["CUENGINE_DIST_TIMEOUT"] = str(timeout)
     procs, conns = [], []
+    stacks = tempfile.mkdtemp(prefix="cuengine-launch-")
+    paths = [os.path.join(stacks, f"rank{r}.stack") for r in range(nprocs)]
+    start = time.monotonic()
     try:
         for r in range(nprocs):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(fn, args, send_end), name=f"cuengine-rank{r}", daemon=False)
+            p = ctx.Process(target=_worker, args=(fn, args, send_end, paths[r]), name=f"cuengine-rank{r}",
+                            daemon=False)  # fmt: skip
             with _environ({**env, "RANK": str(r), "LOCAL_RANK": str(r)}):
                 p.start()
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
-        return _watch(procs, conns, grace)
+        return _watch(procs, conns, grace, paths, deadline, start)
     finally:
         _stop(procs)
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
 def _stop(procs) -> list[int]:
@@ -122,7 +139,22 @@ def _stop(procs) -> list[int]:
     return stopped
 
 
-def _watch(procs, conns, grace: float) -> list:
+def _stacks(procs, ranks, paths, wait: float = 3.0) -> dict[int, str]:
+    """{rank: its Python stack} of the running workers `ranks`, which faulthandler writes on SIGUSR1."""
+    for r in ranks:
+        with contextlib.suppress(OSError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    end, out = time.monotonic() + wait, {}
+    while True:
+        for r in ranks:
+            with contextlib.suppress(OSError), open(paths[r]) as f:
+                out[r] = f.read().strip()
+        if all(out.get(r) for r in ranks) or time.monotonic() > end:
+            return {r: out.get(r) or "(no stack written)" for r in ranks}
+        time.sleep(0.1)
+
+
+def _watch(procs, conns, grace: float, paths, deadline: float | None, start: float) -> list:
     messages: dict[int, tuple] = {}  # rank -> ("ok", result) or ("error", text, traceback)
     open_conns = {c: r for r, c in enumerate(conns)}
     failures: dict[int, str] = {}
@@ -149,10 +181,21 @@ def _watch(procs, conns, grace: float) -> list:
             if first is None:
                 first = time.monotonic()
 
+    late: dict[int, str] = {}  # rank -> its stack, for the workers still running at the deadline
     while True:
         finished = not open_conns and all(p.exitcode is not None for p in procs)
         settle()
         if finished:
+            break
+        running = [r for r, p in enumerate(procs) if p.exitcode is None]
+        if deadline is not None and running and time.monotonic() - start > deadline:
+            late = _stacks(procs, running, paths)
+            for r in _stop(procs):
+                done = messages.get(r, ("",))[0] == "ok"
+                failures[r] = "had sent its result but not exited" if done else "was still running"
+            for c in open_conns:
+                c.close()
+            open_conns.clear()
             break
         if first is not None and time.monotonic() - first > grace:
             for r in _stop(procs):
@@ -170,6 +213,15 @@ def _watch(procs, conns, grace: float) -> list:
                 except (EOFError, OSError):
                     pass
                 c.close()
+    if late:
+        lines = [f"ranks {sorted(late)} were stopped at the deadline, {deadline:.0f} s after the start (a collective "
+                 "that some rank never joins, or a host waiting on the device, hangs forever)"]  # fmt: skip
+        lines += [f"rank {r} {what}" for r, what in sorted(failures.items())]
+        text = "launch: " + "; ".join(lines)
+        text += "".join(
+            f"\n--- rank {r} Python stack (most recent call first) ---\n{st}" for r, st in sorted(late.items())
+        )
+        raise WorkerError(text, failures)
     if failures:
         rank = min(causes, key=lambda q: causes[q][:2])  # the earliest cause, before any consequence
         tb = causes[rank][2]

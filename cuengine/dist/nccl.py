@@ -8,12 +8,14 @@ All-gather and broadcast move bytes (`ncclUint8`), so fp8 weights travel as they
 
 from __future__ import annotations
 
+import gc
 import pickle
+import threading
 
 import numpy as np
 
 from ..device import device as _get_device
-from .comm import Communicator, _master
+from .comm import DEFAULT_TIMEOUT, Communicator, _master
 from .rendezvous import DistError, accept, connect, listen, recv_msg, send_msg
 
 _TAG = "cuengine-nccl-1"
@@ -67,9 +69,12 @@ class NcclComm(Communicator):
 
     backend = "nccl"
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device, nccl_comm):
+    def __init__(
+        self, rank: int, world_size: int, local_rank: int, device, nccl_comm, timeout: float = DEFAULT_TIMEOUT
+    ):
         super().__init__(rank, world_size, local_rank, device)
         self._comm = nccl_comm
+        self.timeout = timeout
         nccl = _nccl()
         self._sum, self._max, self._u8 = nccl.NCCL_SUM, nccl.NCCL_MAX, nccl.NCCL_UINT8
         self._types = _reduce_types(nccl)
@@ -101,7 +106,7 @@ class NcclComm(Communicator):
             uid = _exchange_unique_id(nccl, rank, world_size, timeout)
         with dev.activate():
             comm = nccl.NcclCommunicator(world_size, uid, rank)
-        return cls(rank, world_size, local_rank, dev, comm)
+        return cls(rank, world_size, local_rank, dev, comm, timeout)
 
     def _launch(self, stream, call, *args):
         s = self.device._stream(stream)
@@ -144,9 +149,36 @@ class NcclComm(Communicator):
         return pickle.loads(host.tobytes())
 
     def close(self) -> None:
-        """Wait for the device, then destroy the NCCL communicator (a local call: no peer needed)."""
+        """Run the `on_close` hooks, wait for the device, then destroy the NCCL communicator (a
+        local call: no peer needed).
+
+        ncclCommDestroy first waits, without a time limit, until every CUDA graph that captured a
+        collective of this communicator has been destroyed; so a model alive at close (with
+        use_cuda_graphs) drops its graphs in its `on_close` hook. A graph that something else
+        still holds makes close raise DistError after `timeout` seconds instead of hanging (the
+        destroy call is left behind in a daemon thread)."""
         if self._comm is None:
             return
+        self._run_close_hooks()
+        gc.collect()  # graphs that only a reference cycle (e.g. a dropped model's) still holds
         self.device.synchronize()
-        self._comm.destroy()
-        self._comm = None
+        comm, self._comm = self._comm, None
+        done, failed = threading.Event(), []
+
+        def destroy():
+            try:
+                with self.device.activate():
+                    comm.destroy()
+            except BaseException as err:  # noqa: B036 (re-raised on the calling thread)
+                failed.append(err)
+            done.set()
+
+        threading.Thread(target=destroy, name="cuengine-nccl-destroy", daemon=True).start()
+        if not done.wait(self.timeout):
+            raise DistError(
+                f"rank {self.rank}: ncclCommDestroy did not return within {self.timeout:.0f} s: NCCL destroys a "
+                "communicator only after every CUDA graph that captured its collectives is destroyed, and one is "
+                "still alive; drop it before close (a LlamaModel drops its own through comm.on_close)"
+            )
+        if failed:
+            raise failed[0]

@@ -73,6 +73,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         self._graphs: dict = {}
         self._graphs_warm: set = set()
         self._in_graph = False
+        if self.comm is not None:  # NCCL destroys a communicator only once the graphs of its collectives are gone
+            self.comm.on_close(self, lambda model: model._graphs.clear())
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (opts.skip_nonfinite_steps)
 
     # ---- run state ---------------------------------------------------------------------------
