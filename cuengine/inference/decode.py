@@ -1,6 +1,7 @@
 """The decode step: one token for each of b rows, every kernel fused as far as the GEMVs allow.
 
-Per layer (arm "fused": 6 launches, plus the attention's combine pass when it splits the sequence):
+Per layer on the GEMV arms ("fused": 6 launches; the attention adds a combine pass when it splits
+the sequence more than 32 ways):
     qkv  = gemv(residual, qkv_w, norm_weight=ln1, bias)        RMSNorm in the prologue   (b, Q)
     qkv  = qknorm(qkv)                                         Qwen3 only: one more launch
     rope_kv_append(qkv, k_cache[l], v_cache[l], positions)     rotate q, k; append k, v
@@ -9,14 +10,21 @@ Per layer (arm "fused": 6 launches, plus the attention's combine pass when it sp
     FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
-      "gemm":  ln = rmsnorm(residual); up = matmul(ln, up_w); act = swiglu(up); residual += matmul(act, down_w)
-then logits = gemv(residual, lm_head, norm_weight=lnf) in fp32, sample_tokens writes the next input
-tokens and advance_positions moves every row on: nothing is read from or written by the host, so
-the step is captured once per (b, arm) as a CUDA graph and replayed.
+The "gemm" arm (9 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead, which
+read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
+GEMM with its bias, the output projection and the down projection accumulated into the residual.
+Then the final RMSNorm and the LM head give fp32 logits: a cuBLASLt GEMM for bf16/fp32 weights
+(it streams the (V, C) head faster than the GEMV at every batch size), the GEMV with its RMSNorm
+prologue for FP8 decode weights; sample_tokens writes the next input tokens and advance_positions
+moves every row on: nothing is read from or written by the host, so the step is captured once per
+(b, arm) as a CUDA graph and replayed. The GEMVs, the append and the attention go out as
+programmatic dependent launches, so each one's launch and weight prefetch overlap the tail of
+the kernel before it.
 
 The rounding points are the training forward's (see the contract in gemv.py), so decode logits
-equal the full forward's. The "gemm" arm adds the down projection with cuBLASLt's accumulate
-(one rounding of residual + product instead of two): equal in fp32, within one bf16 step in bf16.
+equal the full forward's. The "gemm" arm adds the output and down projections with cuBLASLt's
+accumulate (one rounding of residual + product instead of two): equal in fp32, within one bf16
+step in bf16.
 """
 
 from __future__ import annotations
@@ -56,25 +64,39 @@ def layer(st, i: int, b: int, arm: str) -> None:
     """Block i on the b rows of st.residual, appending each row's k and v at its position."""
     cfg = st.cfg
     Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-    w = st.model.weights.block(i)
+    W, p = st.model.weights, f"layers.{i}."
+    w = W.block(i)
     res, qkv, att = st.residual.rows(0, b), st.qkv.rows(0, b), st.att.rows(0, b)
-    _gemv(st, qkv, res, f"layers.{i}.qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
+    if arm == "gemm":
+        ln = st.ln.rows(0, b)
+        rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, w["ln1_w"], eps)
+        blas.matmul(qkv, ln, W[p + "qkv_w"], w.get("qkv_b"))
+    else:
+        _gemv(st, qkv, res, p + "qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
     if cfg.qk_norm:  # in place, before RoPE, as the training forward
         qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, b), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
     decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], st.slots.rows(0, b), st.positions.rows(0, b),
                                     st.freqs, Hq, Hkv)  # fmt: skip
     decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv,
                                       st.att_scratch)  # fmt: skip
-    _gemv(st, res, att, f"layers.{i}.atto_w", residual=res)
+    if arm == "gemm":
+        blas.matmul(res, att, W[p + "atto_w"], accumulate=True)
+    else:
+        _gemv(st, res, att, p + "atto_w", residual=res)
     ffn(st, i, b, arm)
 
 
 def head_and_sample(st, b: int) -> None:
     """Final RMSNorm + LM head (fp32 logits) of st.residual[:b], sample into st.tokens[:b], and
     move every row one position on."""
-    W = st.model.weights
-    _gemv(st, st.logits.rows(0, b), st.residual.rows(0, b), "lm_head", norm_weight=W["lnf_w"],
-          eps=st.cfg.rms_norm_eps)  # fmt: skip
+    W, eps = st.model.weights, st.cfg.rms_norm_eps
+    logits, res = st.logits.rows(0, b), st.residual.rows(0, b)
+    if st.head_by_gemm:
+        ln = st.ln.rows(0, b)
+        rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, W["lnf_w"], eps)
+        blas.matmul(logits, ln, W.lm_head)
+    else:
+        _gemv(st, logits, res, "lm_head", norm_weight=W["lnf_w"], eps=eps)
     sampling.sample_tokens(st.tokens.rows(0, b), st.logits.rows(0, b), st.params)
     decode_step.advance_positions(st.positions.rows(0, b), st.lengths.rows(0, b))
 

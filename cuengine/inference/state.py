@@ -94,6 +94,8 @@ class InferenceState:
         else:
             self.linears = {n: DecodeLinear(t) for n, t in src.items()}
         self._sources = src
+        # the LM head through cuBLASLt (decode.head_and_sample) where its rows meet cuBLASLt's 16-byte rule
+        self.head_by_gemm = weights != "fp8" and (C * dt.itemsize) % 16 == 0 and (V * FP32.itemsize) % 16 == 0
 
         with alloc.context("Decode scratch"):
             a = lambda dtype, name, shape: alloc.allocate(dtype, name, shape)
@@ -230,25 +232,25 @@ def _check_int(name, value, lo, hi, hi_what=None) -> None:
         raise ValueError(f"allocate_inference_state: {name}={value} outside [{lo}, {hi}]{why}")
 
 
-# Arm thresholds (see choose_ffn_arm); bench_decode.py --section arms measures where they sit.
-FUSED_MAX_BATCH = 4
-GEMV_MAX_BATCH = 16
+# Arm thresholds (see choose_ffn_arm), from bench_decode.py --section arms on the H200 (0.5B FFN):
+# bf16 at b = 1: fused 12.3 us, gemm 15.2, split 16.5; at b = 8: gemm 15.4, split 29.0, fused 31.4.
+# fp8 at b = 1: fused 13.7, split 17.4; at b = 8: split 31.7, fused 34.3.
+FUSED_MAX_BATCH = 2  # bf16/fp32 weights: "fused" up to here, then "gemm"
+FP8_FUSED_MAX_BATCH = 4  # fp8 weights: "fused" up to here, then "split"
 
 
 def choose_ffn_arm(b: int, weights: str) -> str:
-    """The FFN arm for b rows (seed 004's choice, adapted to where our launch gaps sit).
+    """The arm for b rows (seed 004's choice, moved to where the H200 measurements put it).
 
-    The seed stages SiLU·mul once (`act_mul`, "split") because the fused down GEMV recomputes it
-    for every output tile; at b <= FUSED_MAX_BATCH that recompute is a few KB of L2 reads per tile
-    and saving a launch is worth more ("fused"). GEMVs re-read each weight tile per group of rows,
-    so beyond GEMV_MAX_BATCH rows cuBLASLt's M = b GEMMs ("gemm") win with bf16 weights; FP8
-    weights have only GEMV arms (weight-only W8A16) and stay on "split".
+    A GEMV reads each weight once per group of up to 8 rows and its cost grows with b, while
+    cuBLASLt's M = b GEMM costs about the same from b = 1 to 64: the fused GEMV arm (SiLU·mul in
+    the down GEMV's prologue, one launch fewer) wins at one or two rows, the "gemm" arm beyond.
+    FP8 weights have only GEMV arms (weight-only W8A16): "fused" for a few rows, then "split",
+    which stages SiLU·mul once (the seed's `act_mul`) instead of recomputing it per output tile.
     """
-    if b <= FUSED_MAX_BATCH:
-        return "fused"
-    if weights == "fp8" or b <= GEMV_MAX_BATCH:
-        return "split"
-    return "gemm"
+    if weights == "fp8":
+        return "fused" if b <= FP8_FUSED_MAX_BATCH else "split"
+    return "fused" if b <= FUSED_MAX_BATCH else "gemm"
 
 
 def check_ffn_arm(arm: str, weights: str) -> None:
