@@ -54,11 +54,21 @@ def bench_engine(preset: str, dtype: str, B: int, T: int, steps: int, warmup: in
     """`cuengine.bench_train.bench_train_step` (the measurement `cuengine bench` makes) on cuda with graphs."""
     import cuengine as ce
     from cuengine.bench_train import bench_train_step
-    from cuengine.model import TrainOptions, TransformerConfig
+    from cuengine.model import TransformerConfig
 
-    opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra)
-    r = bench_train_step(TransformerConfig.preset(preset), opts, ce.device("cuda"), B, T, steps, warmup, accum)
+    r = bench_train_step(TransformerConfig.preset(preset), options(dtype, extra), ce.device("cuda"), B, T, steps,
+                         warmup, accum)  # fmt: skip
     return dict(r, name=f"cuengine {dtype}")
+
+
+def options(dtype: str, extra: dict, **kw):
+    """TrainOptions of one engine run: FP8 block matmuls for "fp8", CUDA graphs, the flags in `extra`
+    (lmhead_fp8 only where the matmuls are FP8)."""
+    from cuengine.model import TrainOptions
+
+    if dtype != "fp8":
+        extra = {k: v for k, v in extra.items() if k != "lmhead_fp8"}
+    return TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra, **kw)
 
 
 def bench_rank(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int, extra: dict, accum: int,
@@ -66,11 +76,10 @@ def bench_rank(preset: str, dtype: str, B: int, T: int, steps: int, warmup: int,
     """One rank of `--gpus N` (spawned by `cuengine.dist.launch`): `bench_engine` with a communicator."""
     import cuengine as ce
     from cuengine.bench_train import bench_train_step
-    from cuengine.model import TrainOptions, TransformerConfig
+    from cuengine.model import TransformerConfig
 
     comm = ce.dist.init()
-    opts = TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, zero_stage=zero_stage,
-                        **extra)  # fmt: skip
+    opts = options(dtype, extra, zero_stage=zero_stage)
     r = bench_train_step(TransformerConfig.preset(preset), opts, comm.device, B, T, steps, warmup, accum, comm=comm)
     r["report"] = str(r["report"])
     comm.close()
@@ -182,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--memory", choices=tuple(MEMORY_PRESETS), default="default",
                    help="recompute preset added to --recompute (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
+    p.add_argument("--lmhead-fp8", action="store_true", help="fp8 runs: the LM head's GEMMs in FP8 too")
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
@@ -204,6 +214,8 @@ def main(argv=None) -> int:
     seqs = args.seq or [1024]
     chunks_arg = args.lmhead_chunks or "1"
     extra = {f"recompute_{r}": True for r in (*args.recompute, *MEMORY_PRESETS[args.memory])}
+    if args.lmhead_fp8:
+        extra["lmhead_fp8"] = True
     extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,
                  opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,
                  attention_deterministic=not args.nondeterministic_attention)  # fmt: skip
