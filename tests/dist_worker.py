@@ -150,10 +150,12 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
     opt = AdamWState(specs if stage == 0 else [], alloc)
     order = ["head"] + [f"layers.{i}" for i in reversed(range(len(dp.plan.buckets) - 2))] + ["embedding"]
     losses = ce.Tensor.empty("fp32", (6,), comm.device)
-    sums = []
+    d_loss = ce.Tensor.empty("fp32", (1,), comm.device)
+    sums, counts, loss_weights = [], [], []
     for step in range(steps):
         g = rank_grads(specs, comm.rank, step)
-        dp.begin_backward(0, 1)
+        d_loss.copy_from_numpy(np.array([dp.count_bits(comm.rank + 1 + step)]))  # this rank's valid targets
+        dp.begin_backward(0, 1, d_loss)
         for b in order:
             if b.startswith("layers."):
                 dp.before_layer(int(b.split(".")[1]))
@@ -163,12 +165,13 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
         losses.copy_from_numpy(np.arange(6, dtype=np.float32) + 10 * comm.rank + step)
         dp.end_backward(losses)
         sums.append(dp.loss_sum())
+        counts.append(dp.count)
+        loss_weights.append(d_loss.numpy()[0])
         opt.set_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, step + 1)
         dp.global_norm(opt, 1.0)
         dp.update(weights, buckets, opt, seed=42)
     out = {n: t.numpy() for n, t in weights.items()}
-    out["loss_sums"] = sums
-    out["count"] = dp.global_count(comm.rank + 1)
+    out["loss_sums"], out["counts"], out["loss_weights"] = sums, counts, loss_weights
     out["norm"] = opt.norm_result.numpy()
     if stage > 0:
         out["moments"] = dp.gather_moments()

@@ -545,6 +545,27 @@ def test_adamw_on_pieces_rounds_like_the_whole_tensor(dev):
     assert not np.array_equal(shifted[0].numpy()[296:].view(np.uint16), whole[0].numpy()[296:].view(np.uint16))
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
+def test_loss_weight_from_count_is_the_host_weight(dev):
+    """d_loss = 1/max(count, 1) with the bits the one-GPU path uploads, also in place over the count."""
+    from cuengine.kernels.loss_weight import loss_weight_from_count
+
+    for n in (0, 1, 3, 31, 4096, 1_000_003, 2**24 + 1, 2**31 - 1):
+        count = ce.Tensor.from_numpy(np.array([n], np.int32), dev)
+        d_loss, out = ce.Tensor.empty("fp32", (1,), dev), ce.Tensor.empty("int32", (1,), dev)
+        loss_weight_from_count(d_loss, out, count)
+        host = np.zeros(1, np.float32)
+        host[...] = 1.0 / max(n, 1)  # what LlamaModel uploads on one GPU
+        assert d_loss.numpy().view(np.uint32)[0] == host.view(np.uint32)[0], n
+        assert out.numpy()[0] == n
+        loss_weight_from_count(count.view("fp32"), None, count)  # the count's own slot, as the upload carries it
+        assert count.view("fp32").numpy().view(np.uint32)[0] == host.view(np.uint32)[0], n
+    with pytest.raises(ValueError, match="loss_weight_from_count: count: expected dtype"):
+        loss_weight_from_count(d_loss, None, d_loss)
+    with pytest.raises(ValueError, match="loss_weight_from_count: d_loss: expected dtype"):
+        loss_weight_from_count(out, None, out)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel_stages_agree_with_one_process(world):
     steps = 3
@@ -562,7 +583,12 @@ def test_data_parallel_stages_agree_with_one_process(world):
             # the host adds all ranks' per-token losses
             want = [sum(float(np.sum(np.arange(6) + 10 * q + s)) for q in range(world)) for s in range(steps)]
             assert res["loss_sums"] == want
-            assert res["count"] == sum(range(1, world + 1))
+            # the loss weight: 1/(every rank's valid targets), made on the device; the host reads the count
+            counts = [sum(q + 1 + s for q in range(world)) for s in range(steps)]
+            assert res["counts"] == counts
+            assert [w.view(np.uint32) for w in res["loss_weights"]] == [
+                np.float32(1 / c).view(np.uint32) for c in counts
+            ]
     assert_close(base["norm"], ref_opt.norm_result.numpy(), "fp32", what="norm")
     # the gathered shard moments are the one-process moments
     for stage in (1, 2):

@@ -15,7 +15,10 @@ parameter gradient is `+=`), and the reduce-scatter's sum then carries the shard
 Collectives run on the communicator's stream: `comm.wait_for()` orders each after the main
 stream's work that produced its bucket, so it overlaps with the backward of the next layer,
 and the main stream joins before anything reads the results. Nothing here allocates or waits
-on the host inside a step, so a captured step replays its collectives too.
+on the host inside a step, so a captured step replays its collectives too. That includes the
+loss weight 1/(valid targets of every rank): each rank uploads its count with its targets, and
+`loss_weight` all-reduces it and takes the reciprocal on the device; the host reads the total
+with the losses, at the step's one sync (`loss_sum`).
 
 The global gradient norm is the same on every rank and deterministic: each rank sums the squares
 of the gradient elements it owns (its pieces of the plan, in plan order) into the norm partials,
@@ -30,7 +33,7 @@ import numpy as np
 
 from ..dtypes import FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import adamw, norm
+from ..kernels import adamw, loss_weight, norm
 from .plan import ShardPlan
 
 STAGES = (0, 1, 2)
@@ -51,6 +54,8 @@ class DataParallel:
     Attributes:
         grads: {name: Tensor}: where backward accumulates each parameter's gradient (with
             stage 2, layer i's gradients share buffer i % 2 with every other layer of its parity).
+        count: the valid targets of every rank that the last `loss_weight` added up, as `loss_sum`
+            last read it.
     """
 
     def __init__(self, comm, stage: int, plan: ShardPlan, dtype, alloc, tokens: int, m_dtype="fp32", v_dtype="fp32"):
@@ -95,6 +100,7 @@ class DataParallel:
             self._count_host = alloc.allocate(INT32, "count.all_ranks_host", (1,), kind="pinned")
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
         self._micro, self._accum, self._drained = 0, 1, set()
+        self.count = 0
         self.zero()
 
     def zero(self) -> None:
@@ -106,10 +112,12 @@ class DataParallel:
                 t.fill_zero()
 
     # ---- backward hooks, in the order backward calls them -----------------------------------------
-    def begin_backward(self, micro_step: int, grad_accum_steps: int) -> None:
-        """Prepare what this micro-step accumulates into: zero every gradient on micro-step 0
-        (stages 0 and 1), or (stage 2) the embedding and head buckets on every micro-step, holding
-        the shard so far in this rank's chunk after the first; layer buffers: `before_layer`."""
+    def begin_backward(self, micro_step: int, grad_accum_steps: int, d_loss) -> None:
+        """Prepare this micro-step: its loss weight (`loss_weight(d_loss)`), and what it accumulates
+        into: zero every gradient on micro-step 0 (stages 0 and 1), or (stage 2) the embedding and
+        head buckets on every micro-step, holding the shard so far in this rank's chunk after the
+        first; layer buffers: `before_layer`."""
+        self.loss_weight(d_loss)
         self._micro, self._accum = micro_step, grad_accum_steps
         self._drained = set()  # stage 2: layer buffers whose reduce-scatter this backward enqueued
         if self.stage < 2:
@@ -171,21 +179,27 @@ class DataParallel:
     def loss_sum(self) -> float:
         """Sum of every rank's per-token losses since micro-step 0 (gathered by `end_backward` or
         `gather_losses`), added in the order one process with all ranks' rows would; waits for
-        the device."""
+        the device, and reads `count` in the same wait."""
+        self.device.copy_async(self._count_host, self._count)
         self.device.copy(self.losses_host, self.losses_all)
+        self.count = int(self._count_host.array()[0])
         return float(np.sum(self.losses_host.array(), dtype=np.float64))
 
-    def global_count(self, n: int) -> int:
-        """The sum over ranks of a host integer (e.g. each rank's valid targets): one small
-        all-reduce on the communication stream, which the host waits for (not for the main
-        stream's queued work). Call it between steps, never inside a captured graph."""
-        s = self.comm.stream
-        self._count_host.array()[0] = n
-        self.device.copy_async(self._count, self._count_host, stream=s)
-        self.comm.all_reduce(self._count, stream=s)
-        self.device.copy_async(self._count_host, self._count, stream=s)
-        s.synchronize()
-        return int(self._count_host.array()[0])
+    @staticmethod
+    def count_bits(n: int) -> np.float32:
+        """The fp32 whose bits are the int32 `n`: what a rank uploads in d_loss's slot, with its
+        targets, for `loss_weight` to add up."""
+        return np.array([n], np.int32).view(np.float32)[0]
+
+    def loss_weight(self, d_loss) -> None:
+        """d_loss = 1/(valid targets of every rank), on the device and in place: d_loss ((1,) fp32)
+        holds this rank's count as int32 bits (`count_bits`); one all-reduce adds the counts, then
+        `loss_weight_from_count` writes the weight as the one-process path does on the host, and
+        keeps the total for the host (`loss_sum` reads it into `count`). No host wait, so it runs
+        inside a captured backward, where each replay sees the count of its own batch."""
+        count = d_loss.view(INT32)
+        self.comm.all_reduce(count)
+        loss_weight.loss_weight_from_count(d_loss, self._count, count)
 
     # ---- the optimizer step ------------------------------------------------------------------------
     def _grad_piece(self, p):

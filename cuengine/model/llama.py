@@ -289,11 +289,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         elif isinstance(valid_tokens, bool) or not isinstance(valid_tokens, (int, np.integer)) or valid_tokens < here:
             raise ValueError(f"backward: valid_tokens={valid_tokens!r} must be an int >= the {here} valid targets "
                              "of this micro-batch (it counts those of every micro-batch)")  # fmt: skip
-        if self._dp is not None:  # every rank's valid targets weigh alike: count them all (once per step)
-            if micro_step == 0:
-                self._global_valid = self._dp.global_count(int(valid_tokens))
-            valid_tokens = self._global_valid
-        self._upload_targets(targets, 1.0 / max(int(valid_tokens), 1))
+        # several ranks: every rank's valid targets weigh alike, so the count goes up and the device adds them all
+        weight = 1.0 / max(int(valid_tokens), 1) if self._dp is None else self._dp.count_bits(valid_tokens)
+        self._upload_targets(targets, weight)
         if self._whole_graphs:
             key = ("backward", micro_step == 0)
             if self._dp is not None:  # ranks communicate in the last micro-step's backward
@@ -311,7 +309,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                     g.fill_zero()
             rs.losses.fill_zero()
         if dp is not None:
-            dp.begin_backward(micro_step, grad_accum_steps)
+            dp.begin_backward(micro_step, grad_accum_steps, rs.d_loss)
         self._blocks.lm_head(rs.d_loss, d_head=self._head_grad)
         top = rs.dacts[L - 1].d_res_ffn
         top.value.fill_zero()
@@ -414,7 +412,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             self.device.stream.synchronize()
             loss = float(np.sum(rs.losses_host.array(), dtype=np.float64)) / int(valid_tokens)
         else:  # the gathered losses of every rank over the count of all their valid targets
-            loss = self._dp.loss_sum() / self._global_valid
+            loss = self._dp.loss_sum() / self._dp.count  # loss_sum reads the count
         norm = float(opt.norm_host.array()[0])
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} (non-finite); the update was skipped")
@@ -454,13 +452,14 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         if n == 0:
             raise ValueError("validate: every target is -1 (ignored); the mean loss is undefined")
         self.forward(inputs)
-        self._upload_targets(targets, 0.0)
+        self._upload_targets(targets, 0.0 if self._dp is None else self._dp.count_bits(n))
         rs.losses.fill_zero()
         self._blocks.lm_head(0.0)
         if self._dp is not None:  # the mean over every rank's batch
             self._dp.gather_losses(rs.losses)
-            n = self._dp.global_count(n)
-        loss = self.loss_sum() / n
+            self._dp.loss_weight(rs.d_loss)
+        loss = self.loss_sum()
+        loss /= n if self._dp is None else self._dp.count
         if not math.isfinite(loss):
             raise FloatingPointError(f"validate: the loss is {loss} (non-finite)")
         return loss
