@@ -59,15 +59,21 @@ def _environ(values: dict[str, str]):
 def _worker(fn, args, conn, stack_path) -> None:
     stacks = open(stack_path, "w")  # noqa: SIM115 (faulthandler writes to it until the process ends)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    code = 0
     try:
         result = fn(*args)
         conn.send(("ok", result))
     except BaseException as err:  # noqa: B036 (the parent reports it; SystemExit and Ctrl-C included)
         # a DistError is a consequence of another rank's failure, not a cause of its own
         conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc(), isinstance(err, DistError)))
-        conn.close()
-        sys.exit(1)
+        code = 1
     conn.close()
+    # Leave without the interpreter's teardown, as a forked worker does: finalising a CuPy NCCL
+    # communicator that was never closed (ncclCommDestroy in its __dealloc__) waits forever while
+    # a CUDA graph that captured its collectives is still alive, and teardown order is arbitrary.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_text(code) -> str:
