@@ -14,6 +14,18 @@
 // which rounds up with probability equal to the discarded fraction (unbiased, reproducible,
 // independent of the launch grid). fp32 stores are plain. The `_scalar` kernels take arrays
 // that are not all 16-byte aligned.
+//
+// Multi-tensor kernels (one launch over every parameter instead of one per tensor) read a table of
+// TensorRecord, built once when the optimizer state is allocated (cuengine.kernels.adamw.
+// MultiTensorTable), so a step allocates nothing and a captured graph replays them:
+//   adamw_multi_*: block g updates chunk g - first_chunk (ADAMW_CHUNK elements) of the record whose
+//     range holds g; every element gets the per-tensor kernel's arithmetic, seed and draw index, so the
+//     bits equal one adamw_update launch per record.
+//   global_norm_squared_multi_*: block g computes the sum that block g - first_norm of that tensor's
+//     own global_norm_squared launch (norm.cu, grid min(1024, ceil(n / 2048))) adds to its slot, the same
+//     loop with the same block and grid, and writes it to sums[g] (=).
+//   global_norm_fold_multi: partials[s] = the sums of every record's block s, added in table order
+//     from 0 (=): the bits of zeroing the partials and calling global_norm_squared per tensor in order.
 #include "common.cuh"
 #include "sr_hash.cuh"  // mix32, sr_key, sr_bits, round_store: the stochastic rounding
 
@@ -72,18 +84,16 @@ __device__ __forceinline__ float adam_element(float p, float g, float& m, float&
     return __fsub_rn(p, __fmul_rn(a.lr, upd));
 }
 
+// Elements [lo, hi) of one tensor (lo a multiple of 8), thread `tid` of `nthreads`; draw index off + i.
 template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
-__device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float* hp, const float* grad_scale,
-                           int wd_on, u32 seed, long long n, long long off) {
-    const AdamParams a = adam_params(hp, grad_scale, wd_on, seed);
-    if (!isfinite(a.gs)) return;
-    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    long long done = 0;
+__device__ __forceinline__ void adamw_range(Tp* param, const Tg* grad, Tm* m, Tv* v, const AdamParams& a,
+                                            long long off, long long lo, long long hi, long long tid,
+                                            long long nthreads) {
+    long long done = lo;
     if (VEC) {
-        const long long packs = n / 8;
+        const long long packs = (hi - lo) / 8;
         for (long long pk = tid; pk < packs; pk += nthreads) {
-            const long long i0 = pk * 8;
+            const long long i0 = lo + pk * 8;
             float xp[8], xg[8], xm[8], xv[8];
             load8(param + i0, xp);
             load8(grad + i0, xg);
@@ -113,15 +123,112 @@ __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float*
                 *reinterpret_cast<Vec<Tv, 16 / sizeof(Tv)>*>(v + i0 + j) =
                     *reinterpret_cast<const Vec<Tv, 16 / sizeof(Tv)>*>(ov.v + j);
         }
-        done = packs * 8;
+        done = lo + packs * 8;
     }
-    for (long long i = done + tid; i < n; i += nthreads) {
+    for (long long i = done + tid; i < hi; i += nthreads) {
         float xm = to_float(m[i]), xv = to_float(v[i]);
         const float np = adam_element(to_float(param[i]), to_float(grad[i]), xm, xv, a);
         param[i] = round_store<Tp>(np, a.kp, off + i);
         m[i] = round_store<Tm>(xm, a.km, off + i);
         v[i] = round_store<Tv>(xv, a.kv, off + i);
     }
+}
+
+template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
+__device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float* hp, const float* grad_scale,
+                           int wd_on, u32 seed, long long n, long long off) {
+    const AdamParams a = adam_params(hp, grad_scale, wd_on, seed);
+    if (!isfinite(a.gs)) return;
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    adamw_range<Tp, Tg, Tm, Tv, VEC>(param, grad, m, v, a, off, 0, n, tid, (long long)gridDim.x * blockDim.x);
+}
+
+// ---- multi-tensor ------------------------------------------------------------------------------
+#define ADAMW_CHUNK 32768  // elements per block of adamw_multi: a multiple of 8 (MultiTensorTable.CHUNK)
+
+// One tensor of a multi-tensor table: 64 bytes, the layout of cuengine.kernels.adamw._RECORD.
+struct TensorRecord {
+    void* param;
+    const void* grad;
+    void* m;
+    void* v;
+    long long n;    // elements (> 0)
+    long long off;  // the draw index of element 0 (adamw_update's index_offset)
+    u32 seed;       // adamw_update's seed for this tensor
+    int wd_on;
+    int first_chunk;  // the first adamw_multi block of this tensor: a prefix sum over the table
+    int first_norm;   // the first global_norm_squared_multi block of this tensor
+};
+
+// The last record whose first block (chunk or norm) is <= g: records are in table order, each with
+// at least one block, so that is the record block g belongs to.
+template <bool NORM> __device__ __forceinline__ int find_record(const TensorRecord* tab, int count, int g) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if ((NORM ? tab[mid].first_norm : tab[mid].first_chunk) <= g)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
+
+template <typename Tp, typename Tg, typename Tm, typename Tv>
+__device__ void adamw_multi_impl(const TensorRecord* tab, int count, const float* hp, const float* grad_scale) {
+    const TensorRecord& r = tab[find_record<false>(tab, count, blockIdx.x)];
+    const AdamParams a = adam_params(hp, grad_scale, r.wd_on, r.seed);
+    if (!isfinite(a.gs)) return;
+    Tp* param = static_cast<Tp*>(r.param);
+    const Tg* grad = static_cast<const Tg*>(r.grad);
+    Tm* m = static_cast<Tm*>(r.m);
+    Tv* v = static_cast<Tv*>(r.v);
+    const long long lo = (long long)(blockIdx.x - r.first_chunk) * ADAMW_CHUNK;
+    const long long hi = min(lo + ADAMW_CHUNK, r.n);
+    // what the per-tensor launcher decides with _checks.is_aligned (the values do not depend on it)
+    if (aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v))
+        adamw_range<Tp, Tg, Tm, Tv, true>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
+    else
+        adamw_range<Tp, Tg, Tm, Tv, false>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
+}
+
+// norm.cu's norm_squared_impl for block `block` of a grid of `nblocks`: the same loop, so the same bits.
+template <typename T, bool VEC> __device__ float norm_squared_part(const T* x, long long n, long long block,
+                                                                   long long nblocks) {
+    __shared__ float scratch[32];
+    constexpr int P = VEC ? 16 / sizeof(T) : 1;
+    const long long tid = block * blockDim.x + threadIdx.x;
+    const long long nthreads = nblocks * blockDim.x;
+    const long long packs = n / P;
+    float acc = 0.f;
+#pragma unroll 4
+    for (long long p = tid; p < packs; p += nthreads) {
+        const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(x + p * P);
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+            const float v = to_float(w.v[k]);
+            acc += v * v;
+        }
+    }
+    const long long i = packs * P + tid;
+    if (i < n) {
+        const float v = to_float(x[i]);
+        acc += v * v;
+    }
+    return block_sum(acc, scratch);
+}
+
+template <typename T> __device__ void norm_multi_impl(float* sums, const TensorRecord* tab, int count) {
+    const int ri = find_record<true>(tab, count, blockIdx.x);
+    const TensorRecord& r = tab[ri];
+    const int nblocks = (ri + 1 < count ? tab[ri + 1].first_norm : (int)gridDim.x) - r.first_norm;
+    const T* x = static_cast<const T*>(r.grad);
+    const int b = blockIdx.x - r.first_norm;
+    const float s = aligned16(x) ? norm_squared_part<T, true>(x, r.n, b, nblocks)
+                                 : norm_squared_part<T, false>(x, r.n, b, nblocks);
+    if (threadIdx.x == 0) sums[blockIdx.x] = s;
 }
 
 #define ADAMW_KERNEL(PS, TP, GS, TG, MS, TM, VS, TV)                                                          \
@@ -134,6 +241,10 @@ __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float*
         TP* param, const TG* grad, TM* m, TV* v, const float* hp, const float* grad_scale, int wd_on,         \
         u32 seed, long long n, long long off) {                                                               \
         adamw_impl<TP, TG, TM, TV, false>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);            \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) adamw_multi_##PS##_##GS##_##MS##_##VS(                  \
+        const TensorRecord* tab, int count, const float* hp, const float* grad_scale) {                       \
+        adamw_multi_impl<TP, TG, TM, TV>(tab, count, hp, grad_scale);                                         \
     }
 #define ADAMW_MV(PS, TP, GS, TG)                                                                              \
     ADAMW_KERNEL(PS, TP, GS, TG, f32, float, f32, float)                                                      \
@@ -145,4 +256,28 @@ ADAMW_MV(f32, float, bf16, bf16)
 ADAMW_MV(bf16, bf16, f32, float)
 ADAMW_MV(bf16, bf16, bf16, bf16)
 
-// launchers: cuengine/kernels/adamw.py (adamw_update)
+extern "C" __global__ void __launch_bounds__(256)
+    global_norm_squared_multi_f32(float* sums, const TensorRecord* tab, int count) {
+    norm_multi_impl<float>(sums, tab, count);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    global_norm_squared_multi_bf16(float* sums, const TensorRecord* tab, int count) {
+    norm_multi_impl<bf16>(sums, tab, count);
+}
+
+// One block; thread s folds slot s. `total` = the number of sums (the norm launch's grid).
+extern "C" __global__ void __launch_bounds__(1024)
+    global_norm_fold_multi(float* partials, const float* sums, const TensorRecord* tab, int count, int total,
+                           int slots) {
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        float acc = 0.f;
+        for (int i = 0; i < count; ++i) {
+            const int first = tab[i].first_norm;
+            const int nblocks = (i + 1 < count ? tab[i + 1].first_norm : total) - first;
+            if (s < nblocks) acc += sums[first + s];
+        }
+        partials[s] = acc;
+    }
+}
+
+// launchers: cuengine/kernels/adamw.py (adamw_update, adamw_update_multi, global_norm_squared_multi)

@@ -1,13 +1,27 @@
 """AdamW: float64 reference over several steps, stochastic rounding, seeds, devices."""
 
 import itertools
+import shutil
 
 import numpy as np
 import pytest
 from conftest import assert_close, rng
 
 import cuengine as ce
-from cuengine.kernels.adamw import adamw_reference, adamw_update, make_hparams, sr_bits, stochastic_round_bf16
+from cuengine.kernels import _build
+from cuengine.kernels.adamw import (
+    CHUNK,
+    MultiTensorTable,
+    adamw_reference,
+    adamw_update,
+    adamw_update_multi,
+    global_norm_squared_multi,
+    make_hparams,
+    sr_bits,
+    stochastic_round_bf16,
+)
+from cuengine.kernels.adamw import multi_tensor_table_shape as table_shape
+from cuengine.kernels.norm import NORM_SLOTS, global_norm_squared, norm_partials_shape
 
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.95, 1e-8, 0.1
 
@@ -212,3 +226,302 @@ def test_cuda_captured_graph_follows_hparams(cuda):
         graph.launch()
     for got, want in zip((p.numpy(), m.numpy(), v.numpy()), eager):
         np.testing.assert_array_equal(got, want)
+
+
+# ---- multi-tensor: one launch over a table of tensors ---------------------------------------------------
+# (size, weight decay, index offset, unaligned): two chunks of adamw_multi, tails, an empty tensor
+MULTI = [(37, True, 0, False), (1, False, 5, False), (0, True, 0, False), (2285, False, 0, True),
+         (CHUNK + 13, True, 7, False), (4099, True, 0, True), (8, False, 1 << 33, False)]  # fmt: skip
+
+
+def _multi_tensors(make, dtypes, sizes=MULTI, seed=0):
+    """[(param, grad, m, v)] made by `make(array, dtype, name)`, unaligned ones one element past an aligned start."""
+    out = []
+    for k, (n, _, _, unaligned) in enumerate(sizes):
+        arrays = state(n, seed=seed + k, dtypes=dtypes)
+        out.append(tuple(make(a, d, f"{r}{k}", unaligned) for a, d, r in zip(arrays, dtypes, "pgmv")))
+    return out
+
+
+def _host_tensor(dev):
+    def make(a, dtype, name, unaligned):
+        a = np.asarray(a).astype(ce.dtype(dtype).np)
+        if unaligned:
+            return ce.Tensor.from_numpy(np.concatenate([np.zeros(1, a.dtype), a]), dev, name=name)[1:]
+        return ce.Tensor.from_numpy(a, dev, name=name)
+
+    return make
+
+
+def _run_both(dev, make, dtypes, table_bytes, steps=2, grad_scale=0.5, sizes=MULTI):
+    """The same tensors updated per tensor and through one table: [(p, m, v)] of each, as NumPy arrays."""
+    seeds = [(1234 + 7919 * k) & 0x7FFFFFFF for k in range(len(sizes))]
+    per, multi = _multi_tensors(make, dtypes, sizes), _multi_tensors(make, dtypes, sizes)
+    hp = make(np.zeros(8), "fp32", "hparams", False)
+    gs = make(np.array([grad_scale]), "fp32", "gs", False)
+    p, g, m, v = (list(x) for x in zip(*multi))
+    flags, offs = [s[1] for s in sizes], [s[2] for s in sizes]
+    table = MultiTensorTable(table_bytes([t.nelem for t in p]), g, p, m, v, flags, seeds, offs)
+    for step in range(1, steps + 1):
+        hp.copy_from_numpy(make_hparams(LR, B1, B2, EPS, WD, step))
+        for (tp, tg, tm, tv), wd, seed, off in zip(per, flags, seeds, offs):
+            adamw_update(tp, tg, tm, tv, hp, gs, wd, seed, off)
+        adamw_update_multi(table, hp, gs)
+    return [[(t[0].numpy(), t[2].numpy(), t[3].numpy()) for t in ts] for ts in (per, multi)]
+
+
+def _assert_bitwise(per, multi):
+    for k, (a, b) in enumerate(zip(per, multi)):
+        for x, y, what in zip(a, b, ("param", "m", "v")):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=f"tensor {k} {what}")
+
+
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16", "fp32", "fp32"), ("fp32", "bf16", "bf16", "bf16")])
+def test_multi_tensor_update_equals_per_tensor_cpu(dtypes):
+    cpu = ce.device("cpu")
+    per, multi = _run_both(cpu, _host_tensor(cpu), dtypes, lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cpu))
+    _assert_bitwise(per, multi)
+    assert any(not np.array_equal(a[0], b) for a, b in zip(per, [s for s in state(37, dtypes=dtypes)[:1]]))
+
+
+def _norm_both(dev, make, table_bytes, dtype="bf16", sizes=MULTI):
+    """partials of one global_norm_squared launch per grad (zeroed first) and of the multi-tensor pass."""
+    grads = [t[1] for t in _multi_tensors(make, ("fp32", dtype, "fp32", "fp32"), sizes)]
+    per = make(np.zeros(norm_partials_shape()), "fp32", "per", False)
+    for g in grads:
+        global_norm_squared(per, g)
+    table = MultiTensorTable(table_bytes([g.nelem for g in grads]), grads)
+    multi = make(np.full(norm_partials_shape(), np.nan), "fp32", "multi", False)  # written, not added to
+    sums = make(np.full(table.norm_sums_shape(), np.nan), "fp32", "sums", False)
+    global_norm_squared_multi(multi, sums, table)
+    return per.numpy(), multi.numpy(), grads
+
+
+def test_multi_tensor_norm_equals_per_tensor_cpu():
+    cpu = ce.device("cpu")
+    per, multi, grads = _norm_both(cpu, _host_tensor(cpu), lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cpu))
+    np.testing.assert_array_equal(per.view(np.uint32), multi.view(np.uint32))
+    want = sum(float(np.square(g.numpy().astype(np.float64)).sum()) for g in grads)
+    np.testing.assert_allclose(multi.sum(dtype=np.float64), want, rtol=1e-5)
+
+
+def _table_args(**override):
+    cpu = ce.device("cpu")
+    t = {r: [ce.Tensor.empty(ce.BF16 if r in "pg" else ce.FP32, (4, 8), cpu, name=f"{r}{i}") for i in range(2)]
+         for r in "pgmv"}  # fmt: skip
+    t["table"] = ce.Tensor.empty(ce.BYTE, table_shape([32, 32]), cpu, name="table")
+    t.update(override)
+    return t
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"g": []}, r"MultiTensorTable: no tensors"),
+        ({"m": [ce.Tensor.empty(ce.FP32, (32,), "cpu", name="m0")]}, r"ms has 1 entries, grads has 2"),
+        ({"v": [ce.Tensor.empty(ce.FP32, (32,), "cpu", name="v0"), ce.Tensor.empty(ce.BF16, (32,), "cpu", name="vb")]},
+         r"v 'vb' is bf16 but 'v0' is fp32; one table holds one dtype per role"),
+        ({"m": [ce.Tensor.empty(ce.FP32, (32,), "cpu", name="m0"), ce.Tensor.empty(ce.FP32, (31,), "cpu", name="m1")]},
+         r"m 'm1' \(31,\) fp32 has 31 elements, param 'p1' \(4, 8\) has 32"),
+        ({"p": [ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h"), ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h1")]},
+         r"MultiTensorTable: param: expected dtype fp32/bf16, got tensor 'h' fp16"),
+        ({"table": ce.Tensor.empty(ce.BYTE, (64,), "cpu", name="table")}, r"table: expected shape \(128\)"),
+    ],
+)  # fmt: skip
+def test_multi_tensor_table_bad_arguments(override, match):
+    t = _table_args(**override)
+    with pytest.raises(ValueError, match=match):
+        MultiTensorTable(t["table"], t["g"], t["p"], t["m"], t["v"], [True] * len(t["g"]), [1] * len(t["g"]))
+
+
+def test_norm_only_table_refuses_an_update():
+    t = _table_args()
+    table = MultiTensorTable(t["table"], t["g"])
+    hp = ce.Tensor.empty(ce.FP32, (8,), "cpu")
+    with pytest.raises(ValueError, match="adamw_update_multi: the table was built for the norm alone"):
+        adamw_update_multi(table, hp, None)
+    with pytest.raises(ValueError, match="a norm-only table \\(params None\\) takes no ms"):
+        MultiTensorTable(t["table"], t["g"], ms=t["m"])
+    bad = ce.Tensor.empty(ce.FP32, (3,), "cpu", name="sums")
+    with pytest.raises(ValueError, match=r"global_norm_squared_multi: sums: expected shape \(2\)"):
+        global_norm_squared_multi(ce.Tensor.empty(ce.FP32, norm_partials_shape(), "cpu"), bad, table)
+
+
+# ---- the kernels on the host (tests/kernel_emulator.py): multi-tensor bits = per-tensor bits -------------
+_EMU_EXTRA = r"""
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline bf16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
+inline float block_sum(float x, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    x = warp_sum(x);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(x);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def adamw_emu(tmp_path_factory):
+    emu = pytest.importorskip("kernel_emulator")
+    work = tmp_path_factory.mktemp("adamw_emu")
+    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
+    combos = [f"{p}_{g}_{m}_{v}" for p, g, m, v in itertools.product(["f32", "bf16"], repeat=4)]
+    names = [f"adamw_{c}{s}" for c in combos for s in ("", "_scalar")] + [f"adamw_multi_{c}" for c in combos]
+    names += ["global_norm_squared_multi_f32", "global_norm_squared_multi_bf16", "global_norm_fold_multi"]
+    per_tensor_norms = [f"global_norm_squared_{t}{s}" for t in ("f32", "bf16") for s in ("", "_scalar")]
+    common = emu._COMMON
+    emu._COMMON = common + _EMU_EXTRA
+    try:
+        lib = emu.build("adamw", names, work)
+    finally:
+        emu._COMMON = common
+    if lib is None:
+        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+    # norm.cu's per-tensor kernels are the reference: the same emulator over norm.cu
+    norm_work = tmp_path_factory.mktemp("norm_emu")
+    emu._COMMON = common + _EMU_EXTRA
+    try:
+        norm_lib = emu.build("norm", per_tensor_norms, norm_work)
+    finally:
+        emu._COMMON = common
+    return emu, {"adamw": lib, "norm": norm_lib}
+
+
+def _emu_setup(adamw_emu, monkeypatch):
+    emu, libs = adamw_emu
+    calls = []
+
+    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, **kw):
+        calls.append(name)
+        args = tuple(np.int32(np.array(a, np.uint32).view(np.int32)) if isinstance(a, np.uint32) else a for a in args)
+        emu.launch(libs[family], family, name, grid, block, args, device, stream, shared_mem)
+
+    monkeypatch.setattr(_build, "launch", launch)
+
+    def make(a, dtype, name, unaligned):
+        t = emu.tensor(np.concatenate([np.zeros(1), np.asarray(a, np.float64)]) if unaligned else a, dtype, name)
+        return t[1:] if unaligned else t
+
+    return emu, make, calls
+
+
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16", "fp32", "fp32"), ("bf16", "bf16", "bf16", "bf16"),
+                                    ("fp32", "fp32", "fp32", "bf16"), ("fp32", "bf16", "bf16", "fp32")])  # fmt: skip
+def test_emulated_multi_tensor_adamw_equals_per_tensor_kernel(adamw_emu, monkeypatch, dtypes):
+    emu, make, calls = _emu_setup(adamw_emu, monkeypatch)
+    per, multi = _run_both(emu.DEV, make, dtypes, lambda ns: emu.tensor(np.zeros(table_shape(ns)), "byte", "table"))
+    suffix = "_".join("f32" if d == "fp32" else d for d in dtypes)
+    assert calls.count(f"adamw_multi_{suffix}") == 2 and f"adamw_{suffix}_scalar" in calls, set(calls)
+    _assert_bitwise(per, multi)
+    # and both are the NumPy twin's bits (the host has no FMA contraction to differ by)
+    cpu = ce.device("cpu")
+    monkeypatch.undo()
+    twin, _ = _run_both(cpu, _host_tensor(cpu), dtypes, lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cpu))
+    _assert_bitwise(twin, multi)
+
+
+def test_emulated_multi_tensor_adamw_skips_on_nan_scale(adamw_emu, monkeypatch):
+    emu, make, _ = _emu_setup(adamw_emu, monkeypatch)
+    sizes = MULTI[:2]
+    before = [(t[0].numpy(), t[2].numpy(), t[3].numpy()) for t in _multi_tensors(make, ("bf16",) * 4, sizes)]
+    _, multi = _run_both(emu.DEV, make, ("bf16",) * 4, lambda ns: emu.tensor(np.zeros(table_shape(ns)), "byte", "t"),
+                         grad_scale=np.nan, sizes=sizes)  # fmt: skip
+    _assert_bitwise(before, multi)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_emulated_multi_tensor_norm_equals_per_tensor_kernel(adamw_emu, monkeypatch, dtype):
+    """bf16 with a tensor past NORM_SLOTS blocks (its grid is capped at 1024, so it folds into every slot)."""
+    emu, make, calls = _emu_setup(adamw_emu, monkeypatch)
+    sizes = [*MULTI, (NORM_SLOTS * 2048 + 77 if dtype == "bf16" else 5000, True, 0, True)]
+    per, multi, _ = _norm_both(emu.DEV, make, lambda ns: emu.tensor(np.zeros(table_shape(ns)), "byte", "t"), dtype,
+                               sizes)  # fmt: skip
+    suffix = "f32" if dtype == "fp32" else dtype
+    assert calls[-2:] == [f"global_norm_squared_multi_{suffix}", "global_norm_fold_multi"], calls[-3:]
+    np.testing.assert_array_equal(per.view(np.uint32), multi.view(np.uint32))
+    assert np.count_nonzero(multi) == max(min(NORM_SLOTS, -(-n // 2048)) for n, *_ in sizes)  # the widest grid
+
+
+# ---- cuda: multi-tensor against per-tensor launches, bitwise ---------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", COMBOS, ids=lambda d: "-".join(d))
+def test_cuda_multi_tensor_adamw_equals_per_tensor(cuda, dtypes):
+    per, multi = _run_both(cuda, _host_tensor(cuda), dtypes, lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cuda),
+                           steps=3)  # fmt: skip
+    _assert_bitwise(per, multi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cuda_multi_tensor_norm_equals_per_tensor(cuda, dtype):
+    sizes = [*MULTI, (NORM_SLOTS * 2048 * 3 + 77, True, 0, False), (NORM_SLOTS * 2048 + 5, True, 0, True)]
+    per, multi, _ = _norm_both(cuda, _host_tensor(cuda), lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cuda),
+                               dtype, sizes)  # fmt: skip
+    np.testing.assert_array_equal(per.view(np.uint32), multi.view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_cuda_multi_tensor_update_in_a_captured_graph(cuda):
+    """One captured multi-tensor update replayed with new hparams equals the per-tensor launches."""
+    dtypes = ("bf16", "bf16", "fp32", "fp32")
+    per, _ = _run_both(cuda, _host_tensor(cuda), dtypes, lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cuda),
+                       steps=3, grad_scale=0.5)  # fmt: skip
+    make = _host_tensor(cuda)
+    p, g, m, v = (list(x) for x in zip(*_multi_tensors(make, dtypes)))
+    seeds = [(1234 + 7919 * k) & 0x7FFFFFFF for k in range(len(MULTI))]
+    table = MultiTensorTable(ce.Tensor.empty(ce.BYTE, table_shape([t.nelem for t in p]), cuda), g, p, m, v,
+                             [s[1] for s in MULTI], seeds, [s[2] for s in MULTI])  # fmt: skip
+    hp = make(np.zeros(8), "fp32", "hp", False)
+    gs = make(np.array([0.5]), "fp32", "gs", False)
+    graph = cuda.capture(lambda: adamw_update_multi(table, hp, gs))
+    for step in range(1, 4):
+        hp.copy_from_numpy(make_hparams(LR, B1, B2, EPS, WD, step))
+        graph.launch()
+    _assert_bitwise(per, [(a.numpy(), b.numpy(), c.numpy()) for a, b, c in zip(p, m, v)])
+
+
+# ---- the model's optimizer goes through the tables, with the per-tensor bits ------------------------------
+def _train(device, per_tensor: bool, monkeypatch, steps=3, **opts):
+    from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
+    from cuengine.model.optimizer import AdamWState
+
+    if per_tensor:
+        monkeypatch.setattr(AdamWState, "_table", lambda self, *a, **kw: None)
+    m = LlamaModel(TransformerConfig.preset("tiny"), TrainOptions(**opts), device=device)
+    m.init_weights(3)
+    m.allocate_run_state(2, 16)
+    g = np.random.default_rng(5)
+    losses = []
+    for _ in range(steps):
+        x, y = (g.integers(0, 256, (2, 16)).astype(np.int32) for _ in range(2))
+        losses.append(m.train_step(x, y, lr=1e-3))
+    monkeypatch.undo()
+    out = {n: t.numpy() for n, t in m.weights.tensors.items()}
+    out.update({k: t.numpy() for k, t in m.opt_state.state_tensors().items()})
+    return losses, m.opt_state.norm_result.numpy(), out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("opts", [{}, {"use_cuda_graphs": True, "opt_m_dtype": "bf16", "opt_v_dtype": "bf16"}])
+def test_model_optimizer_multi_tensor_is_bitwise_the_per_tensor_loop(device, opts, monkeypatch):
+    from cuengine.model import optimizer
+
+    calls = []
+    for name in ("adamw_update_multi", "global_norm_squared_multi"):
+        real = getattr(optimizer.adamw, name)
+        monkeypatch.setattr(optimizer.adamw, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    multi = _train(device, False, monkeypatch, **opts)
+    if not opts.get("use_cuda_graphs") or device == "cpu":  # replayed graphs call no Python
+        assert calls.count("adamw_update_multi") == 3 and calls.count("global_norm_squared_multi") == 3, calls
+    per = _train(device, True, monkeypatch, **opts)
+    assert multi[0] == per[0]
+    np.testing.assert_array_equal(multi[1], per[1])
+    for k in per[2]:
+        np.testing.assert_array_equal(multi[2][k].view(np.uint8), per[2][k].view(np.uint8), err_msg=k)

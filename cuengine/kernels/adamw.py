@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks
-from ..dtypes import BF16, FP32
+from ..dtypes import BF16, BYTE, FP32
 from . import _build
+from .norm import _THREADS as _NORM_THREADS
+from .norm import NORM_SLOTS, global_norm_squared, norm_partials_shape
 
 _U32 = np.uint32
 
@@ -159,3 +161,149 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
     args = (param, grad, m, v, hparams, grad_scale, np.int32(bool(weight_decay_on)), np.uint32(seed), np.int64(n),
             np.int64(index_offset))  # fmt: skip
     _build.launch("adamw", name, grid, 256, args, dev, stream)
+
+
+# ---- multi-tensor: one launch over every parameter -------------------------------------------------
+# One TensorRecord of adamw.cu: 64 bytes, in this order.
+_RECORD = np.dtype([("param", "<u8"), ("grad", "<u8"), ("m", "<u8"), ("v", "<u8"), ("n", "<i8"), ("off", "<i8"),
+                    ("seed", "<u4"), ("wd_on", "<i4"), ("first_chunk", "<i4"), ("first_norm", "<i4")])  # fmt: skip
+CHUNK = 32768  # elements per block of adamw_multi (ADAMW_CHUNK in adamw.cu)
+
+
+def _norm_grid(n: int) -> int:
+    """The grid of norm.global_norm_squared for n elements (its sum order is that grid's)."""
+    return min(NORM_SLOTS, _build.ceil_div(n, _NORM_THREADS * 8))
+
+
+def multi_tensor_table_shape(numels) -> tuple[int]:
+    """Bytes of the BYTE table a `MultiTensorTable` over tensors of these element counts needs."""
+    return (max(1, sum(1 for n in numels if n > 0)) * _RECORD.itemsize,)
+
+
+def multi_norm_sums_shape(numels) -> tuple[int]:
+    """The fp32 scratch `global_norm_squared_multi` writes for tensors of these element counts."""
+    return (max(1, sum(_norm_grid(n) for n in numels if n > 0)),)
+
+
+class MultiTensorTable:
+    """The device table that `adamw_update_multi` and `global_norm_squared_multi` read: one record
+    per non-empty tensor (its four addresses, size, draw offset, seed, weight-decay flag and first
+    block of each launch), written once here, so a step allocates and uploads nothing.
+
+    Args:
+        table: BYTE tensor of `multi_tensor_table_shape(numels)` on the tensors' device; written now
+            (a host-to-device copy: build the table outside any graph capture).
+        grads: the tensors (fp32 or bf16, one dtype) whose squares `global_norm_squared_multi` sums.
+        params, ms, vs: lists as long as grads, each quadruple as `adamw_update` takes it, one dtype
+            per role (one kernel instantiation); or all None for a table that serves the norm alone.
+        weight_decay_on, seeds: per tensor, as `adamw_update` takes them (None with params None).
+        index_offsets: per tensor (adamw_update's index_offset), or None for 0.
+
+    The tensors must stay where they are: the table holds their addresses.
+    """
+
+    def __init__(self, table, grads, params=None, ms=None, vs=None, weight_decay_on=None, seeds=None,
+                 index_offsets=None):  # fmt: skip
+        what = "MultiTensorTable"
+        k = len(grads)
+        if k == 0:
+            raise ValueError(f"{what}: no tensors")
+        self.norm_only = params is None
+        if self.norm_only:
+            if any(x is not None for x in (ms, vs, weight_decay_on, seeds, index_offsets)):
+                raise ValueError(f"{what}: a norm-only table (params None) takes no ms, vs, flags, seeds or offsets")
+            params = ms = vs = grads
+            weight_decay_on, seeds = [False] * k, [0] * k
+        index_offsets = [0] * k if index_offsets is None else list(index_offsets)
+        lists = {"params": params, "ms": ms, "vs": vs, "weight_decay_on": weight_decay_on, "seeds": seeds,
+                 "index_offsets": index_offsets}  # fmt: skip
+        for label, lst in lists.items():
+            if lst is None or len(lst) != k:
+                raise ValueError(f"{what}: {label} has {None if lst is None else len(lst)} entries, grads has {k}")
+        for p, g, m, v in zip(params, grads, ms, vs):
+            for t, label, first in ((p, "param", params[0]), (g, "grad", grads[0]), (m, "m", ms[0]), (v, "v", vs[0])):
+                _checks.expect(t, f"{what}: {label}", dtype=(FP32, BF16))  # (N,)
+                if t.dtype != first.dtype:
+                    raise ValueError(f"{what}: {label} {t.name!r} is {t.dtype} but {first.name!r} is {first.dtype}; "
+                                     "one table holds one dtype per role")  # fmt: skip
+            for t, label in ((g, "grad"), (m, "m"), (v, "v")):
+                if t.nelem != p.nelem:
+                    raise ValueError(f"{what}: {label} {t.name!r} {t.shape} {t.dtype} has {t.nelem} elements, "
+                                     f"param {p.name!r} {p.shape} has {p.nelem}")  # fmt: skip
+        self.device = _checks.same_device(table, *params, *grads, *ms, *vs)
+        want = multi_tensor_table_shape([p.nelem for p in params])
+        _checks.expect(table, f"{what}: table", dtype=BYTE, shape=want)  # (bytes,)
+        self.entries = [e for e in zip(params, grads, ms, vs, weight_decay_on, seeds, index_offsets) if e[0].nelem]
+        rec = np.zeros(max(1, len(self.entries)), _RECORD)
+        chunks = norms = 0
+        for r, (p, g, m, v, wd, seed, off) in zip(rec, self.entries):
+            r["param"], r["grad"], r["m"], r["v"] = p.ptr, g.ptr, m.ptr, v.ptr
+            r["n"], r["off"], r["seed"], r["wd_on"] = p.nelem, off, int(seed) & 0xFFFFFFFF, bool(wd)
+            r["first_chunk"], r["first_norm"] = chunks, norms
+            chunks += _build.ceil_div(p.nelem, CHUNK)
+            norms += _norm_grid(p.nelem)
+        self.chunks, self.norm_blocks = chunks, norms
+        if self.device.is_cuda and self.entries:
+            table.copy_from_numpy(rec.view(np.uint8))
+        self.table = table
+        self.dtypes = (params[0], grads[0], ms[0], vs[0])
+
+    def norm_sums_shape(self) -> tuple[int]:
+        """The fp32 scratch `global_norm_squared_multi` writes: one sum per norm block."""
+        return multi_norm_sums_shape([e[0].nelem for e in self.entries])
+
+
+def adamw_update_multi(table: MultiTensorTable, hparams, grad_scale, stream=None) -> None:
+    """`adamw_update` of every tensor of `table`, in one launch, bitwise as one launch per tensor.
+
+    Args:
+        table: a MultiTensorTable (params, grads, moments, seeds, decay flags, offsets).
+        hparams: (8,) fp32 on the device, as `adamw_update` reads it.
+        grad_scale: (1,) fp32 on the device or None; non-finite: nothing is written.
+
+    NumPy equivalent: `adamw_reference` per tensor (the cpu path calls `adamw_update` per tensor).
+    """
+    what = "adamw_update_multi"
+    _checks.expect(hparams, f"{what}: hparams", dtype=FP32, shape=(8,))  # (8,)
+    if grad_scale is not None:
+        _checks.expect(grad_scale, f"{what}: grad_scale", dtype=FP32, shape=(1,))  # (1,)
+    dev = _checks.same_device(table.table, hparams, grad_scale)
+    if table.norm_only:
+        raise ValueError(f"{what}: the table was built for the norm alone (no params, ms, vs)")
+    if not table.entries:
+        return
+    if dev.is_cpu:
+        for p, g, m, v, wd, seed, off in table.entries:
+            adamw_update(p, g, m, v, hparams, grad_scale, wd, seed, off)
+        return
+    name = _build.kernel_name("adamw_multi", *table.dtypes)
+    args = (table.table, np.int32(len(table.entries)), hparams, grad_scale)
+    _build.launch("adamw", name, table.chunks, 256, args, dev, stream)
+
+
+def global_norm_squared_multi(partials, sums, table: MultiTensorTable, stream=None) -> None:
+    """partials = (zero, then `norm.global_norm_squared(partials, grad)` for every grad of `table` in
+    order), bitwise, in two launches: the per-tensor sums in one, then their fold in table order.
+
+    Args:
+        partials: fp32 of `norm.norm_partials_shape()`, written (=): no zeroing needed.
+        sums: fp32 scratch of `table.norm_sums_shape()`.
+        table: a MultiTensorTable; its grads are the tensors summed.
+
+    NumPy equivalent: `partials[...] = 0; partials[0] += global_norm_squared_reference(g)` per grad.
+    """
+    what = "global_norm_squared_multi"
+    _checks.expect(partials, f"{what}: partials", dtype=FP32, shape=norm_partials_shape())
+    _checks.expect(sums, f"{what}: sums", dtype=FP32, shape=table.norm_sums_shape())
+    dev = _checks.same_device(partials, sums, table.table)
+    if dev.is_cpu or not table.entries:
+        partials.fill_zero(stream)
+        for e in table.entries:
+            global_norm_squared(partials, e[1], stream=stream)
+        return
+    count = np.int32(len(table.entries))
+    grad = table.dtypes[1]
+    name = _build.kernel_name("global_norm_squared_multi", grad)
+    _build.launch("adamw", name, table.norm_blocks, _NORM_THREADS, (sums, table.table, count), dev, stream)
+    args = (partials, sums, table.table, count, np.int32(table.norm_blocks), np.int32(NORM_SLOTS))
+    _build.launch("adamw", "global_norm_fold_multi", 1, 1024, args, dev, stream)
