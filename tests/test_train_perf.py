@@ -250,6 +250,6 @@ def test_gpu_lmhead_fp8_matches_cpu(graphs):
     for device in ("cpu", "cuda"):
         m = make(device, "tiny-hs64", matmul_dtype="e4m3", lmhead_fp8=True, use_cuda_graphs=graphs and device == "cuda")
         res[device] = [m.train_step(*batch(m.cfg, 20 + s), lr=1e-3) for s in range(3)], m.logits(batch(m.cfg)[0])
-    np.testing.assert_allclose(res["cuda"][0], res["cpu"][0], rtol=5e-3)
+    np.testing.assert_allclose(res["cuda"][0], res["cpu"][0], rtol=1.6e-2)  # TOL["bf16"], as test_gpu_matches_cpu
     scale = np.abs(res["cpu"][1]).max()
     np.testing.assert_allclose(res["cuda"][1], res["cpu"][1], rtol=0, atol=0.05 * scale)
