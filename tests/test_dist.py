@@ -737,6 +737,7 @@ def test_nccl_two_gpus_of_b4_match_one_gpu_of_b8(clean_env, dtype):
 ZERO_CASES = {"zero1": ({"zero_stage": 1}, 1), "zero2": ({"zero_stage": 2}, 1),
               "zero1+graphs": ({"zero_stage": 1, "use_cuda_graphs": True}, 1),
               "zero2+graphs": ({"zero_stage": 2, "use_cuda_graphs": True}, 1),
+              "zero1+graphs+accum3": ({"zero_stage": 1, "use_cuda_graphs": True}, 3),
               "zero2+graphs+accum3": ({"zero_stage": 2, "use_cuda_graphs": True}, 3)}  # fmt: skip
 
 

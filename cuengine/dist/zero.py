@@ -99,7 +99,7 @@ class DataParallel:
             self._count = alloc.allocate(INT32, "count.all_ranks", (1,))
             self._count_host = alloc.allocate(INT32, "count.all_ranks_host", (1,), kind="pinned")
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
-        self._micro, self._accum, self._drained = 0, 1, set()
+        self._micro, self._accum, self._drained, self._forked = 0, 1, set(), False
         self.count = 0
         self.zero()
 
@@ -120,6 +120,7 @@ class DataParallel:
         self.loss_weight(d_loss)
         self._micro, self._accum = micro_step, grad_accum_steps
         self._drained = set()  # stage 2: layer buffers whose reduce-scatter this backward enqueued
+        self._forked = False  # whether this backward put work on the communication stream
         if self.stage < 2:
             if micro_step == 0:
                 for b in self.plan.buckets:
@@ -153,6 +154,7 @@ class DataParallel:
         comm, b = self.comm, self.plan.bucket(name)
         buf = self.buffers[name]
         comm.wait_for()
+        self._forked = True
         s = comm.stream
         if self.stage == 0:
             comm.all_reduce(buf, stream=s)
@@ -167,10 +169,14 @@ class DataParallel:
 
     def end_backward(self, losses) -> None:
         """The main stream waits for every collective of this backward; on the last micro-step the
-        per-token losses of all ranks are gathered (`gather_losses`)."""
+        per-token losses of all ranks are gathered (`gather_losses`). A backward that left the
+        communication stream alone (stages 0 and 1 before the last micro-step) does not join it:
+        in a captured backward that stream is then no part of the graph, and the main stream must
+        not wait on an event recorded outside the capture."""
         if self._micro == self._accum - 1:
             self.gather_losses(losses)
-        self.comm.join()
+        if self._forked:
+            self.comm.join()
 
     def gather_losses(self, losses) -> None:
         """Every rank's per-token `losses` (B*T fp32), in rank order, into `losses_all`."""
