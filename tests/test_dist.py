@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -494,6 +495,71 @@ def test_nccl_dead_worker_does_not_hang_the_other():
         dist.launch(dist_worker.fail, 2, 1, "exit", backend="nccl", timeout=120, grace=3.0, deadline=NCCL_DEADLINE)
     assert time.monotonic() - t0 < 60
     assert "stopped by the launcher" in info.value.failures[0]
+
+
+class _GraphBoundNccl:
+    """Stands in for CuPy's NcclCommunicator: destroy() waits while a CUDA graph that captured one of
+    its collectives is alive, as ncclCommDestroy does (without a time limit)."""
+
+    def __init__(self):
+        self.graph_gone = threading.Event()
+
+    def drop_graph(self):
+        self.graph_gone.set()
+
+    def destroy(self):
+        self.graph_gone.wait()
+
+
+def _nccl_comm_on_cpu(nccl_comm):
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    if not nccl.available:
+        pytest.skip("NCCL cannot be loaded")
+    from cuengine.dist.nccl import NcclComm
+
+    return NcclComm(0, 2, 0, ce.device("cpu"), nccl_comm, timeout=1.0)
+
+
+def test_nccl_close_drops_graphs_through_on_close_then_destroys():
+    """close() runs the on_close hooks before ncclCommDestroy, so a model's graphs go first."""
+    raw = _GraphBoundNccl()
+
+    class Model:  # what LlamaModel registers: drop the graphs that hold collectives
+        def __init__(self):
+            self.graphs = {"backward": raw}
+
+    model = Model()
+    comm = _nccl_comm_on_cpu(raw)
+    comm.on_close(model, lambda m: m.graphs.pop("backward").drop_graph())
+    t0 = time.monotonic()
+    comm.close()
+    assert time.monotonic() - t0 < 1 and model.graphs == {} and comm._comm is None
+    comm.close()  # twice is fine
+
+
+def test_nccl_close_raises_instead_of_hanging_while_a_graph_lives():
+    raw = _GraphBoundNccl()
+    comm = _nccl_comm_on_cpu(raw)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistError, match="rank 0: ncclCommDestroy did not return within 1 s: .* graph"):
+        comm.close()
+    assert time.monotonic() - t0 < 10
+    raw.drop_graph()  # lets the destroy thread finish
+
+
+def test_on_close_holds_its_owner_weakly():
+    comm = dist.SoloComm("cpu")
+    calls = []
+
+    class Owner:
+        pass
+
+    kept, dropped = Owner(), Owner()
+    comm.on_close(kept, lambda o: calls.append("kept"))
+    comm.on_close(dropped, lambda o: calls.append("dropped"))
+    del dropped
+    comm.close()
+    assert calls == ["kept"]
 
 
 # ---- DataParallel without a model --------------------------------------------------------------
