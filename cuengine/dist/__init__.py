@@ -2,6 +2,7 @@
 
     comm = ce.dist.init()             # torchrun's environment (RANK, WORLD_SIZE, ...); a world of one if unset
     ce.dist.launch(fn, nprocs, *args) # start one process per GPU on this host, each calling init()
+                                      # (deadline=seconds: a hung job fails with each rank's stack)
 
 Why NCCL through CuPy's bindings (`cupy.cuda.nccl.NcclCommunicator`) rather than nccl4py: CuPy is
 already the engine's device layer (in the `cuda` extra), and its NCCL binding takes raw device

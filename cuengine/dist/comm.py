@@ -113,7 +113,7 @@ class Communicator:
 
     def on_close(self, owner, fn) -> None:
         """At `close`, before the backend goes, call `fn(owner)` if `owner` is still alive (it is
-        held weakly, so registering keeps nothing alive).
+        held weakly, so registering keeps nothing alive, as long as `fn` does not hold it).
 
         What it is for: NCCL destroys a communicator only once every CUDA graph that captured one
         of its collectives has been destroyed (ncclCommDestroy waits for them, without a time
