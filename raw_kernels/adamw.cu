@@ -271,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                            int slots) {
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
         float acc = 0.f;
+#pragma unroll 8  // the loads run ahead; only the adds are a chain
         for (int i = 0; i < count; ++i) {
             const int first = tab[i].first_norm;
             const int nblocks = (i + 1 < count ? tab[i + 1].first_norm : total) - first;
