@@ -146,7 +146,7 @@ def _launch_dependent(fn, grid, block, args, stream_ptr: int, shared_mem: int) -
     config.hStream = driver.CUstream(stream_ptr)
     config.attrs = [attr]
     config.numAttrs = 1
-    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.ptr), pointers.ctypes.data, 0)
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.kernel.ptr), pointers.ctypes.data, 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx: {err.name}")
 
