@@ -357,6 +357,18 @@ def test_capturable_in_a_graph(cuda):
     np.testing.assert_array_equal(td["res"].numpy().view(np.uint16), eager.view(np.uint16))
 
 
+def test_dependent_launch_can_be_switched_off(monkeypatch):
+    """CUENGINE_DEPENDENT_LAUNCH=0 gives ordinary launches (checked before any GPU query)."""
+    from cuengine.kernels import _build
+
+    monkeypatch.setenv("CUENGINE_DEPENDENT_LAUNCH", "0")
+    _build._dependent_launch_supported.cache_clear()
+    try:
+        assert _build._dependent_launch_supported(0) is False
+    finally:
+        _build._dependent_launch_supported.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("captured", [False, True])
 def test_dependent_launches_wait_for_their_predecessor(cuda, monkeypatch, captured):

@@ -120,8 +120,13 @@ def launch(family: str, name: str, grid, block, args, device, stream=None, share
 
 @functools.cache
 def _dependent_launch_supported(device_index: int) -> bool:
-    """Programmatic dependent launch needs sm_90+ and the driver binding that sets launch attributes."""
+    """Programmatic dependent launch needs sm_90+ and the driver binding that sets launch attributes.
+    CUENGINE_DEPENDENT_LAUNCH=0 turns it off (ordinary launches): to rule it out when chasing a race,
+    or to profile each kernel's own time (under it a kernel's time includes its wait for the one before)."""
     import cupy
+
+    if os.environ.get("CUENGINE_DEPENDENT_LAUNCH", "1") == "0":
+        return False
 
     try:
         from cuda.bindings import driver  # noqa: F401
