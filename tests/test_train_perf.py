@@ -273,3 +273,33 @@ def test_gpu_lmhead_fp8_200_steps_of_the_embedded_corpus():
         assert final[name] < 0.8 * losses[0], (name, losses[0], final[name])
     print("mean loss of steps 181-200:", final)
     assert abs(final["fp8 + lmhead_fp8"] - final["bf16"]) <= 0.02 * final["bf16"], final
+
+
+def test_cli_train_lmhead_fp8(tmp_path, capsys, monkeypatch):
+    """`cuengine train --lmhead-fp8` reaches TrainOptions and run.json (a resume keeps it); without FP8
+    matmuls it is one line on stderr and exit code 2."""
+    import json
+
+    from cuengine import cli
+
+    seen = []
+    real = LlamaModel.__init__
+
+    def spy(self, cfg, opts=None, *a, **kw):
+        seen.append(opts.lmhead_fp8)
+        real(self, cfg, opts, *a, **kw)
+
+    monkeypatch.setattr(LlamaModel, "__init__", spy)
+    fast = ["train", "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
+            "--sample-tokens", "0", "--dtype", "bf16"]  # fmt: skip
+    out = tmp_path / "run"
+    assert cli.main([*fast, "--matmul-dtype", "e4m3", "--lmhead-fp8", "--out", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())["lmhead_fp8"] is True and seen[-1] is True
+    assert cli.main([*fast, "--steps", "3", "--out", str(out), "--resume"]) == 0
+    assert seen[-1] is True
+    capsys.readouterr()
+    assert cli.main([*fast, "--lmhead-fp8", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "cuengine train: error: TrainOptions: lmhead_fp8 needs matmul_dtype 'e4m3' (FP8 matmuls), got 'bf16'"
+    ], err
