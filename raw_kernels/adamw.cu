@@ -16,12 +16,12 @@
 // that are not all 16-byte aligned.
 //
 // Multi-tensor kernels (one launch over every parameter instead of one per tensor) read a table of
-// TensorRecord, built once when the optimizer state is allocated (cuengine.kernels.adamw.
-// MultiTensorTable), so a step allocates nothing and a captured graph replays them:
-//   adamw_multi_*: block g updates chunk g - first_chunk (ADAMW_CHUNK elements) of the record whose
-//     range holds g; every element gets the per-tensor kernel's arithmetic, seed and draw index, so the
-//     bits equal one adamw_update launch per record.
-//   global_norm_squared_multi_*: block g computes the sum that block g - first_norm of that tensor's
+// TensorRecord and, per launch, an `owner` map (the record index of each block), written once by
+// cuengine.kernels.adamw.MultiTensorTable, so a step allocates nothing and a captured graph replays them:
+//   adamw_multi_*: block g updates chunk g - first_chunk (ADAMW_CHUNK elements) of record owner[g];
+//     every element gets the per-tensor kernel's arithmetic, seed and draw index, so the bits equal
+//     one adamw_update launch per record.
+//   global_norm_squared_multi_*: block g computes the sum that block g - first_norm of record owner[g]'s
 //     own global_norm_squared launch (norm.cu, grid min(1024, ceil(n / 2048))) adds to its slot, the same
 //     loop with the same block and grid, and writes it to sums[g] (=).
 //   global_norm_fold_multi: partials[s] = the sums of every record's block s, added in table order
@@ -160,25 +160,13 @@ struct TensorRecord {
     int first_norm;   // the first global_norm_squared_multi block of this tensor
 };
 
-// The last record whose first block (chunk or norm) is <= g: records are in table order, each with
-// at least one block, so that is the record block g belongs to.
-template <bool NORM> __device__ __forceinline__ int find_record(const TensorRecord* tab, int count, int g) {
-    int lo = 0, hi = count - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if ((NORM ? tab[mid].first_norm : tab[mid].first_chunk) <= g)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
 
+// `owner` (the table's block maps) holds the record index of every block of the launch: one load, where a
+// search over the records would be a chain of them (a norm block reads only ~16 KB).
 template <typename Tp, typename Tg, typename Tm, typename Tv>
-__device__ void adamw_multi_impl(const TensorRecord* tab, int count, const float* hp, const float* grad_scale) {
-    const TensorRecord& r = tab[find_record<false>(tab, count, blockIdx.x)];
+__device__ void adamw_multi_impl(const TensorRecord* tab, const int* owner, const float* hp, const float* grad_scale) {
+    const TensorRecord& r = tab[owner[blockIdx.x]];
     const AdamParams a = adam_params(hp, grad_scale, r.wd_on, r.seed);
     if (!isfinite(a.gs)) return;
     Tp* param = static_cast<Tp*>(r.param);
@@ -220,8 +208,9 @@ template <typename T, bool VEC> __device__ float norm_squared_part(const T* x, l
     return block_sum(acc, scratch);
 }
 
-template <typename T> __device__ void norm_multi_impl(float* sums, const TensorRecord* tab, int count) {
-    const int ri = find_record<true>(tab, count, blockIdx.x);
+template <typename T> __device__ void norm_multi_impl(float* sums, const TensorRecord* tab, const int* owner,
+                                                      int count) {
+    const int ri = owner[blockIdx.x];
     const TensorRecord& r = tab[ri];
     const int nblocks = (ri + 1 < count ? tab[ri + 1].first_norm : (int)gridDim.x) - r.first_norm;
     const T* x = static_cast<const T*>(r.grad);
@@ -243,8 +232,8 @@ template <typename T> __device__ void norm_multi_impl(float* sums, const TensorR
         adamw_impl<TP, TG, TM, TV, false>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) adamw_multi_##PS##_##GS##_##MS##_##VS(                  \
-        const TensorRecord* tab, int count, const float* hp, const float* grad_scale) {                       \
-        adamw_multi_impl<TP, TG, TM, TV>(tab, count, hp, grad_scale);                                         \
+        const TensorRecord* tab, const int* owner, const float* hp, const float* grad_scale) {                \
+        adamw_multi_impl<TP, TG, TM, TV>(tab, owner, hp, grad_scale);                                         \
     }
 #define ADAMW_MV(PS, TP, GS, TG)                                                                              \
     ADAMW_KERNEL(PS, TP, GS, TG, f32, float, f32, float)                                                      \
@@ -257,12 +246,12 @@ ADAMW_MV(bf16, bf16, f32, float)
 ADAMW_MV(bf16, bf16, bf16, bf16)
 
 extern "C" __global__ void __launch_bounds__(256)
-    global_norm_squared_multi_f32(float* sums, const TensorRecord* tab, int count) {
-    norm_multi_impl<float>(sums, tab, count);
+    global_norm_squared_multi_f32(float* sums, const TensorRecord* tab, const int* owner, int count) {
+    norm_multi_impl<float>(sums, tab, owner, count);
 }
 extern "C" __global__ void __launch_bounds__(256)
-    global_norm_squared_multi_bf16(float* sums, const TensorRecord* tab, int count) {
-    norm_multi_impl<bf16>(sums, tab, count);
+    global_norm_squared_multi_bf16(float* sums, const TensorRecord* tab, const int* owner, int count) {
+    norm_multi_impl<bf16>(sums, tab, owner, count);
 }
 
 // One block; thread s folds slot s. `total` = the number of sums (the norm launch's grid).

@@ -325,7 +325,7 @@ def _table_args(**override):
          r"m 'm1' \(31,\) fp32 has 31 elements, param 'p1' \(4, 8\) has 32"),
         ({"p": [ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h"), ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h1")]},
          r"MultiTensorTable: param: expected dtype fp32/bf16, got tensor 'h' fp16"),
-        ({"table": ce.Tensor.empty(ce.BYTE, (64,), "cpu", name="table")}, r"table: expected shape \(128\)"),
+        ({"table": ce.Tensor.empty(ce.BYTE, (64,), "cpu", name="table")}, r"table: expected shape \(144\)"),
     ],
 )  # fmt: skip
 def test_multi_tensor_table_bad_arguments(override, match):

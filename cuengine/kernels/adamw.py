@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks
-from ..dtypes import BF16, BYTE, FP32
+from ..dtypes import BF16, BYTE, FP32, INT32
 from . import _build
 from .norm import _THREADS as _NORM_THREADS
 from .norm import NORM_SLOTS, global_norm_squared, norm_partials_shape
@@ -175,14 +175,22 @@ def _norm_grid(n: int) -> int:
     return min(NORM_SLOTS, _build.ceil_div(n, _NORM_THREADS * 8))
 
 
+def _table_layout(numels) -> tuple[int, int, int]:
+    """(records, adamw blocks, norm blocks) of a table over tensors of these element counts."""
+    ns = [n for n in numels if n > 0]
+    return len(ns), sum(_build.ceil_div(n, CHUNK) for n in ns), sum(_norm_grid(n) for n in ns)
+
+
 def multi_tensor_table_shape(numels) -> tuple[int]:
-    """Bytes of the BYTE table a `MultiTensorTable` over tensors of these element counts needs."""
-    return (max(1, sum(1 for n in numels if n > 0)) * _RECORD.itemsize,)
+    """Bytes of the BYTE table a `MultiTensorTable` over tensors of these element counts needs: the
+    records, then the owner (int32 record index) of every adamw block and of every norm block."""
+    k, chunks, norms = _table_layout(numels)
+    return (max(1, k * _RECORD.itemsize + 4 * (chunks + norms)),)
 
 
 def multi_norm_sums_shape(numels) -> tuple[int]:
     """The fp32 scratch `global_norm_squared_multi` writes for tensors of these element counts."""
-    return (max(1, sum(_norm_grid(n) for n in numels if n > 0)),)
+    return (max(1, _table_layout(numels)[2]),)
 
 
 class MultiTensorTable:
@@ -234,18 +242,27 @@ class MultiTensorTable:
         want = multi_tensor_table_shape([p.nelem for p in params])
         _checks.expect(table, f"{what}: table", dtype=BYTE, shape=want)  # (bytes,)
         self.entries = [e for e in zip(params, grads, ms, vs, weight_decay_on, seeds, index_offsets) if e[0].nelem]
-        rec = np.zeros(max(1, len(self.entries)), _RECORD)
+        k, self.chunks, self.norm_blocks = _table_layout([e[0].nelem for e in self.entries])
+        rec = np.zeros(k, _RECORD)
+        owners = np.zeros(self.chunks + self.norm_blocks, np.int32)
         chunks = norms = 0
-        for r, (p, g, m, v, wd, seed, off) in zip(rec, self.entries):
+        for i, (r, (p, g, m, v, wd, seed, off)) in enumerate(zip(rec, self.entries)):
             r["param"], r["grad"], r["m"], r["v"] = p.ptr, g.ptr, m.ptr, v.ptr
             r["n"], r["off"], r["seed"], r["wd_on"] = p.nelem, off, int(seed) & 0xFFFFFFFF, bool(wd)
             r["first_chunk"], r["first_norm"] = chunks, norms
-            chunks += _build.ceil_div(p.nelem, CHUNK)
-            norms += _norm_grid(p.nelem)
-        self.chunks, self.norm_blocks = chunks, norms
+            c, b = _build.ceil_div(p.nelem, CHUNK), _norm_grid(p.nelem)
+            owners[chunks : chunks + c] = i
+            owners[self.chunks + norms : self.chunks + norms + b] = i
+            chunks, norms = chunks + c, norms + b
+        head = k * _RECORD.itemsize
         if self.device.is_cuda and self.entries:
-            table.copy_from_numpy(rec.view(np.uint8))
+            table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8)]))
         self.table = table
+        if self.entries:  # the owner maps as int32 views of the table
+            self.chunk_owner = table.rows(head, head + 4 * self.chunks).view(INT32)
+            self.norm_owner = table.rows(head + 4 * self.chunks, head + 4 * (self.chunks + self.norm_blocks)).view(
+                INT32
+            )
         self.dtypes = (params[0], grads[0], ms[0], vs[0])
 
     def norm_sums_shape(self) -> tuple[int]:
@@ -277,7 +294,7 @@ def adamw_update_multi(table: MultiTensorTable, hparams, grad_scale, stream=None
             adamw_update(p, g, m, v, hparams, grad_scale, wd, seed, off)
         return
     name = _build.kernel_name("adamw_multi", *table.dtypes)
-    args = (table.table, np.int32(len(table.entries)), hparams, grad_scale)
+    args = (table.table, table.chunk_owner, hparams, grad_scale)
     _build.launch("adamw", name, table.chunks, 256, args, dev, stream)
 
 
@@ -304,6 +321,7 @@ def global_norm_squared_multi(partials, sums, table: MultiTensorTable, stream=No
     count = np.int32(len(table.entries))
     grad = table.dtypes[1]
     name = _build.kernel_name("global_norm_squared_multi", grad)
-    _build.launch("adamw", name, table.norm_blocks, _NORM_THREADS, (sums, table.table, count), dev, stream)
+    args = (sums, table.table, table.norm_owner, count)
+    _build.launch("adamw", name, table.norm_blocks, _NORM_THREADS, args, dev, stream)
     args = (partials, sums, table.table, count, np.int32(table.norm_blocks), np.int32(NORM_SLOTS))
     _build.launch("adamw", "global_norm_fold_multi", 1, 1024, args, dev, stream)
