@@ -27,7 +27,7 @@ template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
     T v[P];
 };
 
-constexpr int MIN_CHUNK = 64;  // fewest positions per split (decode_attention.py: _MIN_CHUNK)
+constexpr int MIN_CHUNK = 128;  // fewest positions per split (decode_attention.py: _MIN_CHUNK)
 constexpr int NW = 4;          // warps per split block
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -119,6 +119,9 @@ __device__ bool arrive(unsigned long long* counter, unsigned len, unsigned nact)
 
 // The fused merge, by the last split block of a tile: a warp per head finds M = max_s m_s and the weights
 // 2^(m_s - M) (shared memory, (GM, S)), then every output element of the tile sums its splits in order.
+// Loads go out MERGE_OUT outputs x MERGE_T splits at a time, so a merge of n splits costs a few L2 round
+// trips rather than one per split and output.
+constexpr int MERGE_OUT = 4, MERGE_T = 8;
 template <typename T>
 __device__ void merge_partials(T* out, const float* partials, int Hq, int hs, int S, int i, int h0, int gt, int nact) {
     extern __shared__ float sm_wt[];  // (gt, S)
@@ -126,27 +129,47 @@ __device__ void merge_partials(T* out, const float* partials, int Hq, int hs, in
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int hh = warp; hh < gt; hh += NW) {
         const float* ph = partials + ((size_t)i * Hq + h0 + hh) * S * (hs + 2);
-        float M = NEG_INF;
-        for (int t = lane; t < nact; t += 32) M = fmaxf(M, __ldcg(ph + (size_t)t * (hs + 2) + hs));
+        // nact <= _FUSE_MAX_SPLITS = 32: one split's (m, l) per lane, both loaded in one round trip
+        const float m = lane < nact ? __ldcg(ph + (size_t)lane * (hs + 2) + hs) : NEG_INF;
+        const float l = lane < nact ? __ldcg(ph + (size_t)lane * (hs + 2) + hs + 1) : 0.f;
+        float M = m;
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float L = 0.f;
-        for (int t = lane; t < nact; t += 32) {
-            const float m = __ldcg(ph + (size_t)t * (hs + 2) + hs);
-            const float w = m == NEG_INF ? 0.f : exp2f(m - M);
-            sm_wt[hh * S + t] = w;
-            L += w * __ldcg(ph + (size_t)t * (hs + 2) + hs + 1);
-        }
-        L = warp_sum(L);
+        const float w = m == NEG_INF ? 0.f : exp2f(m - M);
+        if (lane < nact) sm_wt[hh * S + lane] = w;
+        const float L = warp_sum(lane < nact ? w * l : 0.f);
         if (lane == 0) sm_L[hh] = L;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < gt * hs; idx += blockDim.x) {
-        const int hh = idx / hs, e = idx - hh * hs;
-        const float* pe = partials + ((size_t)i * Hq + h0 + hh) * S * (hs + 2) + e;
-        float acc = 0.f;
-#pragma unroll 8  // the partials' loads go out together: one L2 round trip per 8 splits, not per split
-        for (int t = 0; t < nact; ++t) acc += sm_wt[hh * S + t] * __ldcg(pe + (size_t)t * (hs + 2));
-        out[(size_t)i * Hq * hs + (size_t)(h0 + hh) * hs + e] = from_float<T>(sm_L[hh] > 0.f ? acc / sm_L[hh] : 0.f);
+    const int total = gt * hs;
+    for (int base = threadIdx.x; base < total; base += blockDim.x * MERGE_OUT) {
+        const float* pe[MERGE_OUT];
+        int hh[MERGE_OUT];
+        float acc[MERGE_OUT];
+#pragma unroll
+        for (int k = 0; k < MERGE_OUT; ++k) {
+            const int idx = min(base + k * (int)blockDim.x, total - 1);  // past the end: a valid address, no store
+            hh[k] = idx / hs;
+            pe[k] = partials + ((size_t)i * Hq + h0 + hh[k]) * S * (hs + 2) + (idx - hh[k] * hs);
+            acc[k] = 0.f;
+        }
+        for (int t0 = 0; t0 < nact; t0 += MERGE_T) {
+            float v[MERGE_OUT][MERGE_T];
+#pragma unroll
+            for (int k = 0; k < MERGE_OUT; ++k)
+#pragma unroll
+                for (int j = 0; j < MERGE_T; ++j) v[k][j] = t0 + j < nact ? __ldcg(pe[k] + (size_t)(t0 + j) * (hs + 2)) : 0.f;
+#pragma unroll
+            for (int k = 0; k < MERGE_OUT; ++k)
+#pragma unroll
+                for (int j = 0; j < MERGE_T; ++j)
+                    if (t0 + j < nact) acc[k] += sm_wt[hh[k] * S + t0 + j] * v[k][j];
+        }
+#pragma unroll
+        for (int k = 0; k < MERGE_OUT; ++k) {
+            const int idx = base + k * (int)blockDim.x;
+            if (idx < total)
+                out[(size_t)i * Hq * hs + (size_t)h0 * hs + idx] = from_float<T>(sm_L[hh[k]] > 0.f ? acc[k] / sm_L[hh[k]] : 0.f);
+        }
     }
 }
 
@@ -175,6 +198,31 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, gi = threadIdx.x / LP;
     const size_t row = (size_t)(Hq + 2 * Hkv) * hs;
+    const size_t base = ((size_t)i * Hkv + g) * max_seq * hs;
+    const T* kb = k_cache + base;
+    const T* vb = v_cache + base;
+    // The U positions of this group in the step at `step` (zeros past p1), K or V.
+    const auto load_step = [&](Vec<T, VN>(&r)[U][NV], const T* cache, int step) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int p = step + u * NG + gi;
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+                const int e0 = (v * LP + li) * VN;
+                if (p < p1 && e0 < hs) {
+                    r[u][v] = *reinterpret_cast<const Vec<T, VN>*>(cache + (size_t)p * hs + e0);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < VN; ++k) r[u][v].v[k] = from_float<T>(0.f);
+                }
+            }
+        }
+    };
+    // The first step's K and V are in flight while q is staged; later steps load K(next) during the
+    // softmax and V(next) during the next scores, so one block walks a long chunk at memory speed.
+    Vec<T, VN> kr[U][NV], vr[U][NV];
+    load_step(kr, kb, p0);
+    load_step(vr, vb, p0);
     // q of the tile, pre-scaled, in shared memory: registers go to the U positions in flight instead
     if (threadIdx.x < LP) {
 #pragma unroll
@@ -194,9 +242,6 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             }
     }
     __syncthreads();
-    const size_t base = ((size_t)i * Hkv + g) * max_seq * hs;
-    const T* kb = k_cache + base;
-    const T* vb = v_cache + base;
 
     float m[GM], l[GM], o[GM][NE];
 #pragma unroll
@@ -208,22 +253,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     }
     // The trip count is uniform over the block: the shuffles below need every lane of a warp.
     for (int step = p0; step < p1; step += NG * U) {
-        Vec<T, VN> kr[U][NV], vr[U][NV];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int p = step + u * NG + gi;
-#pragma unroll
-            for (int v = 0; v < NV; ++v) {
-                const int e0 = (v * LP + li) * VN;
-                if (p < p1 && e0 < hs) {
-                    kr[u][v] = *reinterpret_cast<const Vec<T, VN>*>(kb + (size_t)p * hs + e0);
-                    vr[u][v] = *reinterpret_cast<const Vec<T, VN>*>(vb + (size_t)p * hs + e0);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < VN; ++k) kr[u][v].v[k] = vr[u][v].v[k] = from_float<T>(0.f);
-                }
-            }
-        }
+        const int next = step + NG * U;
         float sc[U][GM];
 #pragma unroll
         for (int hh = 0; hh < GM; ++hh) {
@@ -242,6 +272,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
                 sc[u][hh] = d;
             }
         }
+        if (next < p1) load_step(kr, kb, next);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -277,6 +308,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
                 }
             m[hh] = mn;
         }
+        if (next < p1) load_step(vr, vb, next);
     }
     // merge the groups of each warp, then the warps
 #pragma unroll

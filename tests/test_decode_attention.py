@@ -140,7 +140,7 @@ def test_rope_append_launcher(dev, dtype, hs, rotate):
     [
         (14, 2, 64, [1, 65, 700, 1000], 1000),  # Qwen2.5-0.5B heads; a length of one position
         (12, 2, 128, [129, 2, 511], 600),  # Qwen2.5-1.5B heads
-        (4, 4, 32, [63, 64, 200], 200),  # MHA, lengths around the 64-position chunk
+        (4, 4, 32, [127, 128, 300], 300),  # MHA, lengths around the 128-position chunk
         (16, 1, 48, [300, 1], 300),  # a group of 16: two tiles of 8 q heads
         (2, 1, 256, [90, 33], 100),  # the largest head size
         (6, 3, 10, [1, 20, 99], 99),  # an even head size without 16-byte vectors
@@ -158,8 +158,9 @@ def test_decode_attention_launcher(dev, dtype, hq, hkv, hs, lengths, max_seq):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("split_rows", [3, 6, 300])  # 1 split, 2 splits, 40 splits (> 32: the combine kernel)
 def test_split_counts(dev, dtype, split_rows):
-    """One split (out written directly), a fused merge of two, and the combine kernel: same result."""
-    qkv, kc, vc, ln = make_case(3, 8, 2, 64, 2560, [2560, 1, 150], dtype, seed=9)
+    """One split (out written directly), a fused merge of two, and the combine kernel: same result.
+    A 5120-position row of 128-position chunks has 40 splits when the scratch allows them."""
+    qkv, kc, vc, ln = make_case(3, 8, 2, 64, 5120, [5120, 1, 300], dtype, seed=9)
     got = run_attention(dev, qkv, kc, vc, ln, 8, 2, split_rows=split_rows)
     assert_close(got, decode_attention_np(qkv, kc, vc, ln, 8, 2).astype(qkv.dtype), dtype, f"{split_rows} rows")
 
@@ -299,9 +300,9 @@ def test_scratch_shape_serves_every_smaller_batch():
     for b in (1, 2, 7, 64):
         assert decode_attention_scratch_shape(b, 14, 64, 32768)[0] <= big[0]
     assert _counter_rows(64) == 2  # 64 rows x Hq 64-bit counters in rows of Hq x 66 floats
-    assert decode_attention_scratch_shape(1, 14, 64, 32768) == (2 + 512, 14, 66)  # 32768 / 64-position chunks
-    assert decode_attention_scratch_shape(2, 14, 64, 32768) == (2 + 528, 14, 66)  # 2 rows x 4 blocks per SM
-    assert decode_attention_scratch_shape(1, 2, 16, 100) == (8 + 2, 2, 18)  # never below 64 positions a split
+    assert decode_attention_scratch_shape(1, 14, 64, 32768) == (2 + 256, 14, 66)  # 32768 / 128-position chunks
+    assert decode_attention_scratch_shape(2, 14, 64, 32768) == (2 + 512, 14, 66)  # 2 rows x 256 (< 264 to fill SMs)
+    assert decode_attention_scratch_shape(1, 2, 16, 100) == (8 + 1, 2, 18)  # never below 128 positions a split
     with pytest.raises(ValueError, match="must be positive"):
         decode_attention_scratch_shape(0, 14, 64, 100)
 

@@ -11,7 +11,10 @@ at launch from the batch, the kv heads and the SM count, so that one sequence fi
 states go to an fp32 scratch and are merged in a fixed order, rounding once. Up to _FUSE_MAX_SPLITS
 splits, the last split block of each (row, kv head) merges them itself (one launch per layer, what a
 short-context decode step wants); beyond, a combine kernel spreads the merge over (row, q head) blocks.
-A row that fits one chunk is written by its only block either way.
+A row that fits one chunk is written by its only block either way. Chunks are at least _MIN_CHUNK
+positions: a block walks its chunk with the next step's K and V in flight during the current step's
+math, so a few hundred positions cost one block little, while every extra split adds partials to merge
+(on the H200 a merge of 9 splits cost more than the attention itself at 64-position chunks).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ FLOATS = (FP32, BF16)
 TABLE_DTYPES = (FP32, FP16)
 MAX_HEAD_SIZE = 256
 _SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
-_MIN_CHUNK = 64  # fewest positions per split (MIN_CHUNK in decode_attention.cu)
+_MIN_CHUNK = 128  # fewest positions per split (MIN_CHUNK in decode_attention.cu)
 _BLOCKS_PER_SM = 4  # split blocks per SM that "fills the GPU"
 _H200_SMS = 132  # the scratch is sized for this many SMs; a larger GPU gets fewer splits than it could use
 _THREADS = 128  # NW * 32 in decode_attention.cu
