@@ -26,6 +26,9 @@
 template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
     T v[P];
 };
+// The cos/sin table a model dtype uses (kernels/rope.py: fp16 for bf16 models, which keeps more mantissa)
+template <typename T> struct RopeTable { using F = float; };
+template <> struct RopeTable<bf16> { using F = half; };
 
 constexpr int MIN_CHUNK = 128;  // fewest positions per split (decode_attention.py: _MIN_CHUNK)
 constexpr int NW = 4;          // warps per split block
@@ -179,11 +182,13 @@ __device__ void merge_partials(T* out, const float* partials, int Hq, int hs, in
 // softmax state for the GM q heads of the tile, so K and V of the kv head are read once for all of them.
 // The groups' states are merged through shuffles, then across warps through shared memory.
 template <typename T, int VN, int NV, int LP, int GM, int U>
-__device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cache, const T* v_cache,
+__device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* v_cache,
                            const int* lengths, int Hq, int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads,
-                           float scale_log2, long long part_offset, bool fused) {
+                           float scale_log2, long long part_offset, bool fused,
+                           const typename RopeTable<T>::F* freqs, int max_pos) {
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
     alignas(16) __shared__ float sm_q[GM][HSMAX];
+    alignas(16) __shared__ T sm_new[2][HSMAX];  // with the append: this row's rotated k and its v, kv head g
     __shared__ float sm_o[NW][GM][HSMAX], sm_m[NW][GM], sm_l[NW][GM];
     launch_dependents();
     grid_dependency_wait();  // q, the cache and the lengths come from the kernels before
@@ -201,8 +206,13 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
     const size_t base = ((size_t)i * Hkv + g) * max_seq * hs;
     const T* kb = k_cache + base;
     const T* vb = v_cache + base;
-    // The U positions of this group in the step at `step` (zeros past p1), K or V.
-    const auto load_step = [&](Vec<T, VN>(&r)[U][NV], const T* cache, int step) {
+    // With freqs (the fused rope + append): q and the new k are rotated at pos = len - 1 here, the new k
+    // and v are appended to the cache by split 0, and position pos is read from shared memory.
+    const int pos = len - 1;
+    const bool append = freqs != nullptr && len >= 1 && pos < max_pos;
+    // The U positions of this group in the step at `step` (zeros past p1), K or V; position pos from
+    // `fresh` (shared memory) when given.
+    const auto load_step = [&](Vec<T, VN>(&r)[U][NV], const T* cache, int step, const T* fresh) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int p = step + u * NG + gi;
@@ -210,7 +220,8 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             for (int v = 0; v < NV; ++v) {
                 const int e0 = (v * LP + li) * VN;
                 if (p < p1 && e0 < hs) {
-                    r[u][v] = *reinterpret_cast<const Vec<T, VN>*>(cache + (size_t)p * hs + e0);
+                    const T* src = fresh != nullptr && p == pos ? fresh + e0 : cache + (size_t)p * hs + e0;
+                    r[u][v] = *reinterpret_cast<const Vec<T, VN>*>(src);
                 } else {
 #pragma unroll
                     for (int k = 0; k < VN; ++k) r[u][v].v[k] = from_float<T>(0.f);
@@ -218,13 +229,33 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             }
         }
     };
-    // The first step's K and V are in flight while q is staged; later steps load K(next) during the
-    // softmax and V(next) during the next scores, so one block walks a long chunk at memory speed.
+    const T* fresh_k = append ? sm_new[0] : nullptr;
+    const T* fresh_v = append ? sm_new[1] : nullptr;
+    // The first step's K and V are in flight while q is staged (position pos patched after the staging);
+    // later steps load K(next) during the softmax and V(next) during the next scores, so one block walks
+    // a long chunk at memory speed.
     Vec<T, VN> kr[U][NV], vr[U][NV];
-    load_step(kr, kb, p0);
-    load_step(vr, vb, p0);
-    // q of the tile, pre-scaled, in shared memory: registers go to the U positions in flight instead
-    if (threadIdx.x < LP) {
+    load_step(kr, kb, p0, nullptr);
+    load_step(vr, vb, p0, nullptr);
+    if (append) {
+        // rope.cu's expression (fp32 math, one rounding to T), then q pre-scaled as below
+        const auto rotate = [&](const T* x, int e) {
+            const int half = hs / 2, j = e < half ? e : e - half;
+            const float a = to_float(x[j]), bb = to_float(x[j + half]);
+            const float c = to_float(freqs[(size_t)pos * hs + j]), sk = to_float(freqs[(size_t)pos * hs + half + j]);
+            return from_float<T>(e < half ? a * c - bb * sk : bb * c + a * sk);
+        };
+        for (int idx = threadIdx.x; idx < GM * HSMAX; idx += blockDim.x) {
+            const int hh = idx / HSMAX, e = idx - hh * HSMAX;
+            sm_q[hh][e] = hh < gt && e < hs ? to_float(rotate(qkv + i * row + (size_t)(h0 + hh) * hs, e)) * scale_log2
+                                            : 0.f;
+        }
+        for (int e = threadIdx.x; e < hs; e += blockDim.x) {
+            sm_new[0][e] = rotate(qkv + i * row + (size_t)(Hq + g) * hs, e);
+            sm_new[1][e] = qkv[i * row + (size_t)(Hq + Hkv + g) * hs + e];
+        }
+    } else if (threadIdx.x < LP) {
+        // q of the tile, pre-scaled, in shared memory: registers go to the U positions in flight instead
 #pragma unroll
         for (int hh = 0; hh < GM; ++hh)
 #pragma unroll
@@ -242,6 +273,24 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
             }
     }
     __syncthreads();
+    if (append) {
+        if (s == 0 && tile == 0)
+            for (int e = threadIdx.x; e < hs; e += blockDim.x) {
+                k_cache[base + (size_t)pos * hs + e] = sm_new[0][e];
+                v_cache[base + (size_t)pos * hs + e] = sm_new[1][e];
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (p0 + u * NG + gi == pos)
+#pragma unroll
+                for (int v = 0; v < NV; ++v) {
+                    const int e0 = (v * LP + li) * VN;
+                    if (e0 < hs) {
+                        kr[u][v] = *reinterpret_cast<const Vec<T, VN>*>(sm_new[0] + e0);
+                        vr[u][v] = *reinterpret_cast<const Vec<T, VN>*>(sm_new[1] + e0);
+                    }
+                }
+    }
 
     float m[GM], l[GM], o[GM][NE];
 #pragma unroll
@@ -272,7 +321,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
                 sc[u][hh] = d;
             }
         }
-        if (next < p1) load_step(kr, kb, next);
+        if (next < p1) load_step(kr, kb, next, fresh_k);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -308,7 +357,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, const T* k_cach
                 }
             m[hh] = mn;
         }
-        if (next < p1) load_step(vr, vb, next);
+        if (next < p1) load_step(vr, vb, next, fresh_v);
     }
     // merge the groups of each warp, then the warps
 #pragma unroll
@@ -435,12 +484,12 @@ ROPE_APPEND_KERNELS(bf16, bf16)
 // position), v32x2 (two vectors per lane) or gen (any even hs: 2-element vectors, a warp per position).
 #define SPLIT_KERNEL(SUF, T, LAYOUT, VN, NV, LP, GM)                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) decode_attention_split_##SUF##_##LAYOUT##_g##GM(     \
-        float* scratch, T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* lengths, int Hq,   \
-        int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads, float scale_log2, long long part_offset, \
-        int fused) {                                                                                            \
-        split_impl<T, VN, NV, LP, GM, 4>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, \
-                                                          hs, max_seq, S, tiles, tile_heads, scale_log2,        \
-                                                          part_offset, fused != 0);                             \
+        float* scratch, T* out, const T* qkv, T* k_cache, T* v_cache, const int* lengths, int Hq, int Hkv,      \
+        int hs, int max_seq, int S, int tiles, int tile_heads, float scale_log2, long long part_offset,          \
+        int fused, const RopeTable<T>::F* freqs, int max_pos) {                                                 \
+        split_impl<T, VN, NV, LP, GM, 4>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, hs, max_seq, S, \
+                                         tiles, tile_heads, scale_log2, part_offset, fused != 0, freqs,        \
+                                         max_pos);                                                              \
     }
 #define SPLIT_KERNELS_G(SUF, T, LAYOUT, VN, NV, LP) \
     SPLIT_KERNEL(SUF, T, LAYOUT, VN, NV, LP, 1)     \

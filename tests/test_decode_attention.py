@@ -199,18 +199,53 @@ def test_captured_step_follows_device_positions(dev):
         assert_close(out.numpy(), decode_attention_np(q, want["kc"], want["vc"], pos + 1, hq, hkv), "fp32", f"step {k}")
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "hq,hkv,hs,lengths,max_seq",
+    [
+        (14, 2, 64, [1, 70, 300], 320),  # new token in a first step, a later step, a later split
+        (16, 1, 48, [129, 2], 200),  # two tiles of 8 q heads share the kv head that split 0 appends
+        (6, 3, 10, [5, 99], 99),  # no 16-byte vectors
+    ],
+)
+def test_fused_append_equals_append_then_attention(dev, dtype, hq, hkv, hs, lengths, max_seq):
+    """decode_attention(freqs=) = rope_kv_append at lengths - 1, then decode_attention, bit for bit
+    (out and both caches), and leaves qkv as it was."""
+    b = len(lengths)
+    qkv, kc, vc, ln = make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=hs, max_batch=b + 1)
+    table = np.float16 if dtype == "bf16" else np.float32
+    freqs = rope_freqs(max_seq, hs, 1e4, table)
+    scratch = np.full(decode_attention_scratch_shape(b, hq, hs, max_seq), np.nan, np.float32)
+    runs = {}
+    for fused in (False, True):
+        t = tensors(dev, qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch)
+        out = ce.Tensor.empty(qkv.dtype, (b, hq * hs), dev, name="out")
+        if fused:
+            decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"], freqs=t["freqs"])
+            np.testing.assert_array_equal(t["qkv"].numpy().view(np.uint8), qkv.view(np.uint8))
+        else:
+            pos = ce.Tensor.from_numpy(ln - 1, dev, name="positions")
+            slots = ce.Tensor.from_numpy(np.arange(b, dtype=np.int32), dev, name="slots")
+            rope_kv_append(t["qkv"], t["kc"], t["vc"], slots, pos, t["freqs"], hq, hkv)
+            decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"])
+        runs[fused] = [x.view(np.uint8) for x in (out.numpy(), t["kc"].numpy(), t["vc"].numpy())]
+    for what, a, e in zip(("out", "k_cache", "v_cache"), runs[True], runs[False]):
+        np.testing.assert_array_equal(a, e, err_msg=what)
+
+
 # ---- errors -------------------------------------------------------------------------------------
 def _z(shape, dtype=np.float32, name="t"):
     return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name=name)
 
 
 def _attn(out=(2, 64), qkv=(2, 128), cache=(3, 2, 10, 16), lengths=(1, 10), scratch=None, hq=4, hkv=2, dt=np.float32,
-          out_dt=None, len_dt=np.int32, v_cache=None):  # fmt: skip
+          out_dt=None, len_dt=np.int32, v_cache=None, freqs=None, freqs_dt=np.float32):  # fmt: skip
     """decode_attention on zero tensors: the defaults are valid (4 q, 2 kv heads of 16), overrides are not."""
     scratch = scratch or decode_attention_scratch_shape(2, hq, cache[-1], cache[2])
     ln = ce.Tensor.from_numpy(np.asarray(lengths, len_dt), "cpu", name="lengths")
+    f = None if freqs is None else _z(freqs, freqs_dt, "freqs")
     decode_attention(_z(out, out_dt or dt, "out"), _z(qkv, dt, "qkv"), _z(cache, dt, "kc"),
-                     _z(v_cache or cache, dt, "vc"), ln, hq, hkv, _z(scratch, name="scratch"))  # fmt: skip
+                     _z(v_cache or cache, dt, "vc"), ln, hq, hkv, _z(scratch, name="scratch"), freqs=f)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -232,6 +267,9 @@ def _attn(out=(2, 64), qkv=(2, 128), cache=(3, 2, 10, 16), lengths=(1, 10), scra
         ({"scratch": (9, 4, 18)}, "scratch: expected at least 10 rows"),
         ({"scratch": (8, 4, 16)}, r"scratch: expected shape \(\*, 4, 18\)"),
         ({"hq": 3, "hkv": 2}, "n_q_heads = 3 must be a positive multiple of n_kv_heads = 2"),
+        ({"freqs": (10, 16), "freqs_dt": np.float16}, "freqs: expected dtype fp32"),
+        ({"freqs": (10, 8)}, r"freqs: expected shape \(\*, 16\)"),
+        ({"freqs": (9, 16)}, r"length 10 is outside \[1, 9\] \(the cache's max_seq = 10, rope table 9 positions\)"),
         (
             {"out": (65, 64), "qkv": (65, 128), "cache": (65, 2, 10, 16), "lengths": (1,) * 65, "scratch": (80, 4, 18)},
             "65 rows; the scratch keeps counters for at most 64",

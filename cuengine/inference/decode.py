@@ -1,16 +1,16 @@
 """The decode step: one token for each of b rows, every kernel fused as far as the GEMVs allow.
 
-Per layer on the GEMV arms ("fused": 6 launches; the attention adds a combine pass when it splits
+Per layer on the GEMV arms ("fused": 5 launches; the attention adds a combine pass when it splits
 the sequence more than 32 ways):
     qkv  = gemv(residual, qkv_w, norm_weight=ln1, bias)        RMSNorm in the prologue   (b, Q)
     qkv  = qknorm(qkv)                                         Qwen3 only: one more launch
-    rope_kv_append(qkv, k_cache[l], v_cache[l], positions)     rotate q, k; append k, v
-    att  = decode_attention(qkv, cache[0, lengths))            split-KV, GQA             (b, Hq*hs)
+    att  = decode_attention(qkv, cache[0, lengths), freqs)     rotate q, k at lengths - 1, append k, v,
+                                                               then split-KV attention, GQA (b, Hq*hs)
     residual = gemv(att, atto_w, residual=residual)            residual add in the epilogue
     FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
-The "gemm" arm (9 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead, which
+The "gemm" arm (8 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead, which
 read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
 GEMM with its bias, the output projection and the down projection accumulated into the residual.
 Then the final RMSNorm and the LM head give fp32 logits: a cuBLASLt GEMM for bf16/fp32 weights
@@ -75,10 +75,9 @@ def layer(st, i: int, b: int, arm: str) -> None:
         _gemv(st, qkv, res, p + "qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
     if cfg.qk_norm:  # in place, before RoPE, as the training forward
         qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, b), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
-    decode_attention.rope_kv_append(qkv, st.k_cache[i], st.v_cache[i], st.slots.rows(0, b), st.positions.rows(0, b),
-                                    st.freqs, Hq, Hkv)  # fmt: skip
+    # RoPE at each row's position and the cache append run inside the attention launch (row r is slot r)
     decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv,
-                                      st.att_scratch)  # fmt: skip
+                                      st.att_scratch, freqs=st.freqs)  # fmt: skip
     if arm == "gemm":
         blas.matmul(res, att, W[p + "atto_w"], accumulate=True)
     else:

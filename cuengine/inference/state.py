@@ -107,7 +107,6 @@ class InferenceState:
             self.tokens = a(INT32, "decode_tokens", (B,))  # the step's input, then the sampled token
             self.positions = a(INT32, "decode_positions", (B,))  # cache position of the input token
             self.lengths = a(INT32, "decode_lengths", (B,))  # positions + 1
-            self.slots = a(INT32, "decode_slots", (B,)).copy_from_numpy(np.arange(B, dtype=np.int32))
             self.residual = a(dt, "decode_residual", (B, C))
             self.qkv = a(dt, "decode_qkv", (B, Q))
             self.att = a(dt, "decode_att", (B, A))

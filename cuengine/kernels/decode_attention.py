@@ -232,14 +232,18 @@ def _layout(dtype, hs: int) -> str:
     return "gen"
 
 
-def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_heads: int, scratch,
+def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_heads: int, scratch, freqs=None,
                      stream=None) -> None:  # fmt: skip
     """Attention of one new token per row over the cache: out = softmax(q Kᵀ / sqrt(hs)) V, GQA.
 
+    With `freqs`, rope_kv_append runs inside it (one launch fewer per decode layer): row i's q and k
+    heads are rotated at position lengths[i] - 1 and its k and v written to cache slot i there before
+    the attention reads them; qkv itself is left as it is.
+
     Args:
         out: (b, Hq*hs), qkv's dtype; written (=), rounded once. Must not overlap qkv.
-        qkv: (b, (Hq + 2*Hkv) * hs) or (b, Hq + 2*Hkv, hs), fp32 or bf16; only the q heads are read
-            (rotated already, e.g. by rope_kv_append).
+        qkv: (b, (Hq + 2*Hkv) * hs) or (b, Hq + 2*Hkv, hs), fp32 or bf16; the q heads are read (rotated
+            already, e.g. by rope_kv_append), or with `freqs` the q, k and v heads of the new token.
         k_cache, v_cache: (max_batch, Hkv, max_seq, hs), qkv's dtype, max_batch >= b; row i reads slot i.
         lengths: (b,) int32 on the device, each in [1, max_seq]: row i attends to positions [0, lengths[i]).
             Checked on cpu; on the device a length is clamped to [0, max_seq] and 0 gives zeros.
@@ -247,7 +251,10 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         scratch: fp32 (P, Hq, hs + 2) from decode_attention_scratch_shape(b', Hq, hs, max_seq) for any
             b' >= b (b <= 64); overwritten. Needs no initialisation, but must not be used by two launches
             that may run at the same time (its arrival counters are per (row, kv head)).
-    NumPy equivalent: decode_attention_np(...), rounded to out's dtype.
+        freqs: None, or the (max_pos, hs) [cos | sin] table of rope_kv_append in the table dtype of the
+            model dtype (fp16 for bf16, fp32 for fp32); lengths[i] - 1 < max_pos.
+    NumPy equivalent: decode_attention_np(...), rounded to out's dtype; with freqs, after
+    rope_kv_append_np(copy of qkv, k_cache, v_cache, arange(b), lengths - 1, freqs, ...).
     """
     what = "decode_attention"
     _check_heads(what, n_q_heads, n_kv_heads)
@@ -269,15 +276,27 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         )
     if b > _MAX_ROWS:
         raise ValueError(f"{what}: {b} rows; the scratch keeps counters for at most {_MAX_ROWS}")
-    dev = same_device(out, qkv, k_cache, v_cache, lengths, scratch)
+    if freqs is not None:
+        expect(freqs, f"{what} freqs", FP16 if qkv.dtype == BF16 else FP32, (None, hs))
+    max_pos = 0 if freqs is None else freqs.shape[0]
+    dev = same_device(out, qkv, k_cache, v_cache, lengths, scratch, freqs)
     if _overlap(out, qkv):
         raise ValueError(f"{what}: out {out.name!r} overlaps qkv {qkv.name!r}")
     if dev.is_cpu:
         ln = lengths.array()
-        bad = (ln < 1) | (ln > max_seq)
+        limit = max_seq if freqs is None else min(max_seq, max_pos)
+        bad = (ln < 1) | (ln > limit)
         if bad.any():
-            raise ValueError(f"{what} lengths: length {ln[bad][0]} is outside [1, {max_seq}] (the cache's max_seq)")
-        o = decode_attention_np(qkv.array(), k_cache.array(), v_cache.array(), ln, n_q_heads, n_kv_heads)
+            raise ValueError(
+                f"{what} lengths: length {ln[bad][0]} is outside [1, {limit}] (the cache's max_seq = {max_seq}"
+                + (f", rope table {max_pos} positions)" if freqs is not None else ")")
+            )
+        q = qkv.array()
+        if freqs is not None:
+            q = q.copy()
+            rope_kv_append_np(q, k_cache.array(), v_cache.array(), np.arange(b), ln - 1, freqs.array(), n_q_heads,
+                              n_kv_heads)  # fmt: skip
+        o = decode_attention_np(q, k_cache.array(), v_cache.array(), ln, n_q_heads, n_kv_heads)
         out.array()[...] = o.reshape(out.shape).astype(out.dtype.np)
         return
     if b == 0:
@@ -295,7 +314,7 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(hs))
     args = (scratch, out, qkv, k_cache, v_cache, lengths, np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs),
             np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(tile_heads), scale_log2, part_offset,
-            np.int32(fused))  # fmt: skip
+            np.int32(fused), freqs, np.int32(max_pos))  # fmt: skip
     name = f"decode_attention_split_{suf}_{layout}_g{gm}"
     smem = 4 * tile_heads * S if fused else 0  # the fused merge's weights
     launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream, shared_mem=smem, dependent=True)
