@@ -258,11 +258,9 @@ class MultiTensorTable:
         if self.device.is_cuda and self.entries:
             table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8)]))
         self.table = table
-        if self.entries:  # the owner maps as int32 views of the table
-            self.chunk_owner = table.rows(head, head + 4 * self.chunks).view(INT32)
-            self.norm_owner = table.rows(head + 4 * self.chunks, head + 4 * (self.chunks + self.norm_blocks)).view(
-                INT32
-            )
+        if self.entries:  # the owner maps: int32 views of the table after the records
+            owner = table.rows(head, head + owners.nbytes).view(INT32)
+            self.chunk_owner, self.norm_owner = owner[: self.chunks], owner[self.chunks :]
         self.dtypes = (params[0], grads[0], ms[0], vs[0])
 
     def norm_sums_shape(self) -> tuple[int]:
