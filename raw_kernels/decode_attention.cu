@@ -18,9 +18,10 @@
 // every length keeps up to S splits busy and a replayed graph adapts to the lengths. Lengths and
 // positions outside the cache are clamped (attention) or skipped (append) on the device; the launchers
 // check what the host can see.
-// Scratch (fp32): [counters | partials]. A counter is 64 bits, (length << 32 | arrivals): the length tag
-// makes a counter in any other state (fresh memory) restart at zero instead of being trusted, and the
-// last arrival resets it to zero, so the scratch needs no initialisation.
+// Scratch (fp32): [counters | partials]. A counter is 64 bits of arrivals; it must be zero before the
+// first launch (decode_attention.py: zero the scratch once), and the last arrival of every launch sets it
+// back to zero. One atomicAdd per split: a compare-and-swap loop made the splits that arrive together
+// retry one after another, which the H200 profile showed as most of a 9-split merge's cost.
 #include "common.cuh"
 
 template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
@@ -103,18 +104,10 @@ template <int NE> __device__ __forceinline__ void merge_state(float& m, float& l
 }
 
 // Count one split's arrival on its (row, tile) counter; true for the last of the nact splits, which
-// also resets the counter. Called by one thread after the block's partials are written.
-__device__ bool arrive(unsigned long long* counter, unsigned len, unsigned nact) {
+// also resets the counter to zero. Called by one thread after the block's partials are written.
+__device__ bool arrive(unsigned long long* counter, unsigned nact) {
     __threadfence();  // the partials are visible before the arrival is
-    unsigned long long cur = atomicCAS(counter, 0ull, 0ull), want;
-    for (;;) {
-        const unsigned long long count = (unsigned)(cur >> 32) == len ? (cur & 0xffffffffull) + 1 : 1;
-        want = (unsigned long long)len << 32 | count;
-        const unsigned long long seen = atomicCAS(counter, cur, want);
-        if (seen == cur) break;
-        cur = seen;
-    }
-    if ((want & 0xffffffffull) < nact) return false;
+    if (atomicAdd(counter, 1ull) + 1 < nact) return false;
     atomicExch(counter, 0ull);
     __threadfence();  // the other splits' partials are read after their arrivals were seen
     return true;
@@ -417,7 +410,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned long long* counters = reinterpret_cast<unsigned long long*>(scratch);
-        s_last = arrive(counters + (size_t)i * gridDim.y + blockIdx.y, (unsigned)len, (unsigned)nact);
+        s_last = arrive(counters + (size_t)i * gridDim.y + blockIdx.y, (unsigned)nact);
     }
     __syncthreads();
     if (!s_last) return;

@@ -46,14 +46,22 @@ def ref64(qkv, kc, vc, lengths, hq, hkv):
     return out.reshape(b, hq * hs)
 
 
+def nan_scratch(shape, hs):
+    """A scratch as a fresh allocation zeroed once would be after earlier use: counters at zero,
+    partials full of leftovers (NaN here, so a partial read before it is written shows)."""
+    scratch = np.full(shape, np.nan, np.float32)
+    scratch[: _counter_rows(hs)] = 0
+    return scratch
+
+
 def run_attention(device, qkv, kc, vc, lengths, hq, hkv, split_rows=None, repeat=1):
     """decode_attention's output; split_rows caps the scratch's partial rows (split_rows // b splits). The
-    scratch starts as NaN (its counters need no initialisation); repeat runs the same call again."""
+    scratch's partial rows start as NaN, its counter rows at zero; repeat runs the same call again."""
     b, hs, max_seq = qkv.shape[0], kc.shape[-1], kc.shape[2]
     shape = decode_attention_scratch_shape(b, hq, hs, max_seq)
     if split_rows is not None:
         shape = (_counter_rows(hs) + split_rows,) + shape[1:]
-    t = tensors(device, qkv=qkv, kc=kc, vc=vc, lengths=lengths, scratch=np.full(shape, np.nan, np.float32))
+    t = tensors(device, qkv=qkv, kc=kc, vc=vc, lengths=lengths, scratch=nan_scratch(shape, hs))
     out = ce.Tensor.empty(qkv.dtype, (b, hq * hs), device, name="out")
     for _ in range(repeat):
         out.copy_from_numpy(np.full((b, hq * hs), 7, qkv.dtype))
@@ -174,7 +182,9 @@ def test_captured_step_follows_device_positions(dev):
     t = tensors(dev, qkv=seq[:, 0].copy(), pos=np.zeros(b, np.int32), ln=np.ones(b, np.int32),
                 slots=np.arange(b, dtype=np.int32), freqs=freqs, kc=zeros, vc=zeros)  # fmt: skip
     out = ce.Tensor.empty(ce.FP32, (b, hq * hs), dev, name="out")
-    scratch = ce.Tensor.empty(ce.FP32, decode_attention_scratch_shape(b, hq, hs, max_seq), dev, name="scratch")
+    scratch = ce.Tensor.empty(
+        ce.FP32, decode_attention_scratch_shape(b, hq, hs, max_seq), dev, name="scratch"
+    ).fill_zero()
 
     def step():
         rope_kv_append(t["qkv"], t["kc"], t["vc"], t["slots"], t["pos"], t["freqs"], hq, hkv)
@@ -215,7 +225,7 @@ def test_fused_append_equals_append_then_attention(dev, dtype, hq, hkv, hs, leng
     qkv, kc, vc, ln = make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=hs, max_batch=b + 1)
     table = np.float16 if dtype == "bf16" else np.float32
     freqs = rope_freqs(max_seq, hs, 1e4, table)
-    scratch = np.full(decode_attention_scratch_shape(b, hq, hs, max_seq), np.nan, np.float32)
+    scratch = nan_scratch(decode_attention_scratch_shape(b, hq, hs, max_seq), hs)
     runs = {}
     for fused in (False, True):
         t = tensors(dev, qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch)

@@ -119,7 +119,7 @@ class InferenceState:
             self.logits = a(FP32, "decode_logits", (B, V))
             # sized for max_batch rows, it serves every smaller batch
             self.att_scratch = a(FP32, "decode_attention_scratch",
-                                 decode_attention.decode_attention_scratch_shape(B, Hq, hs, S))  # fmt: skip
+                                 decode_attention.decode_attention_scratch_shape(B, Hq, hs, S)).fill_zero()  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
             # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows

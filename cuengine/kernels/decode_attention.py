@@ -107,9 +107,9 @@ def _counter_rows(head_size: int) -> int:
 def decode_attention_scratch_shape(b: int, n_q_heads: int, head_size: int, max_seq: int) -> tuple[int, int, int]:
     """Shape (P, Hq, hs + 2) of the fp32 scratch decode_attention needs for batches of up to b rows.
 
-    The leading _counter_rows(hs) rows hold arrival counters (they need no initialisation: the kernel
-    restarts any counter not tagged with the current length and leaves each at zero), the rest partial
-    states (o, m, l) per q head: enough for every batch size 1..b at the split count it gets on an
+    The leading _counter_rows(hs) rows hold arrival counters, which must be zero before the first
+    launch (zero the whole scratch once after allocating it; every launch leaves them at zero), the
+    rest partial states (o, m, l) per q head: enough for every batch size 1..b at the split count it gets on an
     H200, so one scratch sized for the largest batch serves all smaller ones, and the counters sit at
     the same place for all of them.
     """
@@ -249,8 +249,9 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
             Checked on cpu; on the device a length is clamped to [0, max_seq] and 0 gives zeros.
         n_q_heads, n_kv_heads: Hq and Hkv, Hq a multiple of Hkv. hs: any even size up to 256 (64 and 128 fast).
         scratch: fp32 (P, Hq, hs + 2) from decode_attention_scratch_shape(b', Hq, hs, max_seq) for any
-            b' >= b (b <= 64); overwritten. Needs no initialisation, but must not be used by two launches
-            that may run at the same time (its arrival counters are per (row, kv head)).
+            b' >= b (b <= 64), zeroed once after allocation (its arrival counters; each launch leaves
+            them at zero, the partials are overwritten); must not be used by two launches that may run
+            at the same time (the counters are per (row, kv head)).
         freqs: None, or the (max_pos, hs) [cos | sin] table of rope_kv_append in the table dtype of the
             model dtype (fp16 for bf16, fp32 for fp32); lengths[i] - 1 < max_pos.
     NumPy equivalent: decode_attention_np(...), rounded to out's dtype; with freqs, after
