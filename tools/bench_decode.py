@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -170,12 +171,30 @@ def batch_section(args, dev, bw) -> list[str]:
 
 
 def peer_section(args, dev, bw) -> list[str]:
+    """The peer in a child process of its own (`--peer-child`): torch.compile's CUDA graphs there
+    never meet this process's CuPy state, and a crash of the peer (this session's H200 runs saw a
+    segfault after compiling) ends the peer's rows, not the benchmark."""
+    cmd = [sys.executable, __file__, "--peer-child", "--preset", *args.preset, "--prompt", str(args.prompt),
+           "--steps", str(args.steps), "--samples", str(args.samples)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [line for line in run.stdout.splitlines() if line.strip()]
+    if run.returncode:
+        why = f"signal {-run.returncode}" if run.returncode < 0 else f"exit {run.returncode}"
+        tail = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("W")][-2:]
+        rows.append(f"peer: the child process ended with {why}" + (": " + " | ".join(tail) if tail else ""))
+    return rows
+
+
+def peer_rows(args) -> None:
+    """HF transformers generate with a static cache and torch.compile (run by `--peer-child`); prints
+    each row as it is measured, so a later crash keeps the earlier rows."""
     try:
         import torch
         import transformers
     except ImportError:
-        return ["peer: torch/transformers not importable; skipped"]
-    rows = [f"{'shape':<14}{'peer':<36}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"]
+        print("peer: torch/transformers not importable; skipped")
+        return
+    print(f"{'shape':<14}{'peer':<36}{'batch':>6}{'ms/token':>10}{'tok/s':>10}", flush=True)
     for preset in args.preset:
         cfg = ce.TransformerConfig.preset(preset)
         hf_cfg = transformers.Qwen2Config(
@@ -201,10 +220,10 @@ def peer_section(args, dev, bw) -> list[str]:
                 gen(long)
             # the difference of two lengths takes prefill and setup out
             ms = statistics.median((gen(long) - gen(short)) / args.steps * 1e3 for _ in range(args.samples))
-            rows.append(f"{preset:<14}{'HF static cache + torch.compile':<36}{b:>6}{ms:>10.3f}{b / ms * 1e3:>10.0f}")
+            print(f"{preset:<14}{'HF static cache + torch.compile':<36}{b:>6}{ms:>10.3f}{b / ms * 1e3:>10.0f}",
+                  flush=True)  # fmt: skip
         del model
         torch.cuda.empty_cache()
-    return rows
 
 
 ARM_SHAPES = (("0.5B", 896, 4864), ("7B", 4096, 14336))  # (name, hidden, intermediate)
@@ -345,7 +364,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
+    p.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
+    if args.peer_child:
+        peer_rows(args)
+        return 0
     if not ce.cuda_available():
         print("bench_decode: no CUDA device; nothing to measure")
         return 0
