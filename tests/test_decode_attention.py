@@ -175,7 +175,7 @@ def test_split_counts(dev, dtype, split_rows):
 
 def test_captured_step_follows_device_positions(dev):
     """One captured append + attention replayed as positions move on: every step equals the twin."""
-    hq, hkv, hs, b, max_seq = 4, 2, 64, 3, 80
+    hq, hkv, hs, b, max_seq = 4, 2, 64, 3, 160
     freqs = rope_freqs(max_seq, hs, 1e4)
     seq = rng(10).standard_normal((b, 12, (hq + 2 * hkv) * hs)).astype(np.float32)
     zeros = np.zeros((b, hkv, max_seq, hs), np.float32)
@@ -190,7 +190,7 @@ def test_captured_step_follows_device_positions(dev):
         rope_kv_append(t["qkv"], t["kc"], t["vc"], t["slots"], t["pos"], t["freqs"], hq, hkv)
         decode_attention(out, t["qkv"], t["kc"], t["vc"], t["ln"], hq, hkv, scratch)
 
-    start = np.array([60, 0, 66], np.int32)  # rows at different positions, of one and two 64-position splits
+    start = np.array([124, 0, 130], np.int32)  # rows of one split, one crossing into two, and two (128 a split)
     t["pos"].copy_from_numpy(start)
     t["ln"].copy_from_numpy(start + 1)
     step()  # compile outside the capture
