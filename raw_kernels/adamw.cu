@@ -27,14 +27,11 @@
 //   global_norm_fold_multi: partials[s] = the sums of every record's block s, added in table order
 //     from 0 (=): the bits of zeroing the partials and calling global_norm_squared per tensor in order.
 #include "common.cuh"
+#include "norm_squared.cuh"  // Vec, norm_squared_part: the per-tensor norm's loop
 #include "sr_hash.cuh"  // mix32, sr_key, sr_bits, round_store: the stochastic rounding
 
 
 // kernels
-
-template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
-    T v[P];
-};
 
 template <typename T> __device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
     constexpr int P = 16 / sizeof(T);
@@ -180,32 +177,6 @@ __device__ void adamw_multi_impl(const TensorRecord* tab, const int* owner, cons
         adamw_range<Tp, Tg, Tm, Tv, true>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
     else
         adamw_range<Tp, Tg, Tm, Tv, false>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
-}
-
-// norm.cu's norm_squared_impl for block `block` of a grid of `nblocks`: the same loop, so the same bits.
-template <typename T, bool VEC> __device__ float norm_squared_part(const T* x, long long n, long long block,
-                                                                   long long nblocks) {
-    __shared__ float scratch[32];
-    constexpr int P = VEC ? 16 / sizeof(T) : 1;
-    const long long tid = block * blockDim.x + threadIdx.x;
-    const long long nthreads = nblocks * blockDim.x;
-    const long long packs = n / P;
-    float acc = 0.f;
-#pragma unroll 4
-    for (long long p = tid; p < packs; p += nthreads) {
-        const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(x + p * P);
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-            const float v = to_float(w.v[k]);
-            acc += v * v;
-        }
-    }
-    const long long i = packs * P + tid;
-    if (i < n) {
-        const float v = to_float(x[i]);
-        acc += v * v;
-    }
-    return block_sum(acc, scratch);
 }
 
 template <typename T> __device__ void norm_multi_impl(float* sums, const TensorRecord* tab, const int* owner,

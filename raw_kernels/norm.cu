@@ -8,37 +8,12 @@
 // [norm, clip_scale]; a NaN or inf norm stays in result[0] for the host to see, and makes the
 // clip scale NaN, which adamw reads as "skip this step".
 // The `_scalar` kernels take tensors whose start is not 16-byte aligned.
-#include "common.cuh"
+#include "norm_squared.cuh"
 
 // kernels
 
-template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
-    T v[P];
-};
-
 template <typename T, bool VEC> __device__ void norm_squared_impl(float* partials, const T* x, long long n) {
-    __shared__ float scratch[32];
-    constexpr int P = VEC ? 16 / sizeof(T) : 1;
-    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    const long long packs = n / P;
-    float acc = 0.f;
-#pragma unroll 4
-    for (long long p = tid; p < packs; p += nthreads) {
-        const Vec<T, P> w = *reinterpret_cast<const Vec<T, P>*>(x + p * P);
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-            const float v = to_float(w.v[k]);
-            acc += v * v;
-        }
-    }
-    // The tail (fewer than P elements) goes to the first threads of the grid.
-    const long long i = packs * P + tid;
-    if (i < n) {
-        const float v = to_float(x[i]);
-        acc += v * v;
-    }
-    acc = block_sum(acc, scratch);
+    const float acc = norm_squared_part<T, VEC>(x, n, blockIdx.x, gridDim.x);
     if (threadIdx.x == 0) partials[blockIdx.x] += acc;
 }
 

@@ -371,7 +371,8 @@ inline float block_sum(float x, float* scratch) {
 def adamw_emu(tmp_path_factory):
     emu = pytest.importorskip("kernel_emulator")
     work = tmp_path_factory.mktemp("adamw_emu")
-    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
+    for header in ("sr_hash.cuh", "norm_squared.cuh"):
+        shutil.copy(_build.kernel_dir() / header, work)
     combos = [f"{p}_{g}_{m}_{v}" for p, g, m, v in itertools.product(["f32", "bf16"], repeat=4)]
     names = [f"adamw_{c}{s}" for c in combos for s in ("", "_scalar")] + [f"adamw_multi_{c}" for c in combos]
     names += ["global_norm_squared_multi_f32", "global_norm_squared_multi_bf16", "global_norm_fold_multi"]
@@ -386,6 +387,7 @@ def adamw_emu(tmp_path_factory):
         pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
     # norm.cu's per-tensor kernels are the reference: the same emulator over norm.cu
     norm_work = tmp_path_factory.mktemp("norm_emu")
+    shutil.copy(_build.kernel_dir() / "norm_squared.cuh", norm_work)
     emu._COMMON = common + _EMU_EXTRA
     try:
         norm_lib = emu.build("norm", per_tensor_norms, norm_work)
