@@ -174,20 +174,28 @@ def peer_section(args, dev, bw) -> list[str]:
     """The peer in a child process of its own (`--peer-child`): torch.compile's CUDA graphs there
     never meet this process's CuPy state, and a crash of the peer (this session's H200 runs saw a
     segfault after compiling) ends the peer's rows, not the benchmark."""
-    cmd = [sys.executable, __file__, "--peer-child", "--preset", *args.preset, "--prompt", str(args.prompt),
-           "--steps", str(args.steps), "--samples", str(args.samples)]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    rows = [line for line in run.stdout.splitlines() if line.strip()]
-    if run.returncode:
-        why = f"signal {-run.returncode}" if run.returncode < 0 else f"exit {run.returncode}"
-        tail = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("W")][-2:]
-        rows.append(f"peer: the child process ended with {why}" + (": " + " | ".join(tail) if tail else ""))
+    rows = []
+    for mode in PEER_MODES:  # each in its own child: a crash in one mode leaves the others' rows
+        cmd = [sys.executable, __file__, "--peer-child", mode, "--preset", *args.preset, "--prompt",
+               str(args.prompt), "--steps", str(args.steps), "--samples", str(args.samples)]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        rows += [line for line in run.stdout.splitlines() if line.strip()]
+        if run.returncode:
+            why = f"signal {-run.returncode}" if run.returncode < 0 else f"exit {run.returncode}"
+            tail = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("W")][-2:]
+            rows.append(
+                f"peer ({mode}): the child process ended with {why}" + (": " + " | ".join(tail) if tail else "")
+            )
     return rows
 
 
+# torch.compile modes of the peer: with CUDA graphs (the HF docs' recipe), without them, and eager
+PEER_MODES = ("reduce-overhead", "default", "eager")
+
+
 def peer_rows(args) -> None:
-    """HF transformers generate with a static cache and torch.compile (run by `--peer-child`); prints
-    each row as it is measured, so a later crash keeps the earlier rows."""
+    """HF transformers generate with a static cache, compiled in `args.peer_child` mode (or eager), run
+    by `--peer-child MODE`; prints each row as it is measured, so a later crash keeps the earlier rows."""
     try:
         import torch
         import transformers
@@ -203,7 +211,10 @@ def peer_rows(args) -> None:
         torch.manual_seed(0)
         model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16).eval()
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        mode = args.peer_child
+        if mode != "eager":
+            model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
+        label = f"HF static cache, {'eager' if mode == 'eager' else 'compile ' + mode}"
         for b in (1, 8):
             x = torch.from_numpy(np.array(prompts(cfg, b, args.prompt), np.int64)).cuda()
 
@@ -220,7 +231,7 @@ def peer_rows(args) -> None:
                 gen(long)
             # the difference of two lengths takes prefill and setup out
             ms = statistics.median((gen(long) - gen(short)) / args.steps * 1e3 for _ in range(args.samples))
-            print(f"{preset:<14}{'HF static cache + torch.compile':<36}{b:>6}{ms:>10.3f}{b / ms * 1e3:>10.0f}",
+            print(f"{preset:<14}{label:<36}{b:>6}{ms:>10.3f}{b / ms * 1e3:>10.0f}",
                   flush=True)  # fmt: skip
         del model
         torch.cuda.empty_cache()
@@ -364,7 +375,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
-    p.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)  # the peer section's process
+    p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
     if args.peer_child:
         peer_rows(args)
