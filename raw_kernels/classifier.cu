@@ -7,6 +7,9 @@
 //   dx_j   = d_loss * (softmax_j * (1 + 2 z_loss lse) - [j == t])   written over x (in place)
 // d_loss is read from device memory when `d_loss_dev` is not null (a captured graph then serves
 // batches with different numbers of valid targets), else it is the scalar argument.
+// With `amax` (not null, and only with write_dlogits) the kernel also max-accumulates |dx| of the
+// stored dlogits into that fp32 slot (zero it first), as fp8.cu's abs_max would over the written
+// buffer: the FP8 LM head's E5M2 quantize needs it, and this saves a read of the (N, V) logits.
 // t == -1 ignores the row: losses[row] is left as is and its gradient row is zero. A target
 // outside [-1, V) cannot raise from the device, so it adds NaN to losses[row] (and its gradient
 // has no one-hot term); the trainer's non-finite loss check reports it.
@@ -41,7 +44,8 @@ __device__ __forceinline__ void online_merge(float& m, float& s, float m2, float
 }
 
 template <typename T, int P, int U, bool WARP>
-__device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, const int* targets, float d_loss,
+__device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, float* amax, const int* targets,
+                                      float d_loss,
                                       const float* d_loss_dev, float z_loss, int write_dlogits, int N, int V,
                                       int cache_n) {
     extern __shared__ __align__(16) unsigned char s_cache_bytes[];  // the row's first cache_n elements
@@ -129,6 +133,7 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
     if (d_loss_dev) d_loss = *d_loss_dev;
     const bool ignored = target == -1;
     const int chunk = stride * U;
+    unsigned amax_bits = 0;  // max |dx| of the stored values, as float bits (fp8.cu's abs_max: fabsf, -ftz)
     for (int c = (V - 1) / chunk; c >= 0; --c) {
         const int base = c * chunk + tid * P;
         Vec<T, P> pk[U];
@@ -153,9 +158,17 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
                     g = d_loss * (p * zf - (i + k == target ? 1.f : 0.f));
                 }
                 out.v[k] = from_float<T>(g);
+                amax_bits = max(amax_bits, __float_as_uint(fabsf(to_float(out.v[k]))));
             }
             *reinterpret_cast<Vec<T, P>*>(x + i) = out;
         }
+    }
+    if (!amax) return;
+    if (WARP) {  // the warp's lanes only: other warps of the block may have returned (row >= N)
+        amax_bits = __reduce_max_sync(0xffffffffu, amax_bits);
+        if (lane == 0 && amax_bits) atomicMax(reinterpret_cast<unsigned*>(amax), amax_bits);
+    } else {
+        block_atomic_abs_max(amax, amax_bits);
     }
 }
 
@@ -166,10 +179,10 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
 // there one access per trip keeps the registers at 32, so that 64 rows are in flight per SM.
 #define CLASSIFIER_KERNEL(NAME, T, THREADS, P, UNROLL, WARP)                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
-        NAME(T* logits, float* losses, float* lse, const int* targets, float d_loss, const float* d_loss_dev,  \
-             float z_loss, int write_dlogits, int N, int V, int cache_n) {                                    \
-        fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, targets, d_loss, d_loss_dev, z_loss,   \
-                                                  write_dlogits, N, V, cache_n);                              \
+        NAME(T* logits, float* losses, float* lse, float* amax, const int* targets, float d_loss,             \
+             const float* d_loss_dev, float z_loss, int write_dlogits, int N, int V, int cache_n) {           \
+        fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, amax, targets, d_loss, d_loss_dev,     \
+                                                  z_loss, write_dlogits, N, V, cache_n);                      \
     }
 #define CLASSIFIER_KERNELS(SUF, T)                                                                            \
     CLASSIFIER_KERNEL(fused_classifier_##SUF, T, 1024, 16 / sizeof(T), 4, false)                              \

@@ -1,4 +1,4 @@
-"""raw_kernels/rmsnorm.cu and fp8.cu on the host, for tests/test_kernel_emulation.py.
+"""raw_kernels/rmsnorm.cu, fp8.cu and classifier.cu on the host, for tests/test_kernel_emulation.py.
 
 The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch
 loop) with a common.cuh stand-in for the helpers these families use: bf16/fp16/fp8 types and
@@ -129,6 +129,9 @@ def build(family, kernels, workdir):
         return None
     src = (kernel_dir() / f"{family}.cu").read_text()
     src = src.replace("extern __shared__ float s_dweight[];", "float* s_dweight = (float*)g_smem;")
+    src = src.replace(  # classifier.cu's row cache
+        "extern __shared__ __align__(16) unsigned char s_cache_bytes[];", "unsigned char* s_cache_bytes = g_smem;"
+    )
     (workdir / f"{family}_emu.cu").write_text(src)
     (workdir / "common.cuh").write_text(_BASE + _COMMON)
     main = AE.EMU_MAIN.replace('#include "attention_emu.cu"', f'#include "{family}_emu.cu"')
@@ -152,6 +155,7 @@ def build(family, kernels, workdir):
 
 class EmulatedCuda(AE.EmulatedCuda):
     num_sms = 4  # grid-stride kernels size their grids by it
+    compute_capability = (9, 0)  # the classifier sizes its shared-memory row cache by it
 
 
 def launch(lib, family, name, grid, block, args, device, stream=None, shared_mem=0):

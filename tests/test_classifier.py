@@ -133,7 +133,72 @@ def test_bad_arguments(override, match):
         fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1.0)
 
 
+@pytest.mark.parametrize(
+    "abs_max,kwargs,match",
+    [
+        ((ce.FP32, (2,)), {}, r"abs_max: expected shape \(1\)"),
+        ((ce.BF16, (1,)), {}, r"abs_max: expected dtype fp32"),
+        ((ce.FP32, (1,)), {"write_dlogits": False}, r"abs_max records max\|dlogits\|, so it needs write_dlogits=True"),
+    ],
+)
+def test_bad_abs_max(abs_max, kwargs, match):
+    t = _tensors()
+    t["logits"].array()[...] = 0
+    t["targets"].array()[...] = 0
+    slot = ce.Tensor.from_numpy(np.full(abs_max[1], 7, np.float32), ce.device("cpu"), name="amax", dtype=abs_max[0])
+    before = {k: v.numpy().copy() for k, v in t.items()}
+    with pytest.raises(ValueError, match=match):
+        fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1.0, abs_max=slot, **kwargs)
+    for k, v in t.items():  # nothing written
+        np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+    assert np.all(slot.numpy().astype(np.float32) == 7)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("start", [0.0, 0.25, 1e6])
+def test_twin_abs_max_is_the_max_of_the_stored_dlogits(dtype, start):
+    """abs_max max-accumulates max|dlogits| as stored (rounded to the logits dtype): what fp8.abs_max
+    over the written logits would give, so the FP8 LM head needs no second read of them."""
+    from cuengine.kernels.fp8 import abs_max_reference
+
+    logits, targets, losses0 = make_inputs(9, 300, seed=11)
+    cpu = ce.device("cpu")
+    slot = ce.Tensor.from_numpy(np.array([start], np.float32), cpu, name="amax")
+    plain = run(cpu, logits, targets, losses0, dtype, d_loss=0.5)
+    fused = run(cpu, logits, targets, losses0, dtype, d_loss=0.5, abs_max=slot)
+    for k in plain:  # the other outputs do not change
+        np.testing.assert_array_equal(fused[k], plain[k], err_msg=k)
+    want = max(np.float32(start), abs_max_reference(plain["logits"]))
+    assert slot.numpy()[0] == want and (start == 1e6 or 0 < want <= 0.5)
+
+
 # ---- cuda against the twin ----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("n,v", [(37, 256), (5, 4099), (37, 4104), (16, 151936)])
+def test_cuda_abs_max_equals_abs_max_of_the_written_dlogits(dtype, n, v):
+    """Every kernel variant (warp, block, scalar): the recorded max|dlogits| is bitwise fp8.abs_max over
+    the dlogits the same launch wrote; a row of NaN logits makes it NaN, as abs_max reports NaN."""
+    from cuengine.kernels.fp8 import abs_max
+
+    dev = ce.device("cuda")
+    logits, targets, losses0 = make_inputs(n, v, seed=n + v)
+    for nan in (False, True):
+        if nan:
+            logits[1, 3] = np.nan
+        t = {
+            "logits": ce.Tensor.from_numpy(logits, dev, name="logits", dtype=dtype),
+            "losses": ce.Tensor.from_numpy(losses0, dev, name="losses"),
+            "lse": ce.Tensor.from_numpy(np.zeros(n, np.float32), dev, name="lse"),
+            "targets": ce.Tensor.from_numpy(targets, dev, name="targets"),
+        }
+        fused, sep = (ce.Tensor.from_numpy(np.zeros(1, np.float32), dev, name=k) for k in ("fused", "sep"))
+        fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1.0 / n, abs_max=fused)
+        abs_max(sep, t["logits"])
+        assert fused.numpy().view(np.uint32)[0] == sep.numpy().view(np.uint32)[0], (fused.numpy(), sep.numpy())
+        assert np.isnan(fused.numpy()[0]) == nan
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cuengine as ce
-from cuengine.kernels import _build, fp8
+from cuengine.kernels import _build, classifier, fp8
 from cuengine.kernels import rmsnorm as R
 
 
@@ -34,6 +34,7 @@ def rms_lib(tmp_path_factory):
 def fp8_lib(tmp_path_factory):
     names = ["transpose_u8", "transpose_u8_scalar"]
     for t in ("bf16", "f32"):
+        names += [f"abs_max_{t}", f"abs_max_{t}_scalar"]
         for q in ("e4m3", "e5m2"):
             names += [f"{k}_{t}_{q}{s}" for k in ("quantize", "quantize_dual") for s in ("", "_scalar")]
     return _library(tmp_path_factory, "fp8", names)
@@ -127,3 +128,47 @@ def test_emulated_quantize_dual_equals_quantize_then_transpose(fp8_lib, monkeypa
     np.testing.assert_array_equal(out_tp.stats.numpy(), plain.stats.numpy())
     twin, _ = fp8.quantize_reference(x.astype(ce.dtype(dtype).np), np.float32(2.5), ce.dtype(fp8_name))
     np.testing.assert_array_equal(out.numpy().view(np.uint8), twin.view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def cls_lib(tmp_path_factory):
+    names = [f"fused_classifier_{t}{v}" for t in ("bf16", "f32") for v in ("", "_scalar", "_warp", "_scalar_warp")]
+    return _library(tmp_path_factory, "classifier", names)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("n,v", [(11, 256), (9, 4099), (3, 4104), (2, 120000)])  # warp, scalar, block, cached
+def test_emulated_classifier_abs_max_equals_abs_max_of_its_dlogits(cls_lib, fp8_lib, monkeypatch, dtype, n, v):
+    """The max|dlogits| the fused classifier records is bitwise fp8.abs_max over the dlogits it wrote (the
+    FP8 LM head's separate pass), in every kernel variant; losses, lse and dlogits are those of the launch
+    without abs_max (the slot changes nothing else)."""
+    g = np.random.default_rng(n + v)
+    x = g.standard_normal((n, v)) * 4
+    targets = g.integers(0, v, n).astype(np.int32)
+    targets[::4] = -1
+    libs = {"classifier": cls_lib, "fp8": fp8_lib}
+    calls = []
+
+    def launch(family, name, *a, **kw):
+        calls.append(name)
+        emu.launch(libs[family], family, name, *a, **kw)
+
+    monkeypatch.setattr(classifier._build, "launch", launch)
+    out = {}
+    for fused in (False, True):
+        t = {"logits": emu.tensor(x, dtype, "logits"), "losses": emu.tensor(np.zeros(n), "fp32", "losses"),
+             "lse": emu.tensor(np.zeros(n), "fp32", "lse"), "targets": emu.tensor(targets, "int32", "targets"),
+             "amax": emu.tensor(np.zeros(1), "fp32", "amax")}  # fmt: skip
+        classifier.fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1.0 / n,
+                                    abs_max=t["amax"] if fused else None)  # fmt: skip
+        for k, tt in t.items():
+            assert emu.margins_ok(tt), k
+        out[fused] = {k: tt.numpy() for k, tt in t.items()}
+    for k in ("logits", "losses", "lse"):
+        np.testing.assert_array_equal(out[True][k].view(np.uint8), out[False][k].view(np.uint8), err_msg=k)
+    sep = emu.tensor(np.zeros(1), "fp32", "sep")
+    fp8.abs_max(sep, emu.tensor(out[False]["logits"], dtype, "dlogits"))
+    assert out[True]["amax"].view(np.uint32)[0] == sep.numpy().view(np.uint32)[0] != 0
+    assert out[False]["amax"][0] == 0
+    kind = "_warp" if v <= 4096 else ""
+    assert calls[0].startswith("fused_classifier_") and calls[0].endswith(kind), calls

@@ -135,6 +135,58 @@ def test_fp8_weight_transposes_follow_every_update(device):
     assert make(device).weights.fp8_tp == {}  # bf16 matmuls keep no FP8 copies
 
 
+# ---- FP8 activations stored transposed (Blocks.stored_tp) --------------------------------------------------
+def _spied(m, log):
+    """m's kernel table with transpose / quantize / quantize_dual calls logged as (name, inp shape)."""
+    k = m._blocks.k
+
+    def spy(name):
+        real, at = getattr(k, name), {"transpose": 1, "quantize_with_abs_max": 1, "quantize_dual": 2}[name]
+
+        def call(*a, **kw):
+            log.append((name, a[at].shape))  # the input's shape
+            real(*a, **kw)
+
+        return call
+
+    return dataclasses.replace(k, **{n: spy(n) for n in ("transpose", "quantize_with_abs_max", "quantize_dual")})
+
+
+OPTION_SETS = [{}, {"recompute_swiglu": True}, {"recompute_ffn": True}, {"recompute_rmsnorm": True},
+               {"recompute_att": True}, {"recompute_block": True}, {"keep_all_activations": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: "-".join(o) or "default")
+def test_fp8_activations_stored_transposed_skip_the_backward_transposes(device, opts):
+    """ln1, ln2 and swiglu keep their E4M3 copy transposed, written by the forward's quantize_dual, so the
+    backward transposes nothing where that copy is per layer and read by nothing else; whatever the flags,
+    three steps give the bits of the path that stores them untransposed and transposes them in backward."""
+    runs = {}
+    for stored in (True, False):
+        m = make(device, "tiny-llama", matmul_dtype="e4m3", **opts)
+        if stored:
+            any_stored = any(m._blocks.stored_tp.values())
+        else:
+            m._blocks.stored_tp = dict.fromkeys(m._blocks.stored_tp, False)
+        log = []
+        m._blocks.k = _spied(m, log)
+        x, y = batch(m.cfg)
+        losses = [m.train_step(x, y, lr=1e-3) for _ in range(3)]
+        runs[stored] = (losses, {n: g.numpy() for n, g in m.grads.items()}, log)
+    assert runs[True][0] == runs[False][0]
+    for n, g in runs[True][1].items():
+        np.testing.assert_array_equal(g.view(np.uint8), runs[False][1][n].view(np.uint8), err_msg=n)
+    L, (C, H) = m.cfg.num_layers, (m.cfg.hidden_size, m.cfg.intermediate_size)
+    transposed = [s[-1] for name, s in runs[True][2] if name == "transpose"]
+    if not opts:  # every layer: no transpose at all, the three inputs quantized both ways in the forward
+        assert transposed == [], transposed
+        dual = [s[-1] for name, s in runs[True][2] if name == "quantize_dual"]
+        assert dual.count(H) >= 3 * L and dual.count(C) >= 3 * (2 * L)
+    before = len([1 for name, _ in runs[False][2] if name == "transpose"])
+    assert len(transposed) < before if any_stored else len(transposed) == before
+
+
 # ---- FP8 LM head (TrainOptions.lmhead_fp8) ----------------------------------------------------------------
 def test_lmhead_fp8_option_is_checked():
     with pytest.raises(ValueError, match="lmhead_fp8 needs matmul_dtype 'e4m3' \\(FP8 matmuls\\), got 'bf16'"):
@@ -227,6 +279,39 @@ def test_lmhead_fp8_backward_is_the_fp8_products():
     d_head = m.grads["lm_head"].numpy().astype(np.float64)
     want = dl.T @ _e4m3(lnf)
     np.testing.assert_allclose(d_head, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_lmhead_fp8_dlogits_scale_comes_from_the_classifier(chunks):
+    """The E5M2 dlogits of each chunk are scaled by max|dlogits| that the fused classifier recorded as it
+    wrote them (exactly what a separate abs-max pass gives), and no abs-max pass reads the logits."""
+    m = make(preset="tiny-llama", matmul_dtype="e4m3", lmhead_fp8=True, lmhead_chunks=chunks)
+    V, k = m.cfg.vocab_size, m._blocks.k
+    written, stats, passes = [], [], []
+
+    def classifier(logits, *a, **kw):
+        k.fused_classifier(logits, *a, **kw)
+        written.append(logits.numpy().copy())
+
+    def quantize_dual(out, out_tp, inp, *a, **kw):
+        k.quantize_dual(out, out_tp, inp, *a, **kw)
+        if inp.shape[-1] == V:
+            stats.append(out.stats.numpy()[[0, 4, 8]].copy())
+
+    def abs_max(amax, inp, *a, **kw):
+        passes.append(inp.shape)
+        k.abs_max(amax, inp, *a, **kw)
+
+    m._blocks.k = dataclasses.replace(k, fused_classifier=classifier, quantize_dual=quantize_dual, abs_max=abs_max)
+    x, y = batch(m.cfg)
+    m.forward(x)
+    m.backward(x, y)
+    assert len(written) == len(stats) == chunks
+    assert not [s for s in passes if s[-1] == V], passes  # no separate pass over the (n, V) logits
+    for dl, (amax, scale, scale_inv) in zip(written, stats):
+        want = fp8.abs_max_reference(dl)
+        assert amax == want > 0, (amax, want)
+        assert (scale, scale_inv) == fp8.fp8_scales(want, ce_dtype("e5m2"))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -13,6 +13,7 @@ from .. import _checks
 from ..dtypes import BF16, FP32, INT32
 from ..tensor import Tensor
 from . import _build
+from .fp8 import abs_max_reference
 
 _WARP_ROW_MAX_V = 4096  # rows up to this length take one warp each
 _WARP_ROWS = 8  # rows (warps) per block of the `_warp` kernels
@@ -21,10 +22,11 @@ _WARP_ROWS = 8  # rows (warps) per block of the `_warp` kernels
 _CACHE_BYTES = {9: 224 * 1024, 10: 224 * 1024}
 
 
-def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0, write_dlogits=True):
+def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0, write_dlogits=True, abs_max=None):
     """The NumPy twin: same arguments as `fused_classifier`, as arrays, updated in place.
 
-    logits (N, V) fp32 or bf16, losses (N,) fp32 (+=), lse (N,) fp32 (=), targets (N,) int32.
+    logits (N, V) fp32 or bf16, losses (N,) fp32 (+=), lse (N,) fp32 (=), targets (N,) int32,
+    abs_max None or a (1,) fp32 array (max-accumulated with max|dlogits| as stored).
     All math in fp32; dlogits round once to the logits dtype. Returns nothing.
     """
     f32 = np.float32
@@ -51,10 +53,12 @@ def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0,
         g *= f32(d_loss)
         g[t == -1] = 0
     logits[...] = g.astype(logits.dtype)
+    if abs_max is not None:
+        abs_max[0] = np.maximum(abs_max[0], abs_max_reference(logits))
 
 
 def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, write_dlogits: bool = True,
-                     stream=None) -> None:  # fmt: skip
+                     abs_max=None, stream=None) -> None:  # fmt: skip
     """Cross-entropy loss, log-sum-exp and (optionally) dlogits for one chunk of rows.
 
     Args:
@@ -69,6 +73,10 @@ def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, 
             captured graph serves batches with different numbers of valid targets.
         z_loss: coefficient of the lse^2 term in the loss.
         write_dlogits: False computes only losses and lse (validation) and leaves logits as they are.
+        abs_max: None, or a (1,) fp32 slot (e.g. the FP8 stats of dlogits' quantized copy) into
+            which max|dlogits| of the stored values is max-accumulated, as `fp8.abs_max(abs_max,
+            logits)` after the call would (zero it first): no second read of the logits. Needs
+            `write_dlogits`.
 
     NumPy equivalent: `fused_classifier_reference`.
     """
@@ -82,13 +90,17 @@ def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, 
     on_device = isinstance(d_loss, Tensor)
     if on_device:
         _checks.expect(d_loss, "fused_classifier: d_loss", dtype=FP32, shape=(1,))  # (1,)
-    dev = _checks.same_device(logits, losses, lse, targets, d_loss if on_device else None)
+    if abs_max is not None:
+        _checks.expect(abs_max, "fused_classifier: abs_max", dtype=FP32, shape=(1,))  # (1,)
+        if not write_dlogits:
+            raise ValueError("fused_classifier: abs_max records max|dlogits|, so it needs write_dlogits=True")
+    dev = _checks.same_device(logits, losses, lse, targets, d_loss if on_device else None, abs_max)
     if n == 0:
         return
     if dev.is_cpu:
         dl = d_loss.array()[0] if on_device else d_loss
         fused_classifier_reference(logits.array(), losses.array(), lse.array(), targets.array(), dl, z_loss,
-                                   write_dlogits)  # fmt: skip
+                                   write_dlogits, None if abs_max is None else abs_max.array())  # fmt: skip
         return
     pack = 16 // logits.dtype.itemsize
     vectorised = v % pack == 0 and _checks.is_aligned(logits)
@@ -105,6 +117,7 @@ def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, 
             budget = _CACHE_BYTES.get(dev.compute_capability[0], 0) // logits.dtype.itemsize
             cache_n = min(v, budget) // per_thread * per_thread
             smem = cache_n * logits.dtype.itemsize
-    args = (logits, losses, lse, targets, np.float32(0.0 if on_device else d_loss), d_loss if on_device else None,
-            np.float32(z_loss), np.int32(bool(write_dlogits)), np.int32(n), np.int32(v), np.int32(cache_n))  # fmt: skip
+    args = (logits, losses, lse, abs_max, targets, np.float32(0.0 if on_device else d_loss),
+            d_loss if on_device else None, np.float32(z_loss), np.int32(bool(write_dlogits)), np.int32(n), np.int32(v),
+            np.int32(cache_n))  # fmt: skip
     _build.launch("classifier", name, blocks, threads, args, dev, stream, shared_mem=smem)

@@ -70,6 +70,15 @@ LIVE = Kernels()
 RECORDING = Kernels.recording()
 
 
+@dataclass(frozen=True)
+class _HeadQuant:
+    """The FP8 LM head's stack temporaries for one chunk of rows (`Blocks._head_quant`)."""
+
+    stats: object  # (2, STATS_SLOTS) fp32: x's stats, then dlogits'
+    x: object  # (n, C) E4M3 with stats[0]
+    dlogits: object  # (n, V) grad_dtype with stats[1], or None without backward
+
+
 class Blocks:
     """Forward, recompute and backward of the decoder blocks, and the LM head.
 
@@ -90,11 +99,24 @@ class Blocks:
         # [(start, stop)] row ranges of (B*T) that hold real tokens when the batch is padded (logits of
         # a smaller batch): FP8 scales then come from those rows alone. None: every row is real.
         self.real_rows: list[tuple[int, int]] | None = None
+        # FP8 matmul inputs whose stored E4M3 copy holds the transposed values (C, N), written by the
+        # forward's quantize (quantize_dual, the plain copy a stack temporary for the forward GEMM), so
+        # the backward's weight-gradient GEMM reads it without a transpose pass. Only where the copy is
+        # one per layer and nothing after the forward reads it untransposed: a shared copy is rewritten
+        # by recompute, and a recomputed qkv (rc_qkv) or mlp_up (rc_mlp_up) GEMM reads ln1's or ln2's.
+        self.stored_tp = {
+            "ln1": not (opts.recompute_rmsnorm or opts.rc_qkv),
+            "ln2": not (opts.recompute_rmsnorm or opts.rc_mlp_up),
+            "swiglu": not opts.rc_swiglu,
+        }
 
     # ---- matmuls (the seed's forward_qmm / backward_qmm) --------------------------------------
-    def qmm_forward(self, out, inp: QuantTensor, wname: str, bias=None, reuse_quant: bool = False) -> None:
+    def qmm_forward(self, out, inp: QuantTensor, wname: str, bias=None, reuse_quant: bool = False,
+                    store_tp: bool = False) -> None:  # fmt: skip
         """out (N, OC) = inp (N, C) · Wᵀ (+ bias). FP8: quantize inp with its stored abs-max
-        (unless `reuse_quant`: its FP8 copy is already valid) and use the E4M3 weight copy."""
+        (unless `reuse_quant`: its FP8 copy is already valid) and use the E4M3 weight copy.
+        `store_tp`: inp's FP8 buffer gets the transposed copy (C, N) (for `qmm_backward(stored_tp=True)`)
+        and the plain copy the GEMM reads is a stack temporary, both from one `quantize_dual` pass."""
         k = self.k
         if inp.quant is None:
             k.matmul(out, inp.value, self.weights[wname], bias)
@@ -105,18 +127,27 @@ class Blocks:
                 rows = inp.value.reshape(-1, inp.value.shape[-1])
                 for start, stop in self.real_rows:
                     k.abs_max(inp.abs_max, rows.rows(start, stop))
+            if store_tp:
+                C = inp.value.shape[-1]
+                N = inp.value.nelem // C
+                with self.rs.stack.temporary(inp.quant.dtype, (N, C), "x_q") as raw:
+                    plain = raw.with_stats(inp.quant.stats)
+                    k.quantize_dual(plain, inp.quant.reshape(C, N), inp.value)  # (N, C) and (C, N), one read
+                    k.matmul(out, plain, self.weights.fp8[wname], bias)
+                return
             k.quantize_with_abs_max(inp.quant, inp.value)
         k.matmul(out, inp.quant, self.weights.fp8[wname], bias)
 
     def qmm_backward(self, dinp, dweight, dbias, dout: QuantTensor, inp: QuantTensor, wname: str,
-                     reuse_inp: bool) -> None:  # fmt: skip
+                     reuse_inp: bool, stored_tp: bool = False) -> None:  # fmt: skip
         """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
 
         FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
         both GEMMs are TN, so they read W's transposed E4M3 copy (made with W8 after each update)
         and transposed copies of dout (written by the same pass as its plain copy) and inp (from
         its stored FP8 copy when `reuse_inp`, else quantized and transposed at once), both stack
-        temporaries.
+        temporaries; with `stored_tp` inp's FP8 buffer already holds its transpose
+        (`qmm_forward(store_tp=True)`) and is read as it is.
         """
         k, stack = self.k, self.rs.stack
         if dbias is not None:
@@ -131,6 +162,10 @@ class Blocks:
         grad_tp = grad_raw.with_stats(dout.quant.stats)
         k.quantize_dual(dout.quant, grad_tp, dout.value)  # one read of dout for both copies
         k.matmul(dinp, dout.quant, self.weights.fp8_tp[wname])  # (N, OC) · (C, OC)ᵀ
+        if stored_tp:
+            k.matmul(dweight, grad_tp, inp.quant.reshape(C, N), accumulate=True)  # (OC, N) · (C, N)ᵀ
+            stack.free(grad_raw)
+            return
         act_raw = stack.allocate(inp.quant.dtype, (C, N), "act_tp")
         act_tp = act_raw.with_stats(inp.quant.stats)
         if reuse_inp:
@@ -165,11 +200,12 @@ class Blocks:
         k, rs, cfg = self.k, self.rs, self.cfg
         w, p = self.weights.block(i), f"layers.{i}."
         Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
+        tp = self.stored_tp["ln1"]  # False whenever recompute calls this (rc_qkv)
         if cfg.qk_norm:
-            self.qmm_forward(a.qkv_pre, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant)
+            self.qmm_forward(a.qkv_pre, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant, store_tp=tp)
             k.qknorm_forward(a.qkv, a.qk_rstd, a.qkv_pre, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, cfg.rms_norm_eps)
         else:
-            self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant)  # (B, T, Q)
+            self.qmm_forward(a.qkv, a.ln1, p + "qkv_w", w.get("qkv_b"), reuse_quant=reuse_quant, store_tp=tp)
         k.rope_forward(a.qkv, a.qkv, rs.freqs, Hq, Hkv)  # in place
 
     # ---- one block ---------------------------------------------------------------------------
@@ -201,9 +237,9 @@ class Blocks:
         self.qmm_forward(att_o, a.att, p + "atto_w")
         k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
                                          abs_max=a.ln2.abs_max)  # fmt: skip
-        self.qmm_forward(mlp_up, a.ln2, p + "up_w")  # (B, T, 2H)
+        self.qmm_forward(mlp_up, a.ln2, p + "up_w", store_tp=self.stored_tp["ln2"])  # (B, T, 2H)
         k.swiglu_forward(a.swiglu.value, mlp_up, abs_max=a.swiglu.abs_max)  # (B, T, H)
-        self.qmm_forward(mlp_down, a.swiglu, p + "down_w")
+        self.qmm_forward(mlp_down, a.swiglu, p + "down_w", store_tp=self.stored_tp["swiglu"])
 
     def recompute_block(self, i: int, a: LayerActivations, residual, mlp_up) -> None:
         """Recompute what the recompute flags dropped, exactly as forward computed it (same
@@ -243,12 +279,14 @@ class Blocks:
         stack = rs.stack
         # MLP down: the gradient of the block output is d_res_ffn
         with stack.temporary(rs.dtype, (B, T, H), "d_swiglu") as d_swiglu:
-            self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True)
+            self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True,
+                              stored_tp=self.stored_tp["swiglu"])  # fmt: skip
             d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
             k.swiglu_backward(d_mlp_up.value, d_swiglu, mlp_up, abs_max=d_mlp_up.abs_max)
         # MLP up
         with self._quant_on_stack(d_mlp_up) as d_mlp_up:
-            self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm)
+            self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm,
+                              stored_tp=self.stored_tp["ln2"])  # fmt: skip
         # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
         k.rmsnorm_backward(g.d_res_att.value, G["ln2_w"], rs.rms_scratch, g.d_res_ffn.value, g.d_ln2, a.res_att,
                            w["ln2_w"], a.ln2_rstd, abs_max=g.d_res_att.abs_max)  # fmt: skip
@@ -272,7 +310,8 @@ class Blocks:
             else:
                 k.rope_backward(d_qkv_raw, d_qkv_raw, rs.freqs, Hq, Hkv, abs_max=d_qkv.abs_max)
             self.qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, a.ln1, p + "qkv_w",
-                              reuse_inp=not (o.recompute_rmsnorm or o.recompute_att))  # fmt: skip
+                              reuse_inp=not (o.recompute_rmsnorm or o.recompute_att),
+                              stored_tp=self.stored_tp["ln1"])  # fmt: skip
 
     # ---- LM head -----------------------------------------------------------------------------
     def lm_head(self, d_loss, d_head=None, logits_out: np.ndarray | None = None) -> None:
@@ -286,7 +325,8 @@ class Blocks:
         With TrainOptions.lmhead_fp8 the three GEMMs are FP8, as a block's (`qmm_backward`): each
         chunk's lnf rows are quantized to E4M3 with their own abs-max (over the real rows of a
         padded batch), the head weight's E4M3 copy and its transpose come from `weights.requantize`,
-        and dlogits goes to grad_dtype (E5M2) with its abs-max taken after the classifier wrote it."""
+        and dlogits goes to grad_dtype (E5M2) with the abs-max the classifier recorded as it wrote
+        them (exact: a max does not depend on order, so no second pass over the (n, V) logits)."""
         k, rs, cfg = self.k, self.rs, self.cfg
         N, C, V = rs.B * rs.T, cfg.hidden_size, cfg.vocab_size
         chunks = self.opts.lmhead_chunks
@@ -302,29 +342,30 @@ class Blocks:
                 if hq is None:
                     k.matmul(out, x, head)  # (n, V)
                 else:
-                    self._quantize_head_input(hq[0], x, c * n)
-                    k.matmul(out, hq[0], self.weights.fp8[self.weights.head_name])  # (n, C) · (V, C)ᵀ
+                    k.fill_zero(hq.stats)  # both abs-max slots (x_q, dlogits_q) in one memset
+                    self._quantize_head_input(hq.x, x, c * n)
+                    k.matmul(out, hq.x, self.weights.fp8[self.weights.head_name])  # (n, C) · (V, C)ᵀ
                 if logits_out is not None:
                     logits_out[rows] = out.numpy().astype(np.float32)
                     continue
+                dl_amax = hq.dlogits.abs_max if hq is not None and backward else None  # max|dlogits|, as written
                 k.fused_classifier(out, rs.losses[rows], rs.head_lse[rows], targets[rows], d_loss, self.opts.z_loss,
-                                   write_dlogits=backward)  # fmt: skip
+                                   write_dlogits=backward, abs_max=dl_amax)  # fmt: skip
                 if not backward:
                     continue
                 if hq is None:
                     k.matmul(d_head, out, x, trans_a=True, trans_b=False, accumulate=True)  # (V, C)
                     k.matmul(d_lnf[rows], out, head, trans_b=False)  # (n, C)
                     continue
-                dlogits = QuantTensor(out, hq[1])
-                k.fill_zero(dlogits.abs_max)
-                k.abs_max(dlogits.abs_max, out)
-                self.qmm_backward(d_lnf[rows], d_head, None, dlogits, QuantTensor(x, hq[0]), self.weights.head_name,
+                dlogits = QuantTensor(out, hq.dlogits)
+                self.qmm_backward(d_lnf[rows], d_head, None, dlogits, QuantTensor(x, hq.x), self.weights.head_name,
                                   reuse_inp=True)  # fmt: skip
 
     @contextlib.contextmanager
     def _head_quant(self, n: int, backward: bool):
-        """None without lmhead_fp8; else stack temporaries (x_q (n, C) E4M3, dlogits_q (n, V) in
-        grad_dtype or None without backward), each with a stats slot of its own on the stack."""
+        """None without lmhead_fp8; else a `_HeadQuant` of stack temporaries: x_q (n, C) E4M3 and
+        dlogits_q (n, V) in grad_dtype (None without backward), each with a stats slot of its own in
+        `stats` (2, STATS_SLOTS), one table so that one memset zeroes both abs-maxes."""
         if not self.opts.lmhead_fp8:
             yield None
             return
@@ -335,16 +376,15 @@ class Blocks:
         with stack.temporary(FP32, (2, STATS_SLOTS), "lmhead_fp8_stats") as stats:
             with stack.temporary(self.opts.matmul_dtype, (n, C), "lmhead_x_q") as xq:
                 if not backward:
-                    yield xq.with_stats(stats[0]), None
+                    yield _HeadQuant(stats, xq.with_stats(stats[0]), None)
                     return
                 with stack.temporary(self.opts.grad_dtype, (n, V), "lmhead_dlogits_q") as dq:
-                    yield xq.with_stats(stats[0]), dq.with_stats(stats[1])
+                    yield _HeadQuant(stats, xq.with_stats(stats[0]), dq.with_stats(stats[1]))
 
     def _quantize_head_input(self, xq, x, first: int) -> None:
         """xq = E4M3(x) for rows [first, first + len(x)) of lnf, scaled by their abs-max (only the
-        real rows of a padded batch count, as in `qmm_forward`)."""
+        real rows of a padded batch count, as in `qmm_forward`); xq.abs_max must be zero."""
         k = self.k
-        k.fill_zero(xq.abs_max)
         if self.real_rows is None:
             k.abs_max(xq.abs_max, x)
         else:
