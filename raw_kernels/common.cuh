@@ -49,6 +49,13 @@ template <typename T> struct alignas(16) Pack16 {
     __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Pack16*>(p) = *this; }
 };
 
+// A value another block may have written earlier in the same launch (a persistent kernel's earlier
+// phase): read through L2 only, since L1 is not coherent across SMs.
+__device__ __forceinline__ float load_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ bf16 load_cg(const bf16* p) {
+    return __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}
+
 // ---- reductions ------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -81,6 +88,12 @@ __device__ __forceinline__ void block_atomic_abs_max(float* dst, unsigned bits) 
         bits = __reduce_max_sync(0xffffffffu, bits);
         if (lane == 0 && bits) atomicMax(reinterpret_cast<unsigned*>(dst), bits);
     }
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) over the first `threads` threads that reach it: lets part
+// of a block synchronise without the rest.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- programmatic dependent launch (kernels/_build.py: launch(..., dependent=True)) -------------

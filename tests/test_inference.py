@@ -399,3 +399,83 @@ def test_fp8_state_refuses_the_gemm_arm_per_call_and_a_second_allocation():
 
 def test_llama_model_has_the_inference_api():
     assert issubclass(LlamaModel, InferenceMixin)
+
+
+# ---- the persistent arm: every layer of a batch-1 step in one launch ---------------------------
+# (preset, config changes): head size 64 with bias (Qwen2) and without (Llama), the 0.5B shape's GQA
+# group of 7 q heads per kv head, and head size 128 (the 1.5B shape's).
+PERSISTENT_SHAPES = {
+    "qwen2-hs64": ("tiny-hs64", {}),
+    "llama-hs64": ("tiny-llama", dict(hidden_size=256, intermediate_size=384, head_size=64)),
+    "gqa7": ("tiny-hs64", dict(hidden_size=896, num_q_heads=14, num_kv_heads=2)),
+    "hs128": ("tiny-hs64", dict(hidden_size=512, head_size=128)),
+}
+
+
+def step_logits(m, seq, n_prompt: int, arm: str, weights: str) -> np.ndarray:
+    """(steps, V) logits of batch-1 decode steps teacher-forced along seq after a prompt of n_prompt."""
+    st = m.allocate_inference_state(max_batch=2, max_seq_len=len(seq) + 4, weights=weights)
+    st.start([list(seq[:n_prompt])], sampling.sampling_params(0.0, 0, 1.0, 0))
+    st.prefill()
+    out = []
+    for t in seq[n_prompt:]:
+        st.tokens.rows(0, 1).copy_from_numpy(np.array([t], np.int32))
+        decode.step(st, 1, arm)
+        out.append(st.logits.numpy()[0].copy())
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("n_prompt", [5, 127])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(PERSISTENT_SHAPES))
+def test_persistent_arm_is_bitwise_the_fused_arm(dev, shape, dtype, weights, n_prompt):
+    """The same phases, the same sums: logits equal bit for bit, step after step (the first steps
+    captured and replayed from a graph), from a short prompt and across the 128-position chunk
+    boundary, where the attention splits and the last split merges."""
+    preset, changes = PERSISTENT_SHAPES[shape]
+    seq = np.random.default_rng(3).integers(0, 256, n_prompt + 6)
+    got = step_logits(model(preset, dtype, dev, max_position_embeddings=256, **changes), seq, n_prompt, "persistent",
+                      weights)  # fmt: skip
+    want = step_logits(model(preset, dtype, dev, max_position_embeddings=256, **changes), seq, n_prompt, "fused",
+                       weights)  # fmt: skip
+    assert np.isfinite(want).all() and np.abs(want).max() > 1
+    assert np.array_equal(got, want), f"max |persistent - fused| = {np.abs(got - want).max()}"
+
+
+def test_persistent_arm_is_chosen_at_batch_one_where_it_runs():
+    m = model("tiny-hs64")
+    st = m.allocate_inference_state(max_batch=4, max_seq_len=32)
+    assert [st.choose_arm(b) for b in (1, 2, 3)] == ["persistent", "fused", "gemm"]
+    q = LlamaModel(TransformerConfig.preset("tiny-qwen3"))
+    q.init_weights(1)
+    assert q.allocate_inference_state(max_batch=2, max_seq_len=32).choose_arm(1) == "fused"
+
+
+@pytest.mark.parametrize(
+    "preset,prompts,match",
+    [("tiny-hs64", [[1, 2], [3]], "runs batch 1 only, got 2 rows"), ("tiny-qwen3", [[1, 2]], "no QK-norm phase")],
+)
+def test_persistent_arm_says_why_it_cannot_run(preset, prompts, match):
+    m = LlamaModel(TransformerConfig.preset(preset))
+    m.init_weights(1)
+    with pytest.raises(ValueError, match=f"ffn_arm='persistent' cannot run: .*{match}"):
+        m.generate(prompts, 3, ffn_arm="persistent")
+
+
+@pytest.mark.gpu
+def test_persistent_arm_has_no_variant_for_head_size_16(cuda):
+    m = model("tiny", "bf16", cuda)
+    with pytest.raises(ValueError, match="no persistent decode variant for bf16 with head size 16"):
+        m.generate([[1, 2]], 3, ffn_arm="persistent")
+
+
+@pytest.mark.gpu
+def test_persistent_generation_graph_equals_eager(cuda):
+    out = []
+    for graphs in (True, False):
+        m = model("tiny-hs64", "bf16", cuda)
+        m.allocate_inference_state(max_batch=1, max_seq_len=64, cuda_graphs=graphs)
+        out.append(m.generate([[1, 2, 3]], 12, temperature=0.8, top_p=0.9, seed=2))
+        assert m.inference_state.choose_arm(1) == "persistent"
+    assert out[0] == out[1]

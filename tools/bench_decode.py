@@ -41,8 +41,8 @@ from bench_kernels import copy_case, fill, tensor  # noqa: E402
 
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import time_ms  # noqa: E402
-from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
-from cuengine.kernels import sampling  # noqa: E402
+from cuengine.inference import decode  # noqa: E402
+from cuengine.kernels import decode_layers, sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 PROMPT = 16  # prompt tokens before timed decode steps (--prompt)
@@ -68,9 +68,9 @@ def prompts(cfg, b: int, T: int, seed: int = 0) -> list[list[int]]:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, T)).tolist()
 
 
-def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT) -> float:
+def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT, arm: str | None = None) -> float:
     """Median ms per decode step of b rows (graph replay), from fresh prompts of `prompt` tokens."""
-    dev, arm = st.device, decode_arm(st, b)
+    dev, arm = st.device, arm or decode_arm(st, b)
     times = []
     for s in range(samples + 1):
         p = prompts(st.cfg, b, prompt, seed=s)
@@ -90,7 +90,7 @@ def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT) -> float
 
 
 def decode_arm(st, b: int) -> str:
-    return choose_ffn_arm(b, st.weights) if st.ffn_arm == "auto" else st.ffn_arm
+    return st.choose_arm(b) if st.ffn_arm == "auto" else st.ffn_arm
 
 
 def launches(st, fn) -> int:
@@ -123,20 +123,20 @@ def launches(st, fn) -> int:
 
 # ---- sections -------------------------------------------------------------------------------
 def token_section(args, dev, bw) -> list[str]:
-    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens", "",
-            f"{'shape':<14}{'weights':>8}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
-            f"{'launches':>10}{'per layer':>11}"]  # fmt: skip
+    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; L2 prefetch "
+            f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight (persistent)", "",
+            f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
+            f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
         for weights in ("bf16", "fp8"):
             m, st = engine(preset, 1, args.prompt + 8 * args.steps, weights)
-            ms = step_ms(st, 1, args.steps, args.samples, args.prompt)
-            nbytes = st.bytes_per_token()
-            bound = nbytes / bw * 1e3
-            arm = decode_arm(st, 1)
-            n = launches(st, lambda st=st, arm=arm: decode.decode_step_rows(st, 1, arm))
-            per_layer = launches(st, lambda st=st, arm=arm: decode.layer(st, 0, 1, arm))
-            rows.append(f"{preset:<14}{weights:>8}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
-                        f"{nbytes / ms / 1e6:>8.0f}{n:>10}{per_layer:>11}")  # fmt: skip
+            for arm in args.arms:
+                ms = step_ms(st, 1, args.steps, args.samples, args.prompt, arm)
+                nbytes = st.bytes_per_token()
+                bound = nbytes / bw * 1e3
+                n = launches(st, lambda st=st, arm=arm: decode.decode_step_rows(st, 1, arm))
+                rows.append(f"{preset:<14}{weights:>8}{arm:>11}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
+                            f"{nbytes / ms / 1e6:>8.0f}{n:>10}")  # fmt: skip
             del m, st
     rows.append(f"target: 0.5B bf16 <= {TARGET_BOUND} x bound; fp8 <= 0.6 x the bf16 time")
     return rows
@@ -375,8 +375,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
+    p.add_argument("--arms", nargs="+", default=["fused", "persistent"], help="token: the batch-1 arms to time")
+    p.add_argument("--prefetch-mb", type=int, help="token: the persistent arm's L2 prefetch per weight (MB)")
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
+    if args.prefetch_mb is not None:
+        decode_layers.PREFETCH_BYTES = args.prefetch_mb << 20
     if args.peer_child:
         peer_rows(args)
         return 0

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels import sampling
 from . import decode
-from .state import MAX_BATCH, RING, InferenceState, check_ffn_arm, choose_ffn_arm
+from .state import MAX_BATCH, RING, InferenceState, check_ffn_arm
 
 Steps = Iterator[list[tuple[int, int]]]  # per step: [(prompt index, token)]
 DEFAULT_MAX_BATCH = 8
@@ -50,7 +50,8 @@ class InferenceMixin:
             max_seq_len: prompt + new tokens, at most the config's max_position_embeddings
                 (None: 2048, or max_position_embeddings when that is smaller).
             weights: "bf16" (the model's own weights, shared) or "fp8" (W8A16 decode GEMVs).
-            ffn_arm: "auto", "split", "fused" or "gemm" (see inference.state.choose_ffn_arm).
+            ffn_arm: "auto", "split", "fused", "gemm" or "persistent" (batch 1: every layer in one launch);
+                see InferenceState.choose_arm.
             cuda_graphs: capture each decode step once per batch size and replay it.
         """
         if self._inference is not None:
@@ -76,7 +77,7 @@ class InferenceMixin:
             top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest nucleus whose
                 probability reaches top_p (1 = all). seed: the same seed gives the same samples.
             stop_tokens: ids that end a sequence; the stop token is included as its last token.
-            ffn_arm: override the state's arm for this call ("auto", "split", "fused", "gemm").
+            ffn_arm: override the state's arm for this call ("auto", "split", "fused", "gemm", "persistent").
         Returns:
             [[new ids of prompt 0], [new ids of prompt 1], ...]; a list is shorter than
             max_new_tokens only when it ends with a stop token.
@@ -158,7 +159,7 @@ class InferenceMixin:
         b, dev = len(prompts), st.device
         st.generation += 1
         gen = st.generation
-        arm = choose_ffn_arm(b, st.weights) if arm == "auto" else arm
+        arm = st.choose_arm(b) if arm == "auto" else arm
         st.start(prompts, params)
         running = np.ones(b, bool)
         issued = done = 0

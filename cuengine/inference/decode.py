@@ -10,8 +10,10 @@ the sequence more than 32 ways):
     FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
-The "gemm" arm (8 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead, which
-read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
+The "persistent" arm runs every layer of a batch-1 step in one launch (kernels/decode_layers.py): the
+"fused" arm's phases with grid-wide barriers between them, bit-identical to it. The "gemm" arm (8
+launches) runs every linear layer through cuBLASLt's M = b GEMMs instead,
+which read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
 GEMM with its bias, the output projection and the down projection accumulated into the residual.
 Then the final RMSNorm and the LM head give fp32 logits: a cuBLASLt GEMM for bf16/fp32 weights
 (it streams the (V, C) head faster than the GEMV at every batch size), the GEMV with its RMSNorm
@@ -30,7 +32,17 @@ step in bf16.
 from __future__ import annotations
 
 from .. import blas
-from ..kernels import activations, decode_attention, decode_step, encoder, gemv, qknorm, rmsnorm, sampling
+from ..kernels import (
+    activations,
+    decode_attention,
+    decode_layers,
+    decode_step,
+    encoder,
+    gemv,
+    qknorm,
+    rmsnorm,
+    sampling,
+)
 
 
 def _gemv(st, out, x, name, **kw) -> None:
@@ -100,14 +112,32 @@ def head_and_sample(st, b: int) -> None:
     decode_step.advance_positions(st.positions.rows(0, b), st.lengths.rows(0, b))
 
 
+def persistent_layers(st) -> None:
+    """Every layer of a batch-1 step in one launch (kernels/decode_layers.py): the "fused" arm's
+    phases, bit for bit, with grid barriers between them instead of kernel boundaries."""
+    cfg = st.cfg
+    decode_layers.decode_layers(st.residual.rows(0, 1), st.qkv.rows(0, 1), st.att.rows(0, 1), st.up.rows(0, 1),
+                                st.att_scratch, st.layer_sync, st.layer_table, st.layer_weights,
+                                st.lengths.rows(0, 1), st.freqs, cfg.num_q_heads, cfg.num_kv_heads,
+                                cfg.rms_norm_eps)  # fmt: skip
+
+
 def decode_step_rows(st, b: int, arm: str) -> None:
     """One decode step of rows 0..b-1 from their input tokens st.tokens[:b]. Enqueued only."""
     encoder.encoder_forward(st.residual.rows(0, b), st.tokens.rows(0, b), st.model.weights["wte"])
-    for i in range(st.cfg.num_layers):
-        layer(st, i, b, arm)
+    if arm == "persistent":
+        persistent_layers(st)
+    else:
+        for i in range(st.cfg.num_layers):
+            layer(st, i, b, arm)
     head_and_sample(st, b)
 
 
 def step(st, b: int, arm: str) -> None:
-    """decode_step_rows through the state's graph of (b, arm): captured once, then replayed."""
+    """decode_step_rows through the state's graph of (b, arm): captured once, then replayed.
+    Raises ValueError when arm="persistent" cannot run this model or batch, saying why."""
+    if arm == "persistent":
+        why = st.persistent_why or decode_layers.unsupported(st.cfg, st.dtype, st.device, b)
+        if why:
+            raise ValueError(f"ffn_arm='persistent' cannot run: {why}; use 'fused' or 'auto'")
     st.run(("decode", b, arm), lambda: decode_step_rows(st, b, arm))

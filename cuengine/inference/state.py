@@ -20,12 +20,12 @@ import numpy as np
 from .. import blas
 from ..dtypes import BF16, FP8_E4M3, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import decode_attention, gemv, rope, sampling
+from ..kernels import decode_attention, decode_layers, gemv, rope, sampling
 from . import decode
 from .prefill import prefill_group
 
 WEIGHTS = ("bf16", "fp8")  # "bf16": the model's own weights (fp32 for an fp32 model); "fp8": per-row E4M3
-FFN_ARMS = ("split", "fused", "gemm")
+FFN_ARMS = ("split", "fused", "gemm", "persistent")
 LINEARS = ("qkv_w", "atto_w", "up_w", "down_w")
 RING = 16  # steps of sampled tokens in flight between the device and the host
 MAX_BATCH = 64  # the decode kernels' row limit
@@ -122,6 +122,14 @@ class InferenceState:
                                  decode_attention.decode_attention_scratch_shape(B, Hq, hs, S)).fill_zero()  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
+            # the "persistent" arm (batch 1, one launch for every layer): its layer table and barrier counters
+            self.persistent_why = decode_layers.unsupported(cfg, dt, dev, 1)
+            self.layer_weights = self.layer_table = self.layer_sync = None
+            if self.persistent_why is None:
+                self.layer_weights = [self._layer_weights(i) for i in range(L)]
+                self.layer_table = a(INT32, "decode_layer_table", decode_layers.layer_table_shape(L))
+                decode_layers.write_layer_table(self.layer_table, self.layer_weights)
+                self.layer_sync = a(INT32, "decode_layer_sync", (2,)).fill_zero()
             # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows
             self.p_res = a(dt, "prefill_residual", (S, C))
             self.p_res_att = a(dt, "prefill_res_att", (S, C))
@@ -145,6 +153,22 @@ class InferenceState:
         self.groups: list[tuple[int, int, int, int]] = []  # prefill groups: (first prompt, n, T, offset)
 
     # ---- weights -----------------------------------------------------------------------------
+    def _layer_weights(self, i: int) -> dict:
+        """Layer i's tensors for decode_layers (LAYER_FIELDS): its decode linears, norms, bias and cache."""
+        blk, p = self.model.weights.block(i), f"layers.{i}."
+        lin = {n: self.linears[p + n] for n in LINEARS}
+        return {"qkv_w": lin["qkv_w"].w, "qkv_scale": lin["qkv_w"].scale, "qkv_b": blk.get("qkv_b"),
+                "ln1": blk["ln1_w"], "o_w": lin["atto_w"].w, "o_scale": lin["atto_w"].scale, "ln2": blk["ln2_w"],
+                "up_w": lin["up_w"].w, "up_scale": lin["up_w"].scale, "down_w": lin["down_w"].w,
+                "down_scale": lin["down_w"].scale, "k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}  # fmt: skip
+
+    def choose_arm(self, b: int) -> str:
+        """The arm a step of b rows runs when none is forced: "persistent" at batch 1 where this model
+        has it, else choose_ffn_arm's."""
+        if b == 1 and self.persistent_why is None:
+            return "persistent"
+        return choose_ffn_arm(b, self.weights)
+
     def refresh_weights(self) -> None:
         """Requantize the per-row E4M3 copies from the model's current weights (weights="fp8"),
         so a model that trained since the last generation samples from what it has become."""
@@ -254,7 +278,7 @@ def choose_ffn_arm(b: int, weights: str) -> str:
 
 def check_ffn_arm(arm: str, weights: str) -> None:
     """ValueError saying why `arm` cannot run with `weights`."""
-    if arm != "auto" and arm not in FFN_ARMS:
+    if arm != "auto" and arm not in FFN_ARMS:  # "persistent" is checked per step: it needs batch 1
         raise ValueError(f"ffn_arm must be 'auto' or one of {FFN_ARMS}, got {arm!r}")
     if arm == "gemm" and weights == "fp8":
         raise ValueError(

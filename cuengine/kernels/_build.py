@@ -59,20 +59,27 @@ def include_options() -> tuple[str, ...]:
 
 
 @functools.cache
-def module(family: str, device_index: int):
-    """The compiled RawModule for raw_kernels/<family>.cu on one device."""
+def module(family: str, device_index: int, template: str | None = None):
+    """The compiled RawModule for raw_kernels/<family>.cu on one device; with `template` (a name
+    expression such as "decode_layers<float, float, 4, 1, 16>") only that instantiation of the file's
+    template kernel is compiled, for families whose variants are too costly to compile all at once."""
     import cupy
 
     path = kernel_dir() / f"{family}.cu"
     source = path.read_text()
+    names = (template,) if template else ()
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=source, options=COMPILE_OPTIONS + include_options(), backend="nvrtc")
+        mod = cupy.RawModule(code=source, options=COMPILE_OPTIONS + include_options(), backend="nvrtc",
+                             name_expressions=names)  # fmt: skip
         mod.compile()
     return mod
 
 
 @functools.cache
-def _function(family: str, name: str, device_index: int):
+def function(family: str, name: str, device_index: int):
+    """The compiled kernel `name` of raw_kernels/<family>.cu (its attributes, its occupancy)."""
+    if "<" in name:  # a template instantiation
+        return module(family, device_index, name).get_function(name)
     return module(family, device_index).get_function(name)
 
 
@@ -101,8 +108,10 @@ def launch(family: str, name: str, grid, block, args, device, stream=None, share
     that overlap. Only for kernels that execute `griddepcontrol.wait` (common.cuh:
     grid_dependency_wait) before they read what earlier kernels wrote or write what they read; it
     hides the launch and the prologue of short decode kernels behind their predecessor's tail.
+
+    A name with "<" is a template instantiation (see `module`).
     """
-    fn = _function(family, name, device.index)
+    fn = function(family, name, device.index)
     if shared_mem > _smem_opt_in.get(fn, 0):
         # Dynamic plus static shared memory over 48 KB needs the opt-in, even when the
         # dynamic part alone is under it; raise the limit once per kernel.

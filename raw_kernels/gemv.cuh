@@ -1,0 +1,311 @@
+// Decode GEMV device code, shared by gemv.cu (one launch per linear layer) and decode_layers.cu (every
+// layer of a decode step in one persistent launch). gemv.cu's header has the contract.
+//
+// gemv_impl takes the block's index and the grid size as arguments (a persistent kernel runs it with its
+// own grid) and a `wait` callable run once per block before anything an earlier phase wrote is touched:
+// griddepcontrol.wait in gemv.cu, a grid-wide barrier in decode_layers.cu. Inputs and residuals that an
+// earlier phase wrote are read through L2 only (ld.global.cg / cp.async.cg): within one persistent launch
+// another SM wrote them, and L1 is not coherent.
+#pragma once
+#include "common.cuh"
+
+constexpr int WARPS = 8;  // warps per block
+constexpr int R = 2;      // weight rows per warp
+constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
+constexpr int SU = 2;     // 16-byte SwiGLU input vectors per thread in flight while staging
+
+enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2 };
+
+
+// ---- helpers ------------------------------------------------------------------------------
+
+// Reads of data another block may have written in the same launch: L2 only (L1 is not coherent).
+template <typename T> __device__ __forceinline__ Pack16<T> load_pack_cg(const T* p) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    Pack16<T> r;
+    memcpy(&r, &v, 16);
+    return r;
+}
+
+
+// 16 bytes of weights that bypass L1: each vector is used once per pass
+__device__ __forceinline__ uint4 load_weights(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// Element j of a 32-bit word of W, as a float, exactly.
+template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
+template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
+template <> __device__ __forceinline__ float widen<bf16>(unsigned word, int j) {
+    return __uint_as_float(j == 0 ? word << 16 : word & 0xffff0000u);
+}
+// The byte s.eeee.mmm moved into float's sign, exponent and mantissa fields is the value times 2^-120
+// (E4M3 subnormals land on float subnormals), so one exact multiply finishes it: three integer ops and a
+// multiply per element instead of two conversions through half.
+template <> __device__ __forceinline__ float widen<fp8e4>(unsigned word, int j) {
+    const int top = (int)(word << (24 - 8 * j));  // byte j in bits 31..24
+    return __int_as_float((top >> 4) & 0x87f00000) * 0x1p120f;
+}
+
+// 16 bytes global -> shared without passing through registers (the weight vectors in flight keep theirs)
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T.
+template <typename T, int BT>
+__device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
+                            float eps, int prologue, int m0, int b, int K) {
+    constexpr int VT = Pack16<T>::N;
+    const int vecs = K / VT, total = BT * vecs;
+    if (prologue == PRO_SWIGLU) {
+        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
+            Pack16<T> v[SU];
+            #pragma unroll
+            for (int j = 0; j < SU; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
+                if (i >= total || m >= b) {
+                    for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
+                } else {  // silu as activations.cu's act_value(ACT_SILU, g) * u
+                    const T* row = x + (size_t)m * 2 * K;
+                    const Pack16<T> g = load_pack_cg(row + c), u = load_pack_cg(row + K + c);
+                    for (int k = 0; k < VT; ++k) {
+                        const float gk = to_float(g.v[k]);
+                        v[j].v[k] = from_float<T>(gk * __fdividef(1.f, 1.f + __expf(-gk)) * to_float(u.v[k]));
+                    }
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < SU; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs;
+                if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+            }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int t = i / vecs, c = (i - t * vecs) * VT;
+        T* dst = xs + (size_t)t * K + c;
+        if (m0 + t < b) {
+            copy_async16(dst, x + (size_t)(m0 + t) * K + c);
+        } else {
+            Pack16<T> z;
+            for (int k = 0; k < VT; ++k) z.v[k] = from_float<T>(0.f);
+            z.store(dst);
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    if (prologue != PRO_NORM) return;
+    // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
+    __syncthreads();  // every thread's copies have landed
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int t = warp; t < BT; t += WARPS) {
+        float ss = 0.f;
+        for (int c = lane * VT; c < K; c += 32 * VT) {
+            const Pack16<T> v = Pack16<T>::load(xs + (size_t)t * K + c);
+            for (int k = 0; k < VT; ++k) {
+                const float f = to_float(v.v[k]);
+                ss += f * f;
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) s_rstd[t] = 1.f / sqrtf(ss / K + eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int t = i / vecs, c = (i - t * vecs) * VT;
+        T* p = xs + (size_t)t * K + c;
+        const Pack16<T> v = Pack16<T>::load(p), w = Pack16<T>::load(norm_weight + c);
+        const float r = s_rstd[t];
+        Pack16<T> y;
+        for (int k = 0; k < VT; ++k) y.v[k] = from_float<T>(to_float(v.v[k]) * r * to_float(w.v[k]));
+        y.store(p);
+    }
+}
+
+// The epilogue operands of one output, loaded before the dot products so that they arrive during them.
+struct Epilogue {
+    float scale, bias, residual;
+};
+template <typename T, typename O>
+__device__ __forceinline__ Epilogue fetch_epilogue(const float* w_scale, const T* bias, const O* residual, int m,
+                                                   int n, int N) {
+    Epilogue e{1.f, 0.f, 0.f};
+    if (w_scale) e.scale = w_scale[n];
+    if (bias) e.bias = to_float(bias[n]);
+    if (residual) e.residual = to_float(load_cg(residual + (size_t)m * N + n));
+    return e;
+}
+
+// The epilogue of one output: scale, round, bias, round, residual, round.
+template <typename O>
+__device__ __forceinline__ void finish(O* out, const Epilogue& e, bool scaled, bool biased, bool residual, float y,
+                                       int m, int n, int N) {
+    if (scaled) y *= e.scale;
+    O v = from_float<O>(y);
+    if (biased) v = from_float<O>(to_float(v) + e.bias);
+    if (residual) v = from_float<O>(e.residual + to_float(v));
+    out[(size_t)m * N + n] = v;
+}
+
+
+// The weight row (and out column) of tile row q: gemv_dual pairs gate row q/2 (q even) with up row
+// N/2 + q/2 (q odd) in one warp.
+__device__ __forceinline__ int weight_row(int q, int N, int dual) { return dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q; }
+
+// The first U weight vectors of each of a warp's R rows for its K-slice [c0, c1).
+template <typename W>
+__device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&wrow)[R], int c0, int c1, int lane) {
+    constexpr int VW = 16 / sizeof(W);
+    for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+            wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+}
+
+
+// ---- kernels ------------------------------------------------------------------------------
+
+// Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
+// a tile's sums do not depend on which block runs it). A block's work is (tile, pass of BT input rows)
+// items in order; the first weight vectors of the next item are in flight while the current one reduces
+// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes.
+template <typename T, typename W, typename O, int BT, typename Wait>
+__device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
+                          const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
+                          int b, int K, int N, int S, int block, int blocks, Wait wait) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* xs = reinterpret_cast<T*>(smem);
+    __shared__ float s_partial[WARPS][R][BT];
+    __shared__ float s_rstd[BT];
+    constexpr int VW = 16 / sizeof(W);         // weights per 16-byte vector
+    constexpr int NT = Pack16<T>::N;           // inputs per 16-byte vector
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int groups = WARPS / S, group = warp / S, slice = warp % S;
+    const int C = K / VW;
+    const int c0 = (int)((long long)slice * C / S), c1 = (int)((long long)(slice + 1) * C / S);
+    const int tiles = (N + groups * R - 1) / (groups * R);
+    // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
+    launch_dependents();
+    if (block >= tiles) {
+        wait();
+        return;
+    }
+    // The output this thread finishes, (tile row fr, input row ft of the pass), if any: with S = 1 lane
+    // r * BT + t of each warp, with S > 1 thread (g * R + r) * BT + t after the ordered sum of the slices.
+    const int fi = S == 1 ? lane : threadIdx.x;
+    const bool finisher = S == 1 ? lane < R * BT : threadIdx.x < groups * R * BT;
+    const int fr = (S == 1 ? group : fi / (R * BT)) * R + fi / BT % R, ft = fi % BT;
+
+    int tile_index = block, m0 = 0;
+    const W* wrow[R];
+    const auto set_rows = [&](int ti) {
+        for (int r = 0; r < R; ++r) {
+            const int q = min(ti * groups * R + group * R + r, N - 1);  // rows past N load a valid row, store nothing
+            wrow[r] = w + (size_t)weight_row(q, N, dual) * K;
+        }
+    };
+    set_rows(tile_index);
+    uint4 wv[U][R];
+    load_first<W>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
+    bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
+    for (;;) {
+        const int tile = tile_index * groups * R;  // first row of the tile
+        // The previous item must be done with xs and s_partial; warps that only read the staged input and
+        // keep their sums in registers run ahead across tiles.
+        if (S > 1 || b > BT || !staged) __syncthreads();
+        if (b > BT || !staged) {
+            // Under programmatic dependent launch everything above (weights only) overlaps the previous
+            // kernel (or phase); its outputs (x, residual, out's memory) are touched only after this wait.
+            if (!staged) wait();
+            stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
+            __syncthreads();
+            staged = true;
+        }
+        const int fq = tile + fr, fm = m0 + ft;
+        const bool writes = finisher && fq < N && fm < b;
+        const int fn = weight_row(min(fq, N - 1), N, dual);
+        const Epilogue ep = writes ? fetch_epilogue<T, O>(w_scale, bias, residual, fm, fn, N) : Epilogue{1.f, 0.f, 0.f};
+
+        float acc[R][BT];
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = 0.f;
+        for (int c = c0 + lane; c < c1; c += 32 * U) {
+            if (c != c0 + lane)
+                for (int u = 0; u < U; ++u)
+                    for (int r = 0; r < R; ++r)
+                        wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cu = c + 32 * u;
+                if (cu < c1) {
+                    static_assert(R == 2, "the word table lists two rows");
+                    const unsigned words[R][4] = {
+                        {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
+                        {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
+                    // one input vector (NT elements) at a time, so only NT weights per row are live
+                    #pragma unroll
+                    for (int h = 0; h < VW / NT; ++h) {
+                        float wf[R][NT];
+                        #pragma unroll
+                        for (int r = 0; r < R; ++r)
+                            #pragma unroll
+                            for (int k = 0; k < NT; ++k) {
+                                const int e = h * NT + k;  // element of the weight vector
+                                wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
+                            }
+                        #pragma unroll
+                        for (int t = 0; t < BT; ++t) {
+                            const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
+                            #pragma unroll
+                            for (int k = 0; k < NT; ++k) {
+                                const float xk = to_float(xv.v[k]);
+                                #pragma unroll
+                                for (int r = 0; r < R; ++r) acc[r][t] = fmaf(xk, wf[r][k], acc[r][t]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // the next item's first weights go out before this one's reduction and stores
+        int next_index = tile_index, next_m0 = m0 + BT;
+        if (next_m0 >= b) {
+            next_m0 = 0;
+            next_index += blocks;
+        }
+        const bool more = next_index < tiles;
+        if (more) {
+            if (next_index != tile_index) set_rows(next_index);
+            load_first<W>(wv, wrow, c0, c1, lane);
+        }
+
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+        float y = 0.f;
+        if (S == 1) {  // lane r * BT + t holds (row r, input row t)
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < BT; ++t)
+                    if (lane == r * BT + t) y = acc[r][t];
+        } else {
+            if (lane == 0)
+                for (int r = 0; r < R; ++r)
+                    for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
+            __syncthreads();
+            if (finisher) {
+                const int g = fi / (R * BT), r = fi / BT % R, t = fi % BT;
+                for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
+            }
+        }
+        if (writes) finish<O>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, fm, fn, N);
+        if (!more) break;
+        tile_index = next_index;
+        m0 = next_m0;
+    }
+}
