@@ -110,7 +110,17 @@ class Trainer:
         checkpoint_extra: JSON-able dict stored in every checkpoint beside the step and the data state.
         hooks: callables `hook(record)` run after each step; the record holds "step", "loss", "lr",
             "tokens", "tok_per_s", "ms", "memory", on cuda "mfu", and "val_loss" after a validation.
-            The gradients of the step are still readable in a hook (`model.gradients()`).
+            The gradients of the step are still readable in a hook (`model.gradients()`); with
+            zero_stage >= 1 the weights need `model.sync_weights()` (on every rank) first.
+
+    Several ranks (a model with a `comm`): Ctrl-C and the wall clock differ per rank, so a stop
+    request and a timed checkpoint (`save_seconds`) are agreed on, without a host wait per step:
+    after step k each rank posts its two flags into a tiny all-reduce (max) on the main stream,
+    read back into pinned memory, and reads the agreement posted after step k-1, which the device
+    finished long ago (step k's loss read waited for it). So every rank stops, or saves on time,
+    at the same step, one step after the post that carried the request: a Ctrl-C during step k
+    stops after step k+1 with a checkpoint (one arriving between the post and the end of step k,
+    after step k+2; with one rank, after step k), and a timed save comes one step late.
     """
 
     def __init__(self, model, source, *, batch_size: int, seq_len: int, steps: int,
@@ -185,6 +195,7 @@ class Trainer:
         flops_tok = model.flops_per_token(self.T) if dev.is_cuda else None
         saved_at = time.monotonic()
         self.stop_requested = False
+        agree = _Agreement(comm) if comm is not None else None
         while self.step < stop:
             lr = self.lr(self.step)
             t0 = time.perf_counter()
@@ -206,10 +217,11 @@ class Trainer:
                 hook(rec)
             # one reading of the stop request serves the checkpoint and the loop: a Ctrl-C after it
             # stops after the next step, with a checkpoint
-            stop_now = self.stop_requested
-            timed = bool(self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
-            if comm is not None:  # clocks and Ctrl-C differ per rank: all ranks do what rank 0 decides
-                stop_now, timed = comm.broadcast_object((stop_now, timed))
+            if agree is None:
+                stop_now = self.stop_requested
+                timed = bool(self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
+            else:  # what every rank posted after the previous step
+                stop_now, timed = agree.read()
             if self.checkpoint_dir is not None and (
                 (self.save_every and self.step % self.save_every == 0) or timed or self.step == stop or stop_now
             ):
@@ -218,4 +230,49 @@ class Trainer:
             if stop_now:
                 self.stop_requested = True
                 break
+            if agree is not None and self.step < stop:  # (nobody reads what the last step would post)
+                agree.post(
+                    self.stop_requested, bool(self.save_seconds and time.monotonic() - saved_at >= self.save_seconds)
+                )
+        sync = getattr(model, "sync_weights", None)
+        if sync is not None:  # every rank ends here at the same step: a due all-gather runs now
+            sync()
         return self.step
+
+
+class _Agreement:
+    """Flags every rank posts after a step, max-reduced over the ranks and read one step later
+    without a host wait (see Trainer): an all-reduce of two int32 on the main stream, copied into
+    pinned memory behind an event, in one of two slots (the one posted last step is being read)."""
+
+    def __init__(self, comm):
+        from .dtypes import INT32
+        from .tensor import Tensor
+
+        dev = comm.device
+        self.comm, self.k = comm, 0
+        self.flags = [Tensor.empty(INT32, (2,), dev, name=f"stop_flags.{i}") for i in range(2)]
+        self.host = [Tensor.empty(INT32, (2,), dev, name=f"stop_flags_host.{i}", kind="pinned") for i in range(2)]
+        self.events = [dev.event() for _ in range(2)]
+        self.posted = [False, False]
+
+    def post(self, stop: bool, timed: bool) -> None:
+        """Enqueue this rank's flags (no host wait: the slot's last readback was read at `read`)."""
+        i, dev = self.k % 2, self.comm.device
+        self.host[i].array()[...] = (int(stop), int(timed))
+        dev.copy_async(self.flags[i], self.host[i])
+        self.comm.all_reduce(self.flags[i], op="max")
+        dev.copy_async(self.host[i], self.flags[i])
+        self.events[i].record()
+        self.posted[i] = True
+        self.k += 1
+
+    def read(self) -> tuple[bool, bool]:
+        """(stop, timed) as any rank posted them last (False, False before the first post)."""
+        i = (self.k - 1) % 2
+        if not self.posted[i]:
+            return False, False
+        self.posted[i] = False
+        self.events[i].synchronize()  # done already: a later step's loss read waited for the device
+        stop, timed = self.host[i].array().tolist()
+        return bool(stop), bool(timed)

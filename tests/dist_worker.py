@@ -170,6 +170,8 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
         opt.set_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, step + 1)
         dp.global_norm(opt, 1.0)
         dp.update(weights, buckets, opt, seed=42)
+        dp.start_gather(buckets)  # what the model's next forward does, bucket by bucket
+        comm.join()
     out = {n: t.numpy() for n, t in weights.items()}
     out["loss_sums"], out["counts"], out["loss_weights"] = sums, counts, loss_weights
     out["norm"] = opt.norm_result.numpy()
@@ -222,6 +224,7 @@ def train_model(cfg_changes: dict, opts: dict, B: int, steps, accum: int = 1, sa
             losses.append(model.finish_step(1e-2, n))
         if step == save_at:
             model.save_checkpoint(save_to, extra={"step": step})
+    model.sync_weights()  # ZeRO >= 1: the last update's gather is otherwise left to a next forward
     out = {"losses": losses, "extra": extra, "weights": {n: t.numpy() for n, t in model.weights.tensors.items()}}
     captured = len(model._graphs)
     comm.close()  # with the model alive: NCCL destroys a communicator only after the graphs of its collectives
@@ -246,3 +249,121 @@ def model_grads(cfg_changes: dict, B: int, device="cpu") -> dict:
     out = {n: t.numpy() for n, t in model.gradients().items()}
     comm.close()
     return out
+
+
+def gather_order(stage: int) -> dict:
+    """Two train steps of a model with `zero_stage` stage; the second one's all-gathers, waits for
+    them and block forwards are logged, with the phase (forward / update) each came in."""
+    from cuengine.model.config import TransformerConfig
+
+    comm = ce.dist.init()
+    cfg = TransformerConfig.preset("tiny").replace(dtype="fp32")
+    model = ce.LlamaModel(cfg, ce.TrainOptions(zero_stage=stage), device=comm.device, comm=comm)
+    model.init_weights(seed=1)
+    model.allocate_run_state(1, MODEL_T)
+    x, y = global_batch(cfg, 0, comm.world_size)
+    rows = slice(comm.rank, comm.rank + 1)
+    model.train_step(x[rows], y[rows], lr=1e-2)
+    log, phase = [], ["-"]
+
+    def wrap(obj, name, entry):
+        inner = getattr(obj, name)
+
+        def call(*a, **k):
+            log.append(entry(*a, **k))
+            return inner(*a, **k)
+
+        setattr(obj, name, call)
+
+    wrap(comm, "all_gather", lambda out, inp, stream=None: (phase[0], "gather", out.nelem, stream is comm.stream))
+    wrap(model._blocks, "forward", lambda i, r: (phase[0], "block", i))
+    if model._dp is not None:
+        wrap(model._dp, "wait_gathered", lambda name: (phase[0], "wait", name))
+    for name in ("forward", "_adamw"):
+        inner = getattr(model, name)
+        setattr(model, name, lambda *a, _inner=inner, _name=name, **k: (phase.__setitem__(0, _name), _inner(*a, **k)))
+    model.train_step(x[rows], y[rows], lr=1e-2)
+    step_log, due = list(log), model._gather_due
+    try:
+        model.parameters()
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    model.sync_weights()
+    out = {"log": step_log, "due": due, "refused": refused, "due_after_sync": model._gather_due,
+           "weights": {n: t.numpy() for n, t in model.parameters().items()}, "L": cfg.num_layers}  # fmt: skip
+    comm.close()
+    return out
+
+
+def trainer_agreement(steps: int, stop_rank: int, stop_at: int, clock_rank: int, save_seconds: float,
+                      ckdir: str) -> dict:  # fmt: skip
+    """A Trainer on a tiny model over ranks: rank `stop_rank` asks for a stop in its hook after step
+    `stop_at` (-1: never); rank `clock_rank`'s clock runs 100 s per reading (the others' stand
+    still). Returns where the run stopped, the steps it saved at and the host-waiting collectives
+    it called."""
+    import types
+
+    import cuengine.train as train_mod
+    from cuengine.data import TokenSource
+    from cuengine.model.config import TransformerConfig
+
+    comm = ce.dist.init()
+    r = comm.rank
+    ticks = [0.0]
+
+    def monotonic():
+        ticks[0] += 100.0 if r == clock_rank else 0.0
+        return ticks[0]
+
+    train_mod.time = types.SimpleNamespace(monotonic=monotonic, perf_counter=time.perf_counter)
+    calls = {"broadcast_object": 0, "barrier": 0}
+    for name in calls:
+        inner = getattr(comm, name)
+
+        def counted(*a, _inner=inner, _name=name, **k):
+            calls[_name] += 1
+            return _inner(*a, **k)
+
+        setattr(comm, name, counted)
+    cfg = TransformerConfig.preset("tiny").replace(dtype="fp32")
+    model = ce.LlamaModel(cfg, ce.TrainOptions(zero_stage=1), device=comm.device, comm=comm)
+    model.init_weights(seed=1)
+    model.allocate_run_state(1, MODEL_T)
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 4096).astype(np.int32)
+    trainer = train_mod.Trainer(model, TokenSource([tokens], "random"), batch_size=1, seq_len=MODEL_T, steps=steps,
+                                lr=1e-3, checkpoint_dir=ckdir, save_seconds=save_seconds)  # fmt: skip
+    saves = []
+    save = trainer.save
+    trainer.save = lambda: (saves.append(trainer.step), save())
+
+    def hook(rec):
+        if r == stop_rank and rec["step"] == stop_at:
+            trainer.request_stop()
+
+    trainer.hooks = [hook]
+    step = trainer.run()
+    out = {"step": step, "saves": saves, "stop_requested": trainer.stop_requested, "calls": calls}
+    comm.close()
+    return out
+
+
+def deferred_gathers() -> dict:
+    """Two all-gathers on the communication stream with an event between them; what `out` holds
+    before any wait, after waiting for the first, and after the join."""
+    comm = ce.dist.init()
+    out = ce.Tensor.from_numpy(np.full(4, -1, np.int32), comm.device)
+    mine = ce.Tensor.from_numpy(np.array([comm.rank], np.int32), comm.device)
+    one = ce.Tensor.from_numpy(np.array([1], np.int32), comm.device)
+    ev = comm.device.event()
+    comm.all_gather(out.rows(0, 2), mine, stream=comm.stream)
+    comm.record(ev)
+    comm.all_gather(out.rows(2, 4), one, stream=comm.stream)
+    mine.array()[0] = 0  # a write after the enqueue: a collective that runs late reads it
+    got = {"before": out.numpy().tolist()}
+    comm.wait(ev)
+    got["after_first"] = out.numpy().tolist()
+    comm.join()
+    got["after_join"] = out.numpy().tolist()
+    comm.close()
+    return got

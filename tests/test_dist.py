@@ -723,6 +723,74 @@ def test_zero_stages_equal_plain_data_parallel(clean_env, dtype):
             np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_zero_stages_equal_plain_data_parallel_with_fp8_copies(clean_env, preset):
+    """FP8 matmuls (and the FP8 LM head): with ZeRO >= 1 each layer's E4M3 copies are re-made in the
+    next forward after its gather, the embedding's (a tied head) in the update; same bits as stage 0."""
+    cfg, opts = {"preset": preset, "dtype": "bf16"}, {"matmul_dtype": "e4m3", "lmhead_fp8": True}
+    base = _launch_kw(2, cfg, dict(opts, zero_stage=0), 2, range(3))
+    for stage in (1, 2):
+        run = _launch_kw(2, cfg, dict(opts, zero_stage=stage), 2, range(3))
+        assert run["losses"] == base["losses"], f"zero_stage {stage}"
+        for n, a in base["weights"].items():
+            np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
+
+
+def test_fake_runs_communication_stream_collectives_only_when_waited_for(clean_env):
+    """The double runs a collective on the communication stream only when a stream waits for it,
+    so a forgotten wait reads stale bytes on cpu as it could on a GPU."""
+    res = dist.launch(dist_worker.deferred_gathers, 2, backend="fake", timeout=60)
+    for got in res:  # the first gather ran at the wait, after both ranks had overwritten their input with 0
+        assert got == {"before": [-1] * 4, "after_first": [0, 0, -1, -1], "after_join": [0, 0, 1, 1]}, got
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_update_leaves_the_layers_gathers_to_the_next_forward(clean_env, stage):
+    """ZeRO >= 1: the update gathers only the embedding; the next forward issues the layers' and the
+    head's gathers on the communication stream before its first block and waits for layer i's just
+    before block i (not for all of them at its start). Until then `parameters()` refuses, and
+    `sync_weights()` makes the weights whole (the same on both ranks)."""
+    res = dist.launch(dist_worker.gather_order, 2, stage, backend="fake", timeout=120)
+    for r in res[1:]:
+        for n, a in res[0]["weights"].items():
+            np.testing.assert_array_equal(r["weights"][n], a, err_msg=n)
+    got = res[0]
+    L, log = got["L"], [e for e in got["log"] if e[1] != "gather" or e[3]]  # (the losses' gather is on main)
+    gathers = [(i, e) for i, e in enumerate(log) if e[1] == "gather"]
+    if stage == 0:
+        assert not gathers and not got["due"] and got["refused"] is None
+        return
+    # the first update's layers and head, gathered by this forward; then this update's embedding
+    assert [e[0] for _, e in gathers] == ["forward"] * (L + 1) + ["_adamw"], log
+    assert got["due"] and "sync_weights" in got["refused"] and not got["due_after_sync"]
+    blocks = {e[2]: i for i, e in enumerate(log) if e[1] == "block" and e[0] == "forward"}
+    waits = {e[2]: i for i, e in enumerate(log) if e[1] == "wait"}
+    assert max(i for i, e in gathers if e[0] == "forward") < blocks[0]
+    for i in range(L):
+        assert (blocks[i - 1] if i else 0) < waits[f"layers.{i}"] < blocks[i], log
+    assert waits["head"] > blocks[L - 1]
+
+
+def test_trainer_agrees_on_a_stop_without_a_host_wait_per_step(clean_env, tmp_path):
+    """A stop asked for on rank 1 alone (its hook, after step 3) stops every rank after step 4 with
+    the same checkpoint; no step waits on the host for a collective (no broadcast_object; one
+    barrier per checkpoint, inside save_checkpoint)."""
+    res = dist.launch(dist_worker.trainer_agreement, 2, 8, 1, 3, -1, 0.0, str(tmp_path / "ck"), backend="fake",
+                      timeout=120)  # fmt: skip
+    for got in res:
+        assert got["step"] == 4 and got["stop_requested"] and got["saves"] == [4], got
+        assert got["calls"] == {"broadcast_object": 0, "barrier": 1}, got
+
+
+def test_trainer_timed_checkpoints_on_every_rank_at_the_same_step(clean_env, tmp_path):
+    """Rank 1's clock says a save is due after every step, rank 0's never does: both save at the same
+    steps, each one step after the post that carried it."""
+    res = dist.launch(dist_worker.trainer_agreement, 2, 5, -1, -1, 1, 50.0, str(tmp_path / "ck"), backend="fake",
+                      timeout=120)  # fmt: skip
+    assert res[0]["saves"] == res[1]["saves"] == [2, 3, 4, 5], res
+    assert all(r["step"] == 5 and not r["stop_requested"] for r in res)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_graphed_steps_on_ranks_equal_eager_steps_and_close_drops_the_graphs(clean_env, stage):
     """use_cuda_graphs with ranks and 3 micro-steps (first, middle and last graphs): the double's hub
@@ -833,6 +901,29 @@ def test_nccl_fp8_two_gpus_train(clean_env):
     one = dist_worker.train_model(cfg, {"matmul_dtype": "e4m3"}, 8, range(5), device="cuda")
     two = _nccl_train({"zero_stage": 1, "matmul_dtype": "e4m3"}, 4, range(5), cfg)
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=5e-2)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_zero1_fp8_graphs_gather_in_the_forward(clean_env):
+    """ZeRO-1 with FP8 copies (the head's too) and CUDA graphs: the forward's graph holds the layers'
+    gathers, per-layer event waits and re-quantization; the same losses as plain data parallel."""
+    cfg = {"preset": "tiny", "dtype": "bf16"}
+    opts = {"matmul_dtype": "e4m3", "lmhead_fp8": True, "use_cuda_graphs": True}
+    base = _nccl_train(dict(opts, zero_stage=0), 4, range(8), cfg)
+    run = _nccl_train(dict(opts, zero_stage=1), 4, range(8), cfg)
+    assert run["graphs"][0] > 0 and run["graphs"][1] == 0, run["graphs"]
+    assert_losses_close(run["losses"], base["losses"], 1e-6)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_trainer_agrees_on_a_stop(clean_env, tmp_path):
+    """The Trainer's stop agreement on NCCL (device all-reduce, pinned read-back one step later)."""
+    res = dist.launch(dist_worker.trainer_agreement, 2, 8, 1, 3, -1, 0.0, str(tmp_path / "ck"), backend="nccl",
+                      timeout=120, deadline=NCCL_DEADLINE)  # fmt: skip
+    for got in res:
+        assert got["step"] == 4 and got["saves"] == [4] and got["calls"]["broadcast_object"] == 0, got
 
 
 @pytest.mark.gpu

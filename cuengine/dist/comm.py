@@ -6,6 +6,7 @@ ready for whatever comes next there); passing `stream=comm.stream` runs them on 
 communication stream instead, beside the compute, with `comm.wait_for(main)` before and
 `comm.join(main)` after to order the two streams without a host sync. Two events do this
 for any number of collectives: a stream wait captures the event's last record at call time.
+`comm.record(event)` / `comm.wait(event)` order a stream after part of them (one bucket's).
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ class Communicator:
         far on the communication stream."""
         self._join.record(self.stream)
         self.device._stream(stream).wait(self._join)
+
+    def record(self, event) -> None:
+        """Record `event` on the communication stream after the collectives enqueued so far: a
+        point that `wait` orders another stream after (e.g. one bucket's all-gather)."""
+        event.record(self.stream)
+
+    def wait(self, event, stream=None) -> None:
+        """Later work on `stream` (default: the main stream) waits for the collectives enqueued
+        before `record(event)`, not for those after it (`join` waits for all of them)."""
+        self.device._stream(stream).wait(event)
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor, op: str = "sum", stream=None) -> None:

@@ -10,6 +10,14 @@ collective and waits for its part of the result. The hub checks that all ranks c
 collective with the same dtype and size (a mismatch raises DistError on every rank instead of a
 hang), and when a rank disconnects or does not show up within the timeout it tells the others,
 which raise DistError.
+
+Stream order is modelled the way a GPU may run it at its latest: a collective enqueued on the
+communication stream (`stream=comm.stream`) runs, reading its input and writing its output, only
+when some stream is made to wait for it (`join`, or `wait` on an event `record`ed after it), or
+at a host wait (barrier, broadcast_object, close). Collectives on the main stream run at once.
+So code that reads a result without waiting for it reads stale bytes here too, and the tests that
+compare against one process see it. Every rank runs the same program, so every rank runs its
+deferred collectives in the same order at the same points, which keeps the hub's order check.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ class FakeComm(Communicator):
         super().__init__(rank, world_size, local_rank, _get_device("cpu"))
         self.timeout = timeout
         self._seq = 0
+        self._deferred: list = []  # communication-stream collectives not yet run, in stream order
+        self._ran = 0  # how many of them ran
+        self._marks: dict = {}  # event -> how many had been enqueued when it was recorded
         self._hub = None
         if rank == 0:
             self._hub = _Hub(listen(addr, port, world_size), world_size, timeout)
@@ -64,23 +75,64 @@ class FakeComm(Communicator):
     def _describe(t):
         return {"dtype": t.dtype.name, "n": t.nelem}
 
+    # ---- stream order (see the module) ----------------------------------------------------------
+    def _enqueue(self, stream, run) -> None:
+        if stream is self.stream:
+            self._deferred.append(run)
+        else:
+            run()
+
+    def _run_deferred(self, upto: int | None = None) -> None:
+        """Run the deferred collectives, all of them or the first `upto` ever enqueued."""
+        upto = self._ran + len(self._deferred) if upto is None else upto
+        while self._ran < upto:
+            self._ran += 1
+            self._deferred.pop(0)()
+
+    def record(self, event) -> None:
+        self._marks[event] = self._ran + len(self._deferred)
+        super().record(event)
+
+    def wait(self, event, stream=None) -> None:
+        self._run_deferred(self._marks.get(event, 0))
+        super().wait(event, stream)
+
+    def join(self, stream=None) -> None:
+        self._run_deferred()
+        super().join(stream)
+
+    # ---- collectives ---------------------------------------------------------------------------
     def _all_reduce(self, tensor, op, stream):
-        tensor.array()[...] = self._call("all_reduce", tensor.array(), op=op, **self._describe(tensor))
+        def run():
+            tensor.array()[...] = self._call("all_reduce", tensor.array(), op=op, **self._describe(tensor))
+
+        self._enqueue(stream, run)
 
     def _reduce_scatter(self, out, inp, stream):
-        out.array().reshape(-1)[...] = self._call("reduce_scatter", inp.array().reshape(-1), **self._describe(out))
+        def run():
+            out.array().reshape(-1)[...] = self._call("reduce_scatter", inp.array().reshape(-1), **self._describe(out))
+
+        self._enqueue(stream, run)
 
     def _all_gather(self, out, inp, stream):
-        out.array().reshape(-1)[...] = self._call("all_gather", inp.array().reshape(-1), **self._describe(inp))
+        def run():
+            out.array().reshape(-1)[...] = self._call("all_gather", inp.array().reshape(-1), **self._describe(inp))
+
+        self._enqueue(stream, run)
 
     def _broadcast(self, tensor, root, stream):
-        mine = tensor.array() if self.rank == root else None
-        tensor.array()[...] = self._call("broadcast", mine, root=root, **self._describe(tensor))
+        def run():
+            mine = tensor.array() if self.rank == root else None
+            tensor.array()[...] = self._call("broadcast", mine, root=root, **self._describe(tensor))
+
+        self._enqueue(stream, run)
 
     def _broadcast_object(self, obj, root):
+        self._run_deferred()
         return self._call("broadcast_object", obj if self.rank == root else None, root=root)
 
     def barrier(self) -> None:
+        self._run_deferred()
         self._call("barrier")
 
     def close(self) -> None:
@@ -90,6 +142,7 @@ class FakeComm(Communicator):
             return
         self._run_close_hooks()
         try:
+            self._run_deferred()
             self._call("close")
         finally:
             self._sock.close()

@@ -4,7 +4,8 @@ zero_stage 0 is plain data parallelism: every rank keeps full gradients, all-red
 bucket by bucket and runs the full AdamW update (the same bits on every rank). zero_stage 1
 (LLMQ's mode) keeps full gradients for accumulation but, in the backward of the last micro-step,
 reduce-scatters each bucket as soon as backward is done with it; each rank then runs AdamW on
-its shard only (moments for the shard alone) and all-gathers the updated weights. zero_stage 2
+its shard only (moments for the shard alone) and all-gathers the updated weights (see "The
+all-gather of the updated weights" below). zero_stage 2
 keeps only the gradient shard: each layer's gradients go into one of two alternating bucket
 buffers, which are reduce-scattered into the shard after every micro-step, so backward of
 layer i-1 fills one buffer while layer i's reduce-scatter drains the other. To accumulate over
@@ -25,6 +26,17 @@ of the gradient elements it owns (its pieces of the plan, in plan order) into th
 which one small all-reduce adds up in rank order; all three stages compute it the same way.
 Losses are all-gathered (not summed) so that the host adds the same per-token values in the same
 order as one process with the whole batch would.
+
+The all-gather of the updated weights (stages 1 and 2) is split in two, so that no step waits for
+it. `update` gathers the embedding bucket right after its AdamW (the first bucket updated, so its
+gather overlaps the AdamW of every layer) and joins it. The layers and the head are left *due*:
+the next forward issues their gathers at its start (`start_gather`, on the communication stream,
+one event per bucket) and waits for layer l's (`wait_gathered`) just before layer l reads its
+weights, so the gathers run beside the forward of the layers before (only layer 0's is exposed).
+Both live in the same captured graph as the work they overlap: a CUDA graph must join every
+stream it forked, so a gather issued in the update's graph could not be waited for in the
+forward's. The model keeps the host flag saying a gather is due (`LlamaModel.sync_weights`).
+The gather moves bytes only: the weights every rank then holds are those of today's order.
 """
 
 from __future__ import annotations
@@ -99,6 +111,10 @@ class DataParallel:
             self._count = alloc.allocate(INT32, "count.all_ranks", (1,))
             self._count_host = alloc.allocate(INT32, "count.all_ranks_host", (1,), kind="pinned")
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
+        # the buckets whose updated weights the next forward gathers (`start_gather`), each with the
+        # event of its gather; the embedding's is gathered inside `update`
+        self.late = [b for b in plan.buckets if b.name != "embedding"] if stage else []
+        self._gathered = {b.name: self.device.event() for b in self.late}
         self._micro, self._accum, self._drained, self._forked = 0, 1, set(), False
         self.count = 0
         self.zero()
@@ -135,7 +151,7 @@ class DataParallel:
         then zero it for layer i's gradients."""
         if self.stage == 2:
             if i % 2 in self._drained:  # else the buffer was last drained before the previous step's join
-                self.device.stream.wait(self._layer_free[i % 2])
+                self.comm.wait(self._layer_free[i % 2])
             self._start_bucket(self.plan.bucket(f"layers.{i}"))
 
     def _start_bucket(self, b) -> None:
@@ -164,7 +180,7 @@ class DataParallel:
             comm.reduce_scatter(self.grad_shard.rows(b.shard_offset, b.shard_offset + b.shard), buf, stream=s)
             if name.startswith("layers."):
                 k = int(name.split(".")[1]) % 2
-                self._layer_free[k].record(s)
+                comm.record(self._layer_free[k])
                 self._drained.add(k)
 
     def end_backward(self, losses) -> None:
@@ -224,18 +240,20 @@ class DataParallel:
         norm.global_norm_finish(opt_state.norm_result, partials, float(max_norm))
 
     def update(self, weights: dict, weight_buckets: dict, opt_state, seed: int) -> None:
-        """AdamW (after `global_norm`) and, with stage >= 1, the all-gather of the updated weights.
+        """AdamW (after `global_norm`) and, with stage >= 1, the all-gather of the embedding.
 
         Stage 0 updates every parameter with `opt_state`'s full moments, as one process would.
         Stages 1 and 2 update this rank's pieces with the shard moments; a piece keeps the seed
         of its parameter and its element indices, so bf16 rounds stochastically as in stage 0.
         `weight_buckets` maps each bucket name to its flat weight buffer (the plan's layout),
-        which the all-gather fills in place."""
+        which the all-gathers fill in place: the embedding's here, overlapping the AdamW of the
+        other buckets; those of `late` (layers, head) are left to `start_gather`, which the caller
+        must run before anything reads them."""
         if self.stage == 0:
             opt_state.update(weights, self.grads, seed)
             return
         scale = opt_state.norm_result.rows(1, 2)
-        comm = self.comm
+        comm, forked = self.comm, False
         for b in self.plan.buckets:
             for p in self.plan.pieces(self.rank, b.name):
                 i = self._index[p.name]
@@ -243,10 +261,30 @@ class DataParallel:
                 adamw.adamw_update(weights[p.name].flat().rows(p.lo, p.hi), self._grad_piece(p),
                                    self.m.rows(sl.start, sl.stop), self.v.rows(sl.start, sl.stop), opt_state.hparams,
                                    scale, p.decays, (seed + 7919 * i) & 0x7FFFFFFF, index_offset=p.lo)  # fmt: skip
-            buf = weight_buckets[b.name]
-            comm.wait_for()
-            comm.all_gather(buf, buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), stream=comm.stream)
-        comm.join()
+            if b.name not in self._gathered:
+                comm.wait_for()
+                self._gather(b, weight_buckets)
+                forked = True
+        if forked:
+            comm.join()
+
+    def _gather(self, b, weight_buckets) -> None:
+        buf = weight_buckets[b.name]
+        self.comm.all_gather(buf, buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), stream=self.comm.stream)
+
+    def start_gather(self, weight_buckets: dict) -> None:
+        """Enqueue the all-gather of every `late` bucket (layers in order, then the head) on the
+        communication stream, after the main stream's work so far (the update), each followed by
+        its event; `wait_gathered(name)` orders the main stream after one of them. The caller
+        joins the communication stream (`comm.join()`) before its graph or step ends."""
+        self.comm.wait_for()
+        for b in self.late:
+            self._gather(b, weight_buckets)
+            self.comm.record(self._gathered[b.name])
+
+    def wait_gathered(self, name: str) -> None:
+        """Later work on the main stream waits for bucket `name`'s all-gather (`start_gather`)."""
+        self.comm.wait(self._gathered[name])
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def gather_moments(self) -> dict[str, np.ndarray] | None:

@@ -76,6 +76,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         if self.comm is not None:  # NCCL destroys a communicator only once the graphs of its collectives are gone
             self.comm.on_close(self, lambda model: model._graphs.clear())
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (opts.skip_nonfinite_steps)
+        # ZeRO >= 1: the last update left the all-gather of the layers' and head's weights to the
+        # next forward (`cuengine.dist.zero`); every other reader of the weights syncs first
+        self._gather_due = False
 
     # ---- run state ---------------------------------------------------------------------------
     def allocate_run_state(self, B: int, T: int) -> None:
@@ -231,20 +234,27 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         rs = self._need_rs("forward")
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._upload(rs.inputs_host, rs.inputs, rs.inputs_event, inputs)
+        gather, self._gather_due = self._gather_due, False
         if self._whole_graphs:
-            self._graph(("forward",), self._forward)
+            self._graph(("forward", "gather") if gather else ("forward",), lambda: self._forward(gather))
         else:
-            self._forward()
+            self._forward(gather)
 
-    def _forward(self) -> None:
+    def _forward(self, gather: bool = False) -> None:
+        """The forward; with `gather`, also the all-gather the last update left due, layer l
+        waiting only for its own bucket (and re-quantizing its FP8 copies) before it runs."""
         rs, cfg, W = self.rs, self.cfg, self.weights
         L, eps = cfg.num_layers, cfg.rms_norm_eps
         res = rs.residuals
+        if gather:
+            self._dp.start_gather(self._weight_buckets)
         encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
         if self.opts.fp8:
             rs.abs_maxes.fill_zero()
         for i in range(L):
             a, w = rs.acts[i], W.block(i)
+            if gather:  # ln1_w is the first of layer i's weights read
+                self._gathered(f"layers.{i}")
             if i == 0:
                 residual = rs.encoded
                 rmsnorm.rmsnorm_forward(a.ln1.value, a.ln1_rstd, residual, w["ln1_w"], eps, abs_max=a.ln1.abs_max)
@@ -258,6 +268,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             self._graph(("forward", i), lambda i=i, r=residual: self._blocks.forward(i, r))
             if i > 0:
                 res.put(i - 1)
+        if gather:
+            self._gathered("head")
+            self.comm.join()  # a captured graph rejoins every stream it forked
         last = rs.acts[L - 1]
         rmsnorm.fused_residual_rmsnorm_forward(res.get(L - 1), rs.lnf, rs.lnf_rstd, last.res_att, rs.lnf,
                                                W["lnf_w"], eps)  # fmt: skip
@@ -279,6 +292,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         travels to the device with the targets).
         """
         self._need_rs("backward")
+        self.sync_weights()  # (a no-op after forward, which gathers what is due)
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._check_tokens(targets, "targets", allow_ignore=True)
         if not 0 <= micro_step < grad_accum_steps:
@@ -366,17 +380,65 @@ class LlamaModel(ParametersMixin, InferenceMixin):
 
     def _adamw(self, lr: float, step: int | None = None) -> None:
         o = self.opts
+        self.sync_weights()  # an update right after an update: the first one's gather goes first
         self.step = self.step + 1 if step is None else int(step)
         self.opt_state.set_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.step)
         self._graph(("adamw",), self._update)
+        self._gather_due = self._dp is not None and self._dp.stage > 0
 
     def _update(self) -> None:
         if self._dp is None:
             self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
-        else:
-            self._dp.update(self.weights.tensors, flat_buckets(self._plan, self.weights.flat), self.opt_state,
-                            self.opts.seed)  # fmt: skip
-        self.weights.requantize()
+            self.weights.requantize()
+            return
+        self._dp.update(self.weights.tensors, self._weight_buckets, self.opt_state, self.opts.seed)
+        if self._dp.stage == 0:
+            self.weights.requantize()
+        else:  # the embedding's copies (a tied FP8 head); the rest follow their gathers
+            self.weights.requantize(self._fp8_of("embedding"))
+
+    # ---- the all-gather of the updated weights (ZeRO >= 1; cuengine.dist.zero) -----------------
+    @property
+    def _weight_buckets(self) -> dict:
+        return flat_buckets(self._plan, self.weights.flat)
+
+    def _fp8_of(self, bucket: str) -> list:
+        """The parameters of `bucket` that have FP8 copies."""
+        return [p.name for p in self._plan.bucket(bucket).params if p.name in self.weights.fp8]
+
+    def _gathered(self, bucket: str) -> None:
+        """The main stream waits for `bucket`'s all-gather, then re-quantizes its FP8 copies."""
+        self._dp.wait_gathered(bucket)
+        self.weights.requantize(self._fp8_of(bucket))
+
+    def sync_weights(self) -> None:
+        """Make the weights whole now. With zero_stage >= 1 an update leaves the all-gather of
+        the layers' and the head's weights to the next forward, which overlaps it with the layers
+        before (`cuengine.dist.zero`); anything else that reads the weights calls this first, on
+        every rank (it is then a collective). `backward`, `update`, `finish_step`,
+        `save_checkpoint` and `Trainer.run`'s end call it; `parameters()`, `export_weights` and
+        generation, which one rank may call alone, raise instead of gathering. Enqueued only (the
+        main stream waits for the gathers, the host does not); a no-op when nothing is due."""
+        if not self._gather_due:
+            return
+        self._gather_due = False
+        self._graph(("gather",), self._gather_all)
+
+    def _gather_all(self) -> None:
+        self._dp.start_gather(self._weight_buckets)
+        self.comm.join()
+        for b in self._dp.late:
+            self.weights.requantize(self._fp8_of(b.name))
+
+    def _need_whole_weights(self, what: str) -> None:
+        """Raise when a gather is due: `what` may run on one rank alone, so it cannot gather."""
+        if self._gather_due:
+            raise ValueError(f"{what}: with zero_stage {self.opts.zero_stage} the last update's weights are "
+                             "all-gathered by the next forward; call sync_weights() on every rank first")  # fmt: skip
+
+    def _prepare(self, what, *args):
+        self._need_whole_weights(what)  # generate / stream (InferenceMixin)
+        return super()._prepare(what, *args)
 
     def loss_sum(self) -> float:
         """Sum of the per-token losses accumulated since micro-step 0 (after `backward` over grad

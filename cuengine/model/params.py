@@ -12,16 +12,19 @@ class ParametersMixin:
     # ---- weights -----------------------------------------------------------------------------
     def init_weights(self, seed: int = 42) -> None:
         """Seeded random init (see `ModelWeights.init`); resets the optimizer state and step."""
+        self._gather_due = False  # every rank writes whole weights
         self.weights.init(seed)
         self._reset_optimizer()
 
     def import_weights(self, path, allow_cast: bool = False) -> None:
         """Load HF safetensors (file, directory or sharded index); see `ModelWeights.load_hf`."""
         self.weights.load_hf(path, allow_cast=allow_cast)
+        self._gather_due = False
         self._reset_optimizer()
 
     def export_weights(self, out_dir) -> None:
         """Write `model.safetensors` + `config.json` that HF transformers loads unchanged."""
+        self._need_whole_weights("export_weights")
         self.device.synchronize()
         self.weights.save_hf(out_dir)
 
@@ -55,7 +58,9 @@ class ParametersMixin:
         """{HF name: Tensor}: zero-copy, writable views of the master weights (q/k/v and gate/up
         unpacked into row views), so a script can write its own update with any tool that reads a
         Tensor (CuPy, DLPack, the kernel launchers, NumPy on the cpu device), then call
-        `parameters_changed()` instead of `update`."""
+        `parameters_changed()` instead of `update`. With zero_stage >= 1, after an update, call
+        `sync_weights()` on every rank first."""
+        self._need_whole_weights("parameters")
         return hf_views(self.cfg, self.weights.tensors)
 
     def parameters_changed(self) -> None:
@@ -65,6 +70,7 @@ class ParametersMixin:
         holds the buffers' addresses, not their contents, and the views share those buffers.
         Enqueued on the main stream after whatever wrote the weights there; a write from another
         stream or from the host must be finished before this call."""
+        self._need_whole_weights("parameters_changed")
         self.weights.requantize()
         if self._inference is not None:
             self._inference.refresh_weights()
@@ -77,6 +83,7 @@ class ParametersMixin:
         the checkpoint one process would write (so any number of ranks can load it), then all
         ranks wait for it."""
         self._need_rs("save_checkpoint")
+        self.sync_weights()
         if self.comm is None:
             checkpoint.save(self, out_dir, extra)
             return
@@ -89,4 +96,6 @@ class ParametersMixin:
         """Restore what save_checkpoint wrote; returns its `extra`. Checks everything first:
         a checkpoint of another shape raises ValueError and changes nothing."""
         self._need_rs("load_checkpoint")
-        return checkpoint.load(self, path)
+        extra = checkpoint.load(self, path)
+        self._gather_due = False  # every rank read the whole weights
+        return extra

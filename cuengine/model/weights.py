@@ -191,14 +191,16 @@ class ModelWeights:
         self.requantize()
 
     # ---- FP8 copies --------------------------------------------------------------------------
-    def requantize(self, stream=None) -> None:
+    def requantize(self, names=None, stream=None) -> None:
         """Refresh the E4M3 copies and their transposes (abs-max, scales, values) from the master
-        weights; runs after every update, in stream order, without a host sync."""
+        weights (of `names` only, when given: those with copies); runs after every update, in
+        stream order, without a host sync."""
         if not self.fp8:
             return
         from ..kernels import fp8
 
-        for name, q in self.fp8.items():
+        for name in self.fp8 if names is None else names:
+            q = self.fp8[name]
             q.abs_max.fill_zero(stream)
             fp8.abs_max(q.abs_max, self.tensors[name], stream=stream)
             fp8.quantize_dual(q, self.fp8_tp[name], self.tensors[name], q.abs_max, stream=stream)
