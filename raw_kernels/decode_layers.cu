@@ -7,8 +7,9 @@
 //     up       = gemv_dual(residual, up_w, norm_weight=ln2)
 //     residual = gemv(up, down_w, act=swiglu, residual=residual)
 // Each phase is the device code of the "fused" arm's own kernels with the same K splits, so the step is
-// bit-identical to that arm; what changes is how the phases meet. The grid is one block per SM, all
-// resident at once (decode_layers.py sizes it from the occupancy and launches it cooperatively), and
+// bit-identical to that arm; what changes is how the phases meet. The grid is BLOCKS_PER_SM blocks per
+// SM (1: 255 registers, what the attention wants; 2: 128, more warps for the GEMVs), all resident at
+// once (decode_layers.py checks the occupancy before it launches), and
 // the phases are separated by a grid-wide barrier instead of a kernel boundary: no launch, no drain of
 // the grid, no flush. Before waiting at a barrier every block issues its first weight loads of the next
 // phase (into registers: weights never depend on the step) and L2 prefetches of the weights two phases
@@ -128,11 +129,11 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
     }
 }
 
-// One kernel per (T, W, attention layout), instantiated on demand by name expression
+// One kernel per (T, W, attention layout, resident blocks per SM), instantiated on demand by name expression
 // (decode_layers.py: kernel_expression) so that a process compiles only the variant it runs:
 // each inlines a whole decode layer and takes NVRTC about 18 s.
-template <typename T, typename W, int VN, int NV, int LP>
-__global__ void __launch_bounds__(THREADS, 1)
+template <typename T, typename W, int VN, int NV, int LP, int BLOCKS_PER_SM>
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
     decode_layers(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up, float* scratch,
                   const int* lengths, const typename RopeTable<T>::F* freqs, unsigned* sync, int C, int I, int Hq,
                   int Hkv, int hs, int max_seq, int max_pos, float eps, int S_att, int tiles, int tile_heads,

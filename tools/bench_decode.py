@@ -41,7 +41,7 @@ from bench_kernels import copy_case, fill, tensor  # noqa: E402
 
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import time_ms  # noqa: E402
-from cuengine.inference import decode  # noqa: E402
+from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
 from cuengine.kernels import decode_layers, sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
@@ -90,7 +90,7 @@ def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT, arm: str
 
 
 def decode_arm(st, b: int) -> str:
-    return st.choose_arm(b) if st.ffn_arm == "auto" else st.ffn_arm
+    return choose_ffn_arm(b, st.weights) if st.ffn_arm == "auto" else st.ffn_arm
 
 
 def launches(st, fn) -> int:
@@ -124,7 +124,8 @@ def launches(st, fn) -> int:
 # ---- sections -------------------------------------------------------------------------------
 def token_section(args, dev, bw) -> list[str]:
     rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; L2 prefetch "
-            f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight (persistent)", "",
+            f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight, {decode_layers.BLOCKS_PER_SM} block(s) per SM "
+            "(persistent)", "",
             f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
@@ -377,10 +378,13 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
     p.add_argument("--arms", nargs="+", default=["fused", "persistent"], help="token: the batch-1 arms to time")
     p.add_argument("--prefetch-mb", type=int, help="token: the persistent arm's L2 prefetch per weight (MB)")
+    p.add_argument("--blocks-per-sm", type=int, choices=(1, 2), help="token: the persistent arm's blocks per SM")
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
     if args.prefetch_mb is not None:
         decode_layers.PREFETCH_BYTES = args.prefetch_mb << 20
+    if args.blocks_per_sm is not None:
+        decode_layers.BLOCKS_PER_SM = args.blocks_per_sm
     if args.peer_child:
         peer_rows(args)
         return 0

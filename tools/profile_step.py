@@ -91,6 +91,7 @@ def decode_step(cfg, dev, args):
 
     from cuengine.benchmark import time_ms
     from cuengine.inference import decode
+    from cuengine.inference.state import choose_ffn_arm
     from cuengine.kernels import sampling
     from cuengine.model import LlamaModel
 
@@ -102,7 +103,7 @@ def decode_step(cfg, dev, args):
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, args.seq)).tolist()
     st.start(prompts, sampling.sampling_params(0.0, 0, 1.0, 0))
     st.prefill()
-    arm = st.choose_arm(b)
+    arm = choose_ffn_arm(b, st.weights)
     step_ms = time_ms(dev, lambda: decode.step(st, b, arm), warmup=3, iters=20 * args.steps, hold_ms=20)
     return (lambda: decode.decode_step_rows(st, b, arm)), step_ms
 

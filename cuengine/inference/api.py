@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels import sampling
 from . import decode
-from .state import MAX_BATCH, RING, InferenceState, check_ffn_arm
+from .state import MAX_BATCH, RING, InferenceState, check_ffn_arm, choose_ffn_arm
 
 Steps = Iterator[list[tuple[int, int]]]  # per step: [(prompt index, token)]
 DEFAULT_MAX_BATCH = 8
@@ -50,8 +50,8 @@ class InferenceMixin:
             max_seq_len: prompt + new tokens, at most the config's max_position_embeddings
                 (None: 2048, or max_position_embeddings when that is smaller).
             weights: "bf16" (the model's own weights, shared) or "fp8" (W8A16 decode GEMVs).
-            ffn_arm: "auto", "split", "fused", "gemm" or "persistent" (batch 1: every layer in one launch);
-                see InferenceState.choose_arm.
+            ffn_arm: "auto", "split", "fused", "gemm" or "persistent" (batch 1: every layer in one
+                launch; opt-in, slower than "fused" on the H200 so far); see inference.state.choose_ffn_arm.
             cuda_graphs: capture each decode step once per batch size and replay it.
         """
         if self._inference is not None:
@@ -159,7 +159,7 @@ class InferenceMixin:
         b, dev = len(prompts), st.device
         st.generation += 1
         gen = st.generation
-        arm = st.choose_arm(b) if arm == "auto" else arm
+        arm = choose_ffn_arm(b, st.weights) if arm == "auto" else arm
         st.start(prompts, params)
         running = np.ones(b, bool)
         issued = done = 0

@@ -122,7 +122,8 @@ class InferenceState:
                                  decode_attention.decode_attention_scratch_shape(B, Hq, hs, S)).fill_zero()  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
-            # the "persistent" arm (batch 1, one launch for every layer): its layer table and barrier counters
+            # the "persistent" arm (batch 1, one launch for every layer; only when forced: on the H200 it is
+            # still slower than "fused", see BENCHMARKS.md): its layer table and barrier counters
             self.persistent_why = decode_layers.unsupported(cfg, dt, dev, 1)
             self.layer_weights = self.layer_table = self.layer_sync = None
             if self.persistent_why is None:
@@ -161,13 +162,6 @@ class InferenceState:
                 "ln1": blk["ln1_w"], "o_w": lin["atto_w"].w, "o_scale": lin["atto_w"].scale, "ln2": blk["ln2_w"],
                 "up_w": lin["up_w"].w, "up_scale": lin["up_w"].scale, "down_w": lin["down_w"].w,
                 "down_scale": lin["down_w"].scale, "k_cache": self.k_cache[i], "v_cache": self.v_cache[i]}  # fmt: skip
-
-    def choose_arm(self, b: int) -> str:
-        """The arm a step of b rows runs when none is forced: "persistent" at batch 1 where this model
-        has it, else choose_ffn_arm's."""
-        if b == 1 and self.persistent_why is None:
-            return "persistent"
-        return choose_ffn_arm(b, self.weights)
 
     def refresh_weights(self) -> None:
         """Requantize the per-row E4M3 copies from the model's current weights (weights="fp8"),

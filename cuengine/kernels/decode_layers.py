@@ -34,6 +34,7 @@ _THREADS = 256  # THREADS in decode_layers.cu: the GEMV's 8 warps, or two 4-warp
 _LAYOUTS = {"bf16": {"v8": (8, 1, 8), "v16": (8, 1, 16)}, "fp32": {"v16": (4, 1, 16), "v32": (4, 1, 32)}}
 _CTYPE = {"bf16": "__nv_bfloat16", "fp32": "float", "e4m3": "__nv_fp8_e4m3"}
 PREFETCH_BYTES = 16 << 20  # L2 prefetch per weight, at most (a third of the H200's 50 MB L2)
+BLOCKS_PER_SM = 1  # resident blocks per SM the kernel is compiled for (1 or 2); bench_decode --blocks-per-sm
 
 
 def layer_table_shape(n_layers: int) -> tuple[int, int]:
@@ -159,7 +160,7 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     vec = 16 // wdt.itemsize
     splits = [gv._split(n, k // vec) for n, k in ((Q, C), (C, A), (2 * I, C), (C, I))]
     VN, NV, LP = _LAYOUTS[dt.name][layout]
-    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}>"
+    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {BLOCKS_PER_SM}>"
     smem = max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S)
     grid = _resident_grid(dev, name, smem)
     args = (table, np.int32(len(layers)), residual, qkv, att, up, scratch, lengths, freqs, sync, np.int32(C),
@@ -172,7 +173,8 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
 
 
 def _resident_grid(dev, name: str, smem: int) -> int:
-    """One block per SM, after checking that one fits: the barriers need every block resident at once."""
+    """BLOCKS_PER_SM blocks per SM, after checking that they fit: the barriers need every block
+    resident at once (a grid that did not fit would wait forever at the first barrier)."""
     import cupy
 
     fn = _build.function(FAMILY, name, dev.index)
@@ -180,6 +182,7 @@ def _resident_grid(dev, name: str, smem: int) -> int:
         fn.max_dynamic_shared_size_bytes = smem
     with dev.activate():
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, _THREADS, smem)
-    if per_sm < 1:
-        raise ValueError(f"decode_layers: {name} does not fit an SM ({smem} bytes of shared memory)")
-    return dev.num_sms
+    if per_sm < BLOCKS_PER_SM:
+        raise ValueError(f"decode_layers: {BLOCKS_PER_SM} blocks of {name} do not fit an SM ({smem} bytes of "
+                         f"shared memory; {per_sm} fit)")  # fmt: skip
+    return dev.num_sms * BLOCKS_PER_SM
