@@ -29,6 +29,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,23 +172,27 @@ def batch_section(args, dev, bw) -> list[str]:
     return rows
 
 
-def peer_section(args, dev, bw) -> list[str]:
-    """The peer in a child process of its own (`--peer-child`): torch.compile's CUDA graphs there
-    never meet this process's CuPy state, and a crash of the peer (this session's H200 runs saw a
-    segfault after compiling) ends the peer's rows, not the benchmark."""
-    rows = []
-    for mode in PEER_MODES:  # each in its own child: a crash in one mode leaves the others' rows
+def peer_section(args, dev, bw):
+    """The peer in a child process of its own per mode (`--peer-child MODE`): torch.compile's CUDA
+    graphs there never meet this process's CuPy state, and a crash of one mode (the H200 runs saw a
+    segfault after compiling) ends that mode's rows, not the benchmark. Rows are yielded as the child
+    prints them, so a run cut short by a timeout keeps what was measured."""
+    for mode in PEER_MODES:
         cmd = [sys.executable, __file__, "--peer-child", mode, "--preset", *args.preset, "--prompt",
                str(args.prompt), "--steps", str(args.steps), "--samples", str(args.samples)]  # fmt: skip
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        rows += [line for line in run.stdout.splitlines() if line.strip()]
-        if run.returncode:
-            why = f"signal {-run.returncode}" if run.returncode < 0 else f"exit {run.returncode}"
-            tail = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("W")][-2:]
-            rows.append(
-                f"peer ({mode}): the child process ended with {why}" + (": " + " | ".join(tail) if tail else "")
-            )
-    return rows
+        with tempfile.TemporaryFile("w+") as log:  # stderr (compile warnings) to a file: a pipe could fill
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+            for line in child.stdout:
+                if line.strip():
+                    yield line.rstrip()
+            child.wait()
+            log.seek(0)
+            err = log.read()
+        if child.returncode:
+            rc = child.returncode
+            why = f"signal {-rc}" if rc < 0 else f"exit {rc}"
+            tail = [line for line in err.splitlines() if line.strip() and not line.startswith("W")][-2:]
+            yield f"peer ({mode}): the child process ended with {why}" + (": " + " | ".join(tail) if tail else "")
 
 
 # torch.compile modes of the peer: with CUDA graphs (the HF docs' recipe), without them, and eager
