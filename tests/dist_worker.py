@@ -367,3 +367,60 @@ def deferred_gathers() -> dict:
     got["after_join"] = out.numpy().tolist()
     comm.close()
     return got
+
+
+def update_launches(stage: int) -> dict:
+    """The second train step of a bf16 model with `zero_stage` stage: its multi-tensor launches (norm,
+    AdamW: which table) and all-gathers in order, and whether every AdamW table entry is what one
+    `adamw_update` of that piece would take (addresses, size, decay flag, seed, draw offset)."""
+    from cuengine.kernels import adamw, norm
+    from cuengine.model.config import TransformerConfig
+
+    comm = ce.dist.init()
+    cfg = TransformerConfig.preset("tiny").replace(dtype="bf16")
+    model = ce.LlamaModel(cfg, ce.TrainOptions(zero_stage=stage), device=comm.device, comm=comm)
+    model.init_weights(seed=1)
+    model.allocate_run_state(1, MODEL_T)
+    x, y = global_batch(cfg, 0, comm.world_size)
+    rows = slice(comm.rank, comm.rank + 1)
+    model.train_step(x[rows], y[rows], lr=1e-2)
+    log, dp = [], model._dp
+    names = {}
+
+    def wrap(obj, name, entry):
+        inner = getattr(obj, name)
+
+        def call(*a, **k):
+            log.append(entry(*a, **k))
+            return inner(*a, **k)
+
+        setattr(obj, name, call)
+
+    wrap(adamw, "adamw_update_multi", lambda table, *a, **k: ("adamw_multi", names.get(id(table), "opt_state")))
+    wrap(adamw, "global_norm_squared_multi", lambda partials, sums, table, **k: ("norm_multi", names.get(id(table))))
+    wrap(norm, "global_norm_squared", lambda *a, **k: ("norm_piece",))
+    wrap(comm, "all_gather", lambda out, inp, stream=None: ("gather", out.nelem, stream is comm.stream))
+    names[id(dp._norm_table)] = "pieces"
+    for k, (t, _) in enumerate(dp._tables):
+        names[id(t)] = f"group {k}"
+    model.train_step(x[rows], y[rows], lr=1e-2)
+
+    def key(t):
+        return t.ptr, t.nelem, t.dtype.name
+
+    want, got = [], []
+    for (pieces, _), (table, _) in zip(dp.update_groups, dp._tables):
+        for p in pieces:
+            i = dp._index[p.name]
+            m, v = (s.rows(p.shard_offset, p.shard_offset + p.numel) for s in (dp.m, dp.v))
+            want.append((key(model.weights[p.name].flat().rows(p.lo, p.hi)), key(dp._grad_piece(p)), key(m), key(v),
+                         p.decays, (model.opts.seed + 7919 * i) & 0x7FFFFFFF, p.lo))  # fmt: skip
+        got += [(key(p), key(g), key(m), key(v), bool(wd), int(seed), int(off))
+                for p, g, m, v, wd, seed, off in table.entries]  # fmt: skip
+    out = {"log": log, "sizes": {b.name: b.size for b in dp.plan.buckets},
+           "groups": [([p.name for p in pieces], b and b.name) for pieces, b in dp.update_groups],
+           "pieces": [p.name for p in dp._pieces], "entries_match": got == want, "entries": len(got),
+           "norm_grads": [key(e[1]) for e in dp._norm_table.entries] == [key(dp._grad_piece(p)) for p in dp._pieces],
+           }  # fmt: skip
+    comm.close()
+    return out

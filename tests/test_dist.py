@@ -958,3 +958,26 @@ def test_cli_train_on_two_ranks_matches_one_process_and_resumes(clean_env, tmp_p
     assert cli.main(["train", "--out", str(tmp_path / "half"), "--resume"]) == 2  # another --gpus: refused
     assert cli.main(["train", "--out", str(tmp_path / "half"), "--resume", "--gpus", "2"]) == 0
     assert_losses_close(losses(tmp_path / "half"), losses(tmp_path / "one"), 1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_norm_and_update_are_multi_tensor_launches_with_the_embedding_gather_between(clean_env, stage):
+    """The norm is one multi-tensor launch over this rank's pieces (no launch per piece) at every
+    stage. Stages 1 and 2: the update is two AdamW launches, the embedding's pieces then all the
+    rest, with the embedding's all-gather between them on the communication stream (so it overlaps
+    the second); each table entry is the piece as `adamw_update` takes it alone (its parameter's
+    seed and draw offset), which is what makes the update bitwise the per-piece one."""
+    res = dist.launch(dist_worker.update_launches, 2, stage, backend="fake", timeout=120)
+    for got in res:
+        log = [e for e in got["log"] if e[0] != "gather" or e[2]]  # (the losses' gather is on main)
+        update = log[log.index(("norm_multi", "pieces")) + 1 :]
+        assert ("norm_piece",) not in log and log.count(("norm_multi", "pieces")) == 1, log
+        assert got["norm_grads"]
+        if stage == 0:
+            assert update == [("adamw_multi", "opt_state")], log
+            continue
+        assert update == [("adamw_multi", "group 0"), ("gather", got["sizes"]["embedding"], True),
+                          ("adamw_multi", "group 1")], log  # fmt: skip
+        assert [b for _, b in got["groups"]] == ["embedding", None]
+        assert got["groups"][0][0] == ["wte"] and got["groups"][0][0] + got["groups"][1][0] == got["pieces"]
+        assert got["entries_match"] and got["entries"] == len(got["pieces"])

@@ -24,12 +24,17 @@ with the losses, at the step's one sync (`loss_sum`).
 The global gradient norm is the same on every rank and deterministic: each rank sums the squares
 of the gradient elements it owns (its pieces of the plan, in plan order) into the norm partials,
 which one small all-reduce adds up in rank order; all three stages compute it the same way.
+The norm and (stages 1 and 2) the shard's AdamW run as multi-tensor launches over a table of the
+pieces (`adamw.MultiTensorTable`, each piece with its parameter's seed and `index_offsets` = its
+first element), bitwise the launch per piece they replace: at 0.5B on two ranks rank 0 owns 146
+pieces, 73 of them norm weights and biases of one block each, so 292 launches a step become 3 + 2.
 Losses are all-gathered (not summed) so that the host adds the same per-token values in the same
 order as one process with the whole batch would.
 
 The all-gather of the updated weights (stages 1 and 2) is split in two, so that no step waits for
-it. `update` gathers the embedding bucket right after its AdamW (the first bucket updated, so its
-gather overlaps the AdamW of every layer) and joins it. The layers and the head are left *due*:
+it. `update` gathers the embedding bucket right after its AdamW (the first of its two AdamW
+launches, so the gather overlaps the second, over every layer and the head) and joins it. The
+layers and the head are left *due*:
 the next forward issues their gathers at its start (`start_gather`, on the communication stream,
 one event per bucket) and waits for layer l's (`wait_gathered`) just before layer l reads its
 weights, so the gathers run beside the forward of the layers before (only layer 0's is exposed).
@@ -43,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import FP32, INT32
+from ..dtypes import BYTE, FP32, INT32
 from ..dtypes import dtype as _dtype
 from ..kernels import adamw, loss_weight, norm
 from .plan import ShardPlan
@@ -115,6 +120,18 @@ class DataParallel:
         # event of its gather; the embedding's is gathered inside `update`
         self.late = [b for b in plan.buckets if b.name != "embedding"] if stage else []
         self._gathered = {b.name: self.device.event() for b in self.late}
+        # the multi-tensor tables over this rank's pieces: the norm's (built now) and, stages 1 and 2,
+        # one per AdamW launch of `update` (`update_groups`; built by its first call, see `_adamw_tables`)
+        self.update_groups = self._update_groups() if stage else []
+        with alloc.context("Optimizer"):
+            sizes = [p.numel for p in self._pieces]
+            self._norm_sums = alloc.allocate(FP32, "norm_sums.shard", adamw.multi_norm_sums_shape(sizes))
+            table = alloc.allocate(BYTE, "norm_table.shard", adamw.multi_tensor_table_shape(sizes))
+            self._norm_table = self._piece_table(table, self._pieces)
+            self._group_bytes = [alloc.allocate(BYTE, f"adamw_table.shard.{k}",
+                                                adamw.multi_tensor_table_shape([p.numel for p in pieces]))
+                                 for k, (pieces, _) in enumerate(self.update_groups)]  # fmt: skip
+        self._tables, self._tables_key = [], None
         self._micro, self._accum, self._drained, self._forked = 0, 1, set(), False
         self.count = 0
         self.zero()
@@ -229,13 +246,54 @@ class DataParallel:
             return self.grad_shard.rows(p.shard_offset, p.shard_offset + p.numel)
         return self.grads[p.name].flat().rows(p.lo, p.hi)
 
+    def _update_groups(self) -> list:
+        """[(pieces, bucket or None)]: the AdamW launches of `update`, in plan order, each over the
+        pieces of the buckets since the last one, then the all-gather of `bucket` (one not `late`:
+        the embedding) so that it overlaps the launches after it."""
+        groups, pieces = [], []
+        for b in self.plan.buckets:
+            pieces = pieces + self.plan.pieces(self.rank, b.name)
+            if b.name not in self._gathered:
+                groups.append((pieces, b))
+                pieces = []
+        if pieces:
+            groups.append((pieces, None))
+        return groups
+
+    def _piece_table(self, table_bytes, pieces, weights=None, seed: int = 0):
+        """The `adamw.MultiTensorTable` of `pieces` (None for none) in `table_bytes`: their gradients
+        alone (the norm's), or with `weights` each piece as `adamw_update` would take it alone, with
+        its parameter's seed and its first element's draw index (host→device copy: not in a capture)."""
+        if not pieces:
+            return None
+        grads = [self._grad_piece(p) for p in pieces]
+        if weights is None:
+            return adamw.MultiTensorTable(table_bytes, grads)
+        ms, vs = ([t.rows(p.shard_offset, p.shard_offset + p.numel) for p in pieces] for t in (self.m, self.v))
+        return adamw.MultiTensorTable(table_bytes, grads, [weights[p.name].flat().rows(p.lo, p.hi) for p in pieces],
+                                      ms, vs, [p.decays for p in pieces],
+                                      [(seed + 7919 * self._index[p.name]) & 0x7FFFFFFF for p in pieces],
+                                      [p.lo for p in pieces])  # fmt: skip
+
+    def _adamw_tables(self, weights: dict, seed: int) -> list:
+        """[(table or None, bucket or None)] per `update_groups` entry, built when `weights` (their
+        addresses) or `seed` differ from the last call's, so a table never points at moved memory."""
+        key = (seed, tuple(weights[p.name].ptr for pieces, _ in self.update_groups for p in pieces))
+        if key != self._tables_key:
+            self._tables = [(self._piece_table(t, pieces, weights, seed), b)
+                            for t, (pieces, b) in zip(self._group_bytes, self.update_groups)]  # fmt: skip
+            self._tables_key = key
+        return self._tables
+
     def global_norm(self, opt_state, max_norm: float) -> None:
         """opt_state.norm_result = [‖g‖, clip scale] of the whole (summed) gradient, the same on
-        every rank: squares of this rank's pieces, all-reduced partials, then the finish."""
+        every rank: squares of this rank's pieces (one multi-tensor launch + its fold, bitwise a
+        `norm.global_norm_squared` per piece in plan order), all-reduced partials, then the finish."""
         partials = opt_state.norm_partials
-        partials.fill_zero()
-        for p in self._pieces:
-            norm.global_norm_squared(partials, self._grad_piece(p))
+        if self._norm_table is None:
+            partials.fill_zero()
+        else:
+            adamw.global_norm_squared_multi(partials, self._norm_sums, self._norm_table)
         self.comm.all_reduce(partials)
         norm.global_norm_finish(opt_state.norm_result, partials, float(max_norm))
 
@@ -245,6 +303,8 @@ class DataParallel:
         Stage 0 updates every parameter with `opt_state`'s full moments, as one process would.
         Stages 1 and 2 update this rank's pieces with the shard moments; a piece keeps the seed
         of its parameter and its element indices, so bf16 rounds stochastically as in stage 0.
+        They do it in two multi-tensor launches (`update_groups`; the first call builds their
+        tables, so make it outside a graph capture, as LlamaModel's warm-up step does).
         `weight_buckets` maps each bucket name to its flat weight buffer (the plan's layout),
         which the all-gathers fill in place: the embedding's here, overlapping the AdamW of the
         other buckets; those of `late` (layers, head) are left to `start_gather`, which the caller
@@ -254,14 +314,10 @@ class DataParallel:
             return
         scale = opt_state.norm_result.rows(1, 2)
         comm, forked = self.comm, False
-        for b in self.plan.buckets:
-            for p in self.plan.pieces(self.rank, b.name):
-                i = self._index[p.name]
-                sl = slice(p.shard_offset, p.shard_offset + p.numel)
-                adamw.adamw_update(weights[p.name].flat().rows(p.lo, p.hi), self._grad_piece(p),
-                                   self.m.rows(sl.start, sl.stop), self.v.rows(sl.start, sl.stop), opt_state.hparams,
-                                   scale, p.decays, (seed + 7919 * i) & 0x7FFFFFFF, index_offset=p.lo)  # fmt: skip
-            if b.name not in self._gathered:
+        for table, b in self._adamw_tables(weights, seed):
+            if table is not None:
+                adamw.adamw_update_multi(table, opt_state.hparams, scale)
+            if b is not None:
                 comm.wait_for()
                 self._gather(b, weight_buckets)
                 forked = True
