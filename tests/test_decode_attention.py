@@ -243,6 +243,29 @@ def test_fused_append_equals_append_then_attention(dev, dtype, hq, hkv, hs, leng
         np.testing.assert_array_equal(a, e, err_msg=what)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
+    """A block serves up to MAX_TILE_HEADS q heads of one kv head; each head's sums are its own, so
+    any tiling (more, shorter blocks) gives the same bits, with the fused append and across splits."""
+    from cuengine.kernels import decode_attention as da
+
+    hq, hkv, hs, lengths, max_seq = 14, 2, 64, [16, 300], 320
+    qkv, kc, vc, ln = make_case(2, hq, hkv, hs, max_seq, lengths, dtype, seed=4, max_batch=3)
+    freqs = rope_freqs(max_seq, hs, 1e4, np.float16 if dtype == "bf16" else np.float32)
+    scratch = nan_scratch(decode_attention_scratch_shape(2, hq, hs, max_seq), hs)
+    runs = []
+    for heads in (8, 2, 1):
+        monkeypatch.setattr(da, "MAX_TILE_HEADS", heads)
+        t = tensors(cuda, qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch)
+        out = ce.Tensor.empty(qkv.dtype, (2, hq * hs), cuda, name="out")
+        decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"], freqs=t["freqs"])
+        runs.append([x.view(np.uint8) for x in (out.numpy(), t["kc"].numpy(), t["vc"].numpy())])
+    for other in runs[1:]:
+        for what, a, e in zip(("out", "k_cache", "v_cache"), other, runs[0]):
+            np.testing.assert_array_equal(a, e, err_msg=what)
+
+
 # ---- errors -------------------------------------------------------------------------------------
 def _z(shape, dtype=np.float32, name="t"):
     return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name=name)

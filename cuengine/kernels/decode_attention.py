@@ -36,7 +36,9 @@ _MIN_CHUNK = 128  # fewest positions per split (MIN_CHUNK in decode_attention.cu
 _BLOCKS_PER_SM = 4  # split blocks per SM that "fills the GPU"
 _H200_SMS = 132  # the scratch is sized for this many SMs; a larger GPU gets fewer splits than it could use
 _THREADS = 128  # NW * 32 in decode_attention.cu
-_MAX_TILE_HEADS = 8  # q heads per block (GM <= 8)
+MAX_TILE_HEADS = (
+    8  # q heads per block, at most (GM <= 8); fewer give more, shorter blocks (bench_decode --max-tile-heads)
+)
 _MAX_ROWS = 64  # rows the scratch keeps arrival counters for (the decode batch limit)
 _FUSE_MAX_SPLITS = 32  # the last split block merges at most this many partials per head itself
 
@@ -305,7 +307,7 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
     layout = _layout(qkv.dtype, hs)
     _check_aligned(dev, qkv, k_cache, v_cache, nbytes=2 * qkv.dtype.itemsize if layout == "gen" else 16)
     group = n_q_heads // n_kv_heads
-    tiles = ceil_div(group, _MAX_TILE_HEADS)
+    tiles = ceil_div(group, MAX_TILE_HEADS)
     tile_heads = ceil_div(group, tiles)
     gm = 1 << (tile_heads - 1).bit_length()
     S = min(_splits(b, max_seq, n_kv_heads * tiles, dev.num_sms), (scratch.shape[0] - counter_rows) // b)

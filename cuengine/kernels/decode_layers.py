@@ -152,7 +152,7 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     if layout is None:
         raise ValueError(f"{what}: no variant for {dt} with head size {hs}")
     group = Hq // Hkv
-    tiles = _build.ceil_div(group, 8)
+    tiles = _build.ceil_div(group, da.MAX_TILE_HEADS)
     tile_heads = _build.ceil_div(group, tiles)
     counter_rows = da._counter_rows(hs)
     S = max(1, min(da._splits(1, max_seq, Hkv * tiles, dev.num_sms), scratch.shape[0] - counter_rows,
