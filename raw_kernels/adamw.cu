@@ -20,7 +20,11 @@
 // cuengine.kernels.adamw.MultiTensorTable, so a step allocates nothing and a captured graph replays them:
 //   adamw_multi_*: block g updates chunk g - first_chunk (ADAMW_CHUNK elements) of record owner[g];
 //     every element gets the per-tensor kernel's arithmetic, seed and draw index, so the bits equal
-//     one adamw_update launch per record.
+//     one adamw_update launch per record. A record with an `amax` slot also max-accumulates |p| of the
+//     values it stores (the bf16 after stochastic rounding, as fp8.cu's abs_max reads them: fabsf, as
+//     float bits, so exact and order-independent) into it: the FP8 weight copy's abs-max, so requantize
+//     needs no pass of its own (zero the slots first). On a skipped step (non-finite clip scale) the
+//     weights stay and the slot gets their abs-max, read back.
 //   global_norm_squared_multi_*: block g computes the sum that block g - first_norm of record owner[g]'s
 //     own global_norm_squared launch (norm.cu, grid min(1024, ceil(n / 2048))) adds to its slot, the same
 //     loop with the same block and grid, and writes it to sums[g] (=).
@@ -81,11 +85,15 @@ __device__ __forceinline__ float adam_element(float p, float g, float& m, float&
     return __fsub_rn(p, __fmul_rn(a.lr, upd));
 }
 
+__device__ __forceinline__ unsigned abs_max_bits(float x) { return __float_as_uint(fabsf(x)); }  // fp8.cu's rule
+
 // Elements [lo, hi) of one tensor (lo a multiple of 8), thread `tid` of `nthreads`; draw index off + i.
+// Returns the max of abs_max_bits over the params this thread stored (the per-tensor kernels drop it).
 template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
-__device__ __forceinline__ void adamw_range(Tp* param, const Tg* grad, Tm* m, Tv* v, const AdamParams& a,
+__device__ __forceinline__ unsigned adamw_range(Tp* param, const Tg* grad, Tm* m, Tv* v, const AdamParams& a,
                                             long long off, long long lo, long long hi, long long tid,
                                             long long nthreads) {
+    unsigned bits = 0;
     long long done = lo;
     if (VEC) {
         const long long packs = (hi - lo) / 8;
@@ -103,6 +111,7 @@ __device__ __forceinline__ void adamw_range(Tp* param, const Tg* grad, Tm* m, Tv
             for (int k = 0; k < 8; ++k) {
                 const float np = adam_element(xp[k], xg[k], xm[k], xv[k], a);
                 op.v[k] = round_store<Tp>(np, a.kp, off + i0 + k);
+                bits = max(bits, abs_max_bits(to_float(op.v[k])));
                 om.v[k] = round_store<Tm>(xm[k], a.km, off + i0 + k);
                 ov.v[k] = round_store<Tv>(xv[k], a.kv, off + i0 + k);
             }
@@ -125,10 +134,13 @@ __device__ __forceinline__ void adamw_range(Tp* param, const Tg* grad, Tm* m, Tv
     for (long long i = done + tid; i < hi; i += nthreads) {
         float xm = to_float(m[i]), xv = to_float(v[i]);
         const float np = adam_element(to_float(param[i]), to_float(grad[i]), xm, xv, a);
-        param[i] = round_store<Tp>(np, a.kp, off + i);
+        const Tp sp = round_store<Tp>(np, a.kp, off + i);
+        param[i] = sp;
+        bits = max(bits, abs_max_bits(to_float(sp)));
         m[i] = round_store<Tm>(xm, a.km, off + i);
         v[i] = round_store<Tv>(xv, a.kv, off + i);
     }
+    return bits;
 }
 
 template <typename Tp, typename Tg, typename Tm, typename Tv, bool VEC>
@@ -143,7 +155,7 @@ __device__ void adamw_impl(Tp* param, const Tg* grad, Tm* m, Tv* v, const float*
 // ---- multi-tensor ------------------------------------------------------------------------------
 #define ADAMW_CHUNK 32768  // elements per block of adamw_multi: a multiple of 8 (MultiTensorTable.CHUNK)
 
-// One tensor of a multi-tensor table: 64 bytes, the layout of cuengine.kernels.adamw._RECORD.
+// One tensor of a multi-tensor table: 72 bytes, the layout of cuengine.kernels.adamw._RECORD.
 struct TensorRecord {
     void* param;
     const void* grad;
@@ -155,6 +167,7 @@ struct TensorRecord {
     int wd_on;
     int first_chunk;  // the first adamw_multi block of this tensor: a prefix sum over the table
     int first_norm;   // the first global_norm_squared_multi block of this tensor
+    float* amax;      // null, or the slot that max-accumulates |param| as stored (the FP8 copy's abs-max)
 };
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
@@ -165,18 +178,26 @@ template <typename Tp, typename Tg, typename Tm, typename Tv>
 __device__ void adamw_multi_impl(const TensorRecord* tab, const int* owner, const float* hp, const float* grad_scale) {
     const TensorRecord& r = tab[owner[blockIdx.x]];
     const AdamParams a = adam_params(hp, grad_scale, r.wd_on, r.seed);
-    if (!isfinite(a.gs)) return;
     Tp* param = static_cast<Tp*>(r.param);
-    const Tg* grad = static_cast<const Tg*>(r.grad);
-    Tm* m = static_cast<Tm*>(r.m);
-    Tv* v = static_cast<Tv*>(r.v);
     const long long lo = (long long)(blockIdx.x - r.first_chunk) * ADAMW_CHUNK;
     const long long hi = min(lo + ADAMW_CHUNK, r.n);
-    // what the per-tensor launcher decides with _checks.is_aligned (the values do not depend on it)
-    if (aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v))
-        adamw_range<Tp, Tg, Tm, Tv, true>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
-    else
-        adamw_range<Tp, Tg, Tm, Tv, false>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
+    float* amax = r.amax;  // the same for the whole block, so the block reduction below is uniform
+    unsigned bits = 0;
+    if (!isfinite(a.gs)) {  // skipped: the slot still needs the (unchanged) weights' abs-max
+        if (amax == nullptr) return;
+        for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            bits = max(bits, abs_max_bits(to_float(param[i])));
+    } else {
+        const Tg* grad = static_cast<const Tg*>(r.grad);
+        Tm* m = static_cast<Tm*>(r.m);
+        Tv* v = static_cast<Tv*>(r.v);
+        // what the per-tensor launcher decides with _checks.is_aligned (the values do not depend on it)
+        if (aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v))
+            bits = adamw_range<Tp, Tg, Tm, Tv, true>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
+        else
+            bits = adamw_range<Tp, Tg, Tm, Tv, false>(param, grad, m, v, a, r.off, lo, hi, threadIdx.x, blockDim.x);
+    }
+    if (amax != nullptr) block_atomic_abs_max(amax, bits);
 }
 
 template <typename T> __device__ void norm_multi_impl(float* sums, const TensorRecord* tab, const int* owner,

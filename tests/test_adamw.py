@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_close, rng
 
 import cuengine as ce
-from cuengine.kernels import _build
+from cuengine.kernels import _build, fp8
 from cuengine.kernels.adamw import (
     CHUNK,
     MultiTensorTable,
@@ -284,6 +284,50 @@ def test_multi_tensor_update_equals_per_tensor_cpu(dtypes):
     assert any(not np.array_equal(a[0], b) for a, b in zip(per, [s for s in state(37, dtypes=dtypes)[:1]]))
 
 
+BIG = 1000.0  # the last tensor's slot starts above any |w|: the slot max-accumulates, it is not overwritten
+
+
+def _run_with_slots(dev, make, dtypes, table_bytes, steps=2, grad_scale=0.5, sizes=MULTI):
+    """`_run_both`'s multi-tensor run with an abs-max slot on every tensor but the second, zeroed before
+    each step (the last one set to BIG): ([(p, m, v)] as NumPy arrays, the params, the slots)."""
+    seeds = [(1234 + 7919 * k) & 0x7FFFFFFF for k in range(len(sizes))]
+    multi = _multi_tensors(make, dtypes, sizes)
+    hp = make(np.zeros(8), "fp32", "hparams", False)
+    gs = make(np.array([grad_scale]), "fp32", "gs", False)
+    p, g, m, v = (list(x) for x in zip(*multi))
+    slots = [None if k == 1 else make(np.zeros(1), "fp32", f"amax{k}", False) for k in range(len(sizes))]
+    flags, offs = [s[1] for s in sizes], [s[2] for s in sizes]
+    table = MultiTensorTable(table_bytes([t.nelem for t in p]), g, p, m, v, flags, seeds, offs, abs_maxes=slots)
+    for step in range(1, steps + 1):
+        hp.copy_from_numpy(make_hparams(LR, B1, B2, EPS, WD, step))
+        for k, a in enumerate(slots):
+            if a is not None:
+                a.copy_from_numpy(np.array([BIG if k == len(sizes) - 1 else 0.0], np.float32))
+        adamw_update_multi(table, hp, gs)
+    return [(t[0].numpy(), t[2].numpy(), t[3].numpy()) for t in multi], p, slots
+
+
+def _assert_slots(params, slots, abs_max_of):
+    """Every slot holds abs_max_of(param) (bitwise), but the last one BIG and the second none."""
+    for k, (x, a) in enumerate(zip(params, slots)):
+        if a is None:
+            continue
+        want = np.float32(BIG) if k == len(slots) - 1 else abs_max_of(x)
+        assert a.numpy().view(np.uint32)[0] == np.float32(want).view(np.uint32), (k, a.numpy(), want)
+
+
+@pytest.mark.parametrize("grad_scale", [0.5, np.nan])
+def test_multi_tensor_update_records_abs_max_of_new_params_cpu(grad_scale):
+    cpu = ce.device("cpu")
+    dtypes = ("bf16", "bf16", "fp32", "fp32")
+    table_bytes = lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cpu)  # noqa: E731
+    per, _ = _run_both(cpu, _host_tensor(cpu), dtypes, table_bytes, grad_scale=grad_scale)
+    got, params, slots = _run_with_slots(cpu, _host_tensor(cpu), dtypes, table_bytes, grad_scale=grad_scale)
+    _assert_bitwise(per, got)  # the slots change nothing else
+    _assert_slots(params, slots, lambda x: np.abs(x.numpy().astype(np.float32)).max(initial=0))
+    assert slots[0].numpy()[0] > 0
+
+
 def _norm_both(dev, make, table_bytes, dtype="bf16", sizes=MULTI):
     """partials of one global_norm_squared launch per grad (zeroed first) and of the multi-tensor pass."""
     grads = [t[1] for t in _multi_tensors(make, ("fp32", dtype, "fp32", "fp32"), sizes)]
@@ -325,13 +369,19 @@ def _table_args(**override):
          r"m 'm1' \(31,\) fp32 has 31 elements, param 'p1' \(4, 8\) has 32"),
         ({"p": [ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h"), ce.Tensor.empty(ce.FP16, (32,), "cpu", name="h1")]},
          r"MultiTensorTable: param: expected dtype fp32/bf16, got tensor 'h' fp16"),
-        ({"table": ce.Tensor.empty(ce.BYTE, (64,), "cpu", name="table")}, r"table: expected shape \(144\)"),
+        ({"table": ce.Tensor.empty(ce.BYTE, (64,), "cpu", name="table")}, r"table: expected shape \(160\)"),
+        ({"a": [None]}, r"MultiTensorTable: abs_maxes has 1 entries, grads has 2"),
+        ({"a": [None, ce.Tensor.empty(ce.FP32, (2,), "cpu", name="a1")]},
+         r"MultiTensorTable: abs_maxes: expected shape \(1\), got tensor 'a1' \(2,\)"),
+        ({"a": [ce.Tensor.empty(ce.BF16, (1,), "cpu", name="a0"), None]},
+         r"MultiTensorTable: abs_maxes: expected dtype fp32, got tensor 'a0' bf16"),
     ],
 )  # fmt: skip
 def test_multi_tensor_table_bad_arguments(override, match):
     t = _table_args(**override)
     with pytest.raises(ValueError, match=match):
-        MultiTensorTable(t["table"], t["g"], t["p"], t["m"], t["v"], [True] * len(t["g"]), [1] * len(t["g"]))
+        MultiTensorTable(t["table"], t["g"], t["p"], t["m"], t["v"], [True] * len(t["g"]), [1] * len(t["g"]),
+                         abs_maxes=t.get("a"))  # fmt: skip
 
 
 def test_norm_only_table_refuses_an_update():
@@ -342,6 +392,8 @@ def test_norm_only_table_refuses_an_update():
         adamw_update_multi(table, hp, None)
     with pytest.raises(ValueError, match="a norm-only table \\(params None\\) takes no ms"):
         MultiTensorTable(t["table"], t["g"], ms=t["m"])
+    with pytest.raises(ValueError, match="takes no ms, vs, flags, seeds, offsets or abs_maxes"):
+        MultiTensorTable(t["table"], t["g"], abs_maxes=[None, None])
     bad = ce.Tensor.empty(ce.FP32, (3,), "cpu", name="sums")
     with pytest.raises(ValueError, match=r"global_norm_squared_multi: sums: expected shape \(2\)"):
         global_norm_squared_multi(ce.Tensor.empty(ce.FP32, norm_partials_shape(), "cpu"), bad, table)
@@ -393,7 +445,9 @@ def adamw_emu(tmp_path_factory):
         norm_lib = emu.build("norm", per_tensor_norms, norm_work)
     finally:
         emu._COMMON = common
-    return emu, {"adamw": lib, "norm": norm_lib}
+    abs_max_names = [f"abs_max_{t}{s}" for t in ("f32", "bf16") for s in ("", "_scalar")]  # fp8.abs_max: the reference
+    fp8_lib = emu.build("fp8", abs_max_names, tmp_path_factory.mktemp("fp8_emu"))
+    return emu, {"adamw": lib, "norm": norm_lib, "fp8": fp8_lib}
 
 
 def _emu_setup(adamw_emu, monkeypatch):
@@ -438,6 +492,38 @@ def test_emulated_multi_tensor_adamw_skips_on_nan_scale(adamw_emu, monkeypatch):
     _assert_bitwise(before, multi)
 
 
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16", "fp32", "fp32"), ("fp32", "fp32", "fp32", "bf16")])
+@pytest.mark.parametrize("grad_scale", [0.5, np.nan])
+def test_emulated_multi_tensor_adamw_records_abs_max_of_stored_params(adamw_emu, monkeypatch, dtypes, grad_scale):
+    """Each record's slot holds, bitwise, what fp8.abs_max (fp8.cu's kernel) reads from the params the
+    update stored (the unchanged ones on a skipped step), max-accumulated; params and moments are the
+    per-tensor launches' bits; the NumPy twin's slots are the same bits."""
+    emu, make, calls = _emu_setup(adamw_emu, monkeypatch)
+    table_bytes = lambda ns: emu.tensor(np.zeros(table_shape(ns)), "byte", "table")  # noqa: E731
+    per, _ = _run_both(emu.DEV, make, dtypes, table_bytes, grad_scale=grad_scale)
+    got, params, slots = _run_with_slots(emu.DEV, make, dtypes, table_bytes, grad_scale=grad_scale)
+    _assert_bitwise(per, got)
+    for a in slots:
+        assert a is None or emu.margins_ok(a)
+
+    def kernel_abs_max(x):
+        sep = emu.tensor(np.zeros(1), "fp32", "sep")
+        fp8.abs_max(sep, x)
+        return sep.numpy()[0]
+
+    calls.clear()
+    _assert_slots(params, slots, kernel_abs_max)
+    assert {c for c in calls} >= {"abs_max_f32" if dtypes[0] == "fp32" else "abs_max_bf16"}, calls
+    cpu = ce.device("cpu")
+    monkeypatch.undo()
+    twin, _, twin_slots = _run_with_slots(cpu, _host_tensor(cpu), dtypes,
+                                          lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cpu),
+                                          grad_scale=grad_scale)  # fmt: skip
+    _assert_bitwise(twin, got)
+    for a, b in zip(slots, twin_slots):
+        assert a is None or a.numpy().view(np.uint32)[0] == b.numpy().view(np.uint32)[0]
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_emulated_multi_tensor_norm_equals_per_tensor_kernel(adamw_emu, monkeypatch, dtype):
     """bf16 with a tensor past NORM_SLOTS blocks (its grid is capped at 1024, so it folds into every slot)."""
@@ -458,6 +544,23 @@ def test_cuda_multi_tensor_adamw_equals_per_tensor(cuda, dtypes):
     per, multi = _run_both(cuda, _host_tensor(cuda), dtypes, lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cuda),
                            steps=3)  # fmt: skip
     _assert_bitwise(per, multi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_scale", [0.5, np.nan])
+def test_cuda_multi_tensor_adamw_records_abs_max_of_stored_params(cuda, grad_scale):
+    dtypes = ("bf16", "bf16", "fp32", "fp32")
+    table_bytes = lambda ns: ce.Tensor.empty(ce.BYTE, table_shape(ns), cuda)  # noqa: E731
+    per, _ = _run_both(cuda, _host_tensor(cuda), dtypes, table_bytes, steps=3, grad_scale=grad_scale)
+    got, params, slots = _run_with_slots(cuda, _host_tensor(cuda), dtypes, table_bytes, steps=3, grad_scale=grad_scale)
+    _assert_bitwise(per, got)
+
+    def kernel_abs_max(x):
+        sep = ce.Tensor.from_numpy(np.zeros(1, np.float32), cuda)
+        fp8.abs_max(sep, x)
+        return sep.numpy()[0]
+
+    _assert_slots(params, slots, kernel_abs_max)
 
 
 @pytest.mark.gpu

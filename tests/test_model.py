@@ -516,6 +516,67 @@ def test_fp8_trains_close_to_bf16():
         assert abs(results[name] - results["bf16"]) < 0.03 * results["bf16"], results
 
 
+def _fp8_copies(m):
+    """{name: (E4M3 bytes, transposed bytes, [abs_max, scale, scale_inv])} of every FP8 weight copy."""
+    w = m.weights
+    return {n: (q.numpy().view(np.uint8).copy(), w.fp8_tp[n].numpy().view(np.uint8).copy(), q.fp8_stats())
+            for n, q in w.fp8.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])  # tied (the embedding's copy) and untied head
+def test_fp8_copies_take_the_abs_max_the_update_recorded(monkeypatch, preset):
+    """The update records each new weight's abs-max in its FP8 copy's slot (zeroed by one memset just
+    before): requantize runs no abs-max pass, and the copies are those of max|w| of the updated weights.
+    A slot left stale (set huge here) or not recorded (0 after the memset) gives another scale."""
+    cfg = tiny(preset)
+    m = make(cfg, matmul_dtype="e4m3", lmhead_fp8=True)
+    m.train_step(*batch(cfg), lr=1e-2)  # builds the multi-tensor table
+    x, y = batch(cfg, seed=3)
+    m.forward(x)
+    m.backward(x, y)
+    m.weights.fp8_stats.copy_from_numpy(np.full(m.weights.fp8_stats.shape, 1e3, np.float32))
+    before = weights_snapshot(m)
+    from cuengine.kernels import fp8
+
+    def no_pass(amax, inp, stream=None):
+        raise AssertionError(f"an abs-max pass over {inp.name!r} in the update")
+
+    monkeypatch.setattr(fp8, "abs_max", no_pass)
+    m.update(lr=1e-2)
+    monkeypatch.undo()
+    assert set(m.weights.fp8) >= {"layers.0.qkv_w", "layers.1.down_w", m.weights.head_name}
+    for name, (q, qt, stats) in _fp8_copies(m).items():
+        w = m.weights[name].numpy().astype(np.float32)
+        assert not np.array_equal(w, before[name].astype(np.float32)), name  # it was updated
+        amax = np.abs(w).max()
+        want_q, want_stats = fp8.quantize_reference(w, amax, ce.FP8_E4M3)
+        assert stats.tobytes() == want_stats.tobytes(), (name, stats, want_stats)
+        np.testing.assert_array_equal(q, want_q.view(np.uint8), err_msg=name)
+        np.testing.assert_array_equal(qt, want_q.T.view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("opts", [{}, {"lmhead_fp8": True, "lmhead_chunks": 2}])
+def test_fp8_copies_after_updates_equal_the_separate_abs_max_pass(monkeypatch, opts, device):
+    """Three steps with the abs-max recorded by the update and with requantize's own abs-max pass (the
+    optimizer made to look unable to record it): losses, weights, FP8 copies and scales bitwise equal."""
+    from cuengine.model.optimizer import AdamWState
+
+    cfg = tiny("tiny")
+    runs = {}
+    for recorded in (True, False):
+        if not recorded:
+            monkeypatch.setattr(AdamWState, "records_abs_max", property(lambda self: False))
+        m, losses, _ = run_steps(cfg, device=device, matmul_dtype="e4m3", **opts)
+        runs[recorded] = losses, weights_snapshot(m), _fp8_copies(m)
+    assert runs[True][0] == runs[False][0]
+    for name, a in runs[True][1].items():
+        np.testing.assert_array_equal(a.view(np.uint8), runs[False][1][name].view(np.uint8), err_msg=name)
+    for name, got in runs[True][2].items():
+        for x, y, what in zip(got, runs[False][2][name], ("copy", "transpose", "stats")):
+            np.testing.assert_array_equal(x, y, err_msg=f"{name} {what}")
+
+
 def test_overfits_a_fixed_batch():
     cfg = tiny("tiny", dtype="fp32")
     m = make(cfg, weight_decay=0.0)

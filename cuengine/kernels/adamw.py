@@ -14,6 +14,7 @@ import numpy as np
 from .. import _checks
 from ..dtypes import BF16, BYTE, FP32, INT32
 from . import _build
+from .fp8 import abs_max_reference
 from .norm import _THREADS as _NORM_THREADS
 from .norm import NORM_SLOTS, global_norm_squared, norm_partials_shape
 
@@ -164,9 +165,10 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
 
 
 # ---- multi-tensor: one launch over every parameter -------------------------------------------------
-# One TensorRecord of adamw.cu: 64 bytes, in this order.
+# One TensorRecord of adamw.cu: 72 bytes, in this order.
 _RECORD = np.dtype([("param", "<u8"), ("grad", "<u8"), ("m", "<u8"), ("v", "<u8"), ("n", "<i8"), ("off", "<i8"),
-                    ("seed", "<u4"), ("wd_on", "<i4"), ("first_chunk", "<i4"), ("first_norm", "<i4")])  # fmt: skip
+                    ("seed", "<u4"), ("wd_on", "<i4"), ("first_chunk", "<i4"), ("first_norm", "<i4"),
+                    ("amax", "<u8")])  # fmt: skip
 CHUNK = 32768  # elements per block of adamw_multi (ADAMW_CHUNK in adamw.cu)
 
 
@@ -195,8 +197,8 @@ def multi_norm_sums_shape(numels) -> tuple[int]:
 
 class MultiTensorTable:
     """The device table that `adamw_update_multi` and `global_norm_squared_multi` read: one record
-    per non-empty tensor (its four addresses, size, draw offset, seed, weight-decay flag and first
-    block of each launch), written once here, so a step allocates and uploads nothing.
+    per non-empty tensor (its four addresses, size, draw offset, seed, weight-decay flag, first
+    block of each launch and abs-max slot), written once here, so a step allocates and uploads nothing.
 
     Args:
         table: BYTE tensor of `multi_tensor_table_shape(numels)` on the tensors' device; written now
@@ -206,25 +208,31 @@ class MultiTensorTable:
             per role (one kernel instantiation); or all None for a table that serves the norm alone.
         weight_decay_on, seeds: per tensor, as `adamw_update` takes them (None with params None).
         index_offsets: per tensor (adamw_update's index_offset), or None for 0.
+        abs_maxes: per tensor, None or a (1,) fp32 slot into which `adamw_update_multi` max-accumulates
+            |param| as stored (e.g. the `abs_max` of the weight's FP8 copy, so that the copy can be
+            quantized without an abs-max pass); or None for no slots.
 
     The tensors must stay where they are: the table holds their addresses.
     """
 
     def __init__(self, table, grads, params=None, ms=None, vs=None, weight_decay_on=None, seeds=None,
-                 index_offsets=None):  # fmt: skip
+                 index_offsets=None, abs_maxes=None):  # fmt: skip
         what = "MultiTensorTable"
         k = len(grads)
         if k == 0:
             raise ValueError(f"{what}: no tensors")
         self.norm_only = params is None
         if self.norm_only:
-            if any(x is not None for x in (ms, vs, weight_decay_on, seeds, index_offsets)):
-                raise ValueError(f"{what}: a norm-only table (params None) takes no ms, vs, flags, seeds or offsets")
+            if any(x is not None for x in (ms, vs, weight_decay_on, seeds, index_offsets, abs_maxes)):
+                raise ValueError(
+                    f"{what}: a norm-only table (params None) takes no ms, vs, flags, seeds, offsets or abs_maxes"
+                )
             params = ms = vs = grads
             weight_decay_on, seeds = [False] * k, [0] * k
         index_offsets = [0] * k if index_offsets is None else list(index_offsets)
+        abs_maxes = [None] * k if abs_maxes is None else list(abs_maxes)
         lists = {"params": params, "ms": ms, "vs": vs, "weight_decay_on": weight_decay_on, "seeds": seeds,
-                 "index_offsets": index_offsets}  # fmt: skip
+                 "index_offsets": index_offsets, "abs_maxes": abs_maxes}  # fmt: skip
         for label, lst in lists.items():
             if lst is None or len(lst) != k:
                 raise ValueError(f"{what}: {label} has {None if lst is None else len(lst)} entries, grads has {k}")
@@ -238,16 +246,24 @@ class MultiTensorTable:
                 if t.nelem != p.nelem:
                     raise ValueError(f"{what}: {label} {t.name!r} {t.shape} {t.dtype} has {t.nelem} elements, "
                                      f"param {p.name!r} {p.shape} has {p.nelem}")  # fmt: skip
-        self.device = _checks.same_device(table, *params, *grads, *ms, *vs)
+        slots = [a for a in abs_maxes if a is not None]
+        for a in slots:
+            _checks.expect(a, f"{what}: abs_maxes", dtype=FP32, shape=(1,))  # (1,)
+        self.device = _checks.same_device(table, *params, *grads, *ms, *vs, *slots)
         want = multi_tensor_table_shape([p.nelem for p in params])
         _checks.expect(table, f"{what}: table", dtype=BYTE, shape=want)  # (bytes,)
-        self.entries = [e for e in zip(params, grads, ms, vs, weight_decay_on, seeds, index_offsets) if e[0].nelem]
+        kept = [i for i, p in enumerate(params) if p.nelem]
+        self.entries = [
+            (params[i], grads[i], ms[i], vs[i], weight_decay_on[i], seeds[i], index_offsets[i]) for i in kept
+        ]
+        self.abs_maxes = [abs_maxes[i] for i in kept]  # one per entry: None or the (1,) slot
         k, self.chunks, self.norm_blocks = _table_layout([e[0].nelem for e in self.entries])
         rec = np.zeros(k, _RECORD)
         owners = np.zeros(self.chunks + self.norm_blocks, np.int32)
         chunks = norms = 0
-        for i, (r, (p, g, m, v, wd, seed, off)) in enumerate(zip(rec, self.entries)):
+        for i, (r, (p, g, m, v, wd, seed, off), amax) in enumerate(zip(rec, self.entries, self.abs_maxes)):
             r["param"], r["grad"], r["m"], r["v"] = p.ptr, g.ptr, m.ptr, v.ptr
+            r["amax"] = 0 if amax is None else amax.ptr
             r["n"], r["off"], r["seed"], r["wd_on"] = p.nelem, off, int(seed) & 0xFFFFFFFF, bool(wd)
             r["first_chunk"], r["first_norm"] = chunks, norms
             c, b = _build.ceil_div(p.nelem, CHUNK), _norm_grid(p.nelem)
@@ -272,11 +288,15 @@ def adamw_update_multi(table: MultiTensorTable, hparams, grad_scale, stream=None
     """`adamw_update` of every tensor of `table`, in one launch, bitwise as one launch per tensor.
 
     Args:
-        table: a MultiTensorTable (params, grads, moments, seeds, decay flags, offsets).
+        table: a MultiTensorTable (params, grads, moments, seeds, decay flags, offsets, abs-max slots).
         hparams: (8,) fp32 on the device, as `adamw_update` reads it.
-        grad_scale: (1,) fp32 on the device or None; non-finite: nothing is written.
+        grad_scale: (1,) fp32 on the device or None; non-finite: no param or moment is written.
 
-    NumPy equivalent: `adamw_reference` per tensor (the cpu path calls `adamw_update` per tensor).
+    Each tensor's abs-max slot (if it has one) max-accumulates max|param| of the new param as stored,
+    bitwise `fp8.abs_max(slot, param)` after the update (of the unchanged param on a skipped step).
+
+    NumPy equivalent: `adamw_reference` per tensor (the cpu path calls `adamw_update` per tensor), then
+    `slot[0] = max(slot[0], fp8.abs_max_reference(param))`.
     """
     what = "adamw_update_multi"
     _checks.expect(hparams, f"{what}: hparams", dtype=FP32, shape=(8,))  # (8,)
@@ -288,8 +308,11 @@ def adamw_update_multi(table: MultiTensorTable, hparams, grad_scale, stream=None
     if not table.entries:
         return
     if dev.is_cpu:
-        for p, g, m, v, wd, seed, off in table.entries:
+        for (p, g, m, v, wd, seed, off), amax in zip(table.entries, table.abs_maxes):
             adamw_update(p, g, m, v, hparams, grad_scale, wd, seed, off)
+            if amax is not None:
+                a = amax.array()
+                a[0] = np.maximum(a[0], abs_max_reference(p.array()))
         return
     name = _build.kernel_name("adamw_multi", *table.dtypes)
     args = (table.table, table.chunk_owner, hparams, grad_scale)

@@ -388,8 +388,14 @@ class LlamaModel(ParametersMixin, InferenceMixin):
 
     def _update(self) -> None:
         if self._dp is None:
-            self.opt_state.update(self.weights.tensors, self.grads, self.opts.seed)
-            self.weights.requantize()
+            w, opt = self.weights, self.opt_state
+            if w.fp8 and opt.records_abs_max:  # the update's stores give each FP8 copy its abs-max (one memset)
+                w.zero_abs_max()
+                opt.update(w.tensors, self.grads, self.opts.seed, abs_max=w.abs_max_slots)
+                w.requantize(abs_max_recorded=True)
+                return
+            opt.update(w.tensors, self.grads, self.opts.seed)
+            w.requantize()
             return
         self._dp.update(self.weights.tensors, self._weight_buckets, self.opt_state, self.opts.seed)
         if self._dp.stage == 0:

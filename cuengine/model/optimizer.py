@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dtypes import BYTE, FP32
 from ..dtypes import dtype as _dtype
-from ..kernels import adamw, norm
+from ..kernels import adamw, fp8, norm
 
 
 def tensor_seed(seed: int, i: int) -> int:
@@ -86,16 +86,22 @@ class AdamWState:
         self.device.copy_async(self.hparams, self.hparams_host)
         self.device.stream.record(self.hparams_event)
 
-    def _table(self, kind: str, grads: list, params=None, seed: int = 0):
+    @property
+    def records_abs_max(self) -> bool:
+        """Whether `update` takes `abs_max=` (AdamW: yes; the 8-bit and Muon states: no)."""
+        return self._tables is not None
+
+    def _table(self, kind: str, grads: list, params=None, seed: int = 0, abs_maxes=None):
         """The multi-tensor table of these tensors, built (a host→device copy) when they differ from
         the last call's; None when they do not fit the buffers sized from `specs` (one dtype per role,
         as many elements), and the caller loops per tensor. The key is the tensors' addresses, so a
-        table never points at memory that moved."""
+        table never points at memory that moved. `abs_maxes`: per tensor, None or its abs-max slot."""
         if self._tables is None:
             return None
         names = [n for n, _, _ in self.specs]
         roles = [grads] if params is None else [params, grads, [self.m[n] for n in names], [self.v[n] for n in names]]
-        key = (seed, tuple((t.ptr, t.nelem, t.dtype) for ts in roles for t in ts))
+        slots = tuple(None if a is None else a.ptr for a in abs_maxes or ())
+        key = (seed, tuple((t.ptr, t.nelem, t.dtype) for ts in roles for t in ts), slots)
         got = self._tables.get(kind)
         if got is not None and got[0] == key:
             return got[1]
@@ -109,7 +115,8 @@ class AdamWState:
         else:
             decays = [d for _, _, d in self.specs]
             seeds = [tensor_seed(seed, i) for i in range(len(names))]
-            table = adamw.MultiTensorTable(self.table_bytes[kind], grads, params, roles[2], roles[3], decays, seeds)
+            table = adamw.MultiTensorTable(self.table_bytes[kind], grads, params, roles[2], roles[3], decays, seeds,
+                                           abs_maxes=abs_maxes)  # fmt: skip
         self._tables[kind] = (key, table)
         return table
 
@@ -127,20 +134,27 @@ class AdamWState:
                 norm.global_norm_squared(self.norm_partials, g, stream=stream)
         norm.global_norm_finish(self.norm_result, self.norm_partials, float(max_norm), stream=stream)
 
-    def update(self, weights, grads: dict, seed: int, stream=None) -> None:
+    def update(self, weights, grads: dict, seed: int, stream=None, abs_max: dict | None = None) -> None:
         """One AdamW update of every parameter, reading the hyper-parameters and the clip scale
         on device; a NaN clip scale (non-finite norm) changes no parameter and no moment. Norm
         weights and biases take no weight decay. `seed` drives bf16 stochastic
         rounding: each tensor gets a fixed seed derived from it (the step in hparams varies the
         draws), so the update can be captured into a graph and a resumed run rounds exactly as
         the original. One launch over every tensor (the first call builds its table: see
-        `global_norm`), with the bits of one `adamw_update` per tensor."""
+        `global_norm`), with the bits of one `adamw_update` per tensor.
+
+        `abs_max`: {name: (1,) fp32 slot}; each slot max-accumulates max|w| of that parameter as
+        stored after the update (of the unchanged weights on a skipped step), recorded by the update's
+        own stores (`ModelWeights.abs_max_slots`, zeroed first): the FP8 copies then need no abs-max pass."""
         scale = self.norm_result.rows(1, 2)  # (1,) clip scale
         names = [n for n, _, _ in self.specs]
-        table = self._table("adamw", [grads[n] for n in names], [weights[n] for n in names], seed)
+        slots = None if abs_max is None else [abs_max.get(n) for n in names]
+        table = self._table("adamw", [grads[n] for n in names], [weights[n] for n in names], seed, slots)
         if table is not None:
             adamw.adamw_update_multi(table, self.hparams, scale, stream=stream)
             return
         for i, (name, _, decays) in enumerate(self.specs):
             adamw.adamw_update(weights[name], grads[name], self.m[name], self.v[name], self.hparams, scale, decays,
                                tensor_seed(seed, i), stream=stream)  # fmt: skip
+            if slots is not None and slots[i] is not None:
+                fp8.abs_max(slots[i], weights[name], stream=stream)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import FP32
 from ..dtypes import dtype as _dtype
-from ..tensor import Tensor
+from ..tensor import STATS_SLOTS, Tensor
 
 MATMUL_WEIGHTS = ("qkv_w", "atto_w", "up_w", "down_w")  # the block matrices that get FP8 copies
 _SAFETENSORS_DTYPE = {"BF16": "bf16", "F32": "fp32", "F16": "fp16"}
@@ -103,6 +104,8 @@ class ModelWeights:
         fp8: also keep E4M3 copies of the block matrices (with their scales) for FP8 matmuls, and
             their transposes (`fp8_tp`, sharing the stats slot) for the backward's TN-only dinp GEMM:
             made once per update from the same read of the weights, not once per backward matmul.
+            Their stats slots are the rows of one table (`fp8_stats`), so one memset zeroes every
+            abs-max before an update that records them (`zero_abs_max`, `requantize(abs_max_recorded=)`).
         layout: None, or a `cuengine.dist.ShardPlan`: then every parameter is a view of one flat
             buffer (`self.flat`) in the plan's layout, which ranks all-gather in place.
         fp8_head: with `fp8`, the LM head (`head_name`) gets copies too (TrainOptions.lmhead_fp8).
@@ -129,13 +132,16 @@ class ModelWeights:
                         for i in range(cfg.num_layers)]  # fmt: skip
         self.fp8: dict[str, Tensor] = {}
         self.fp8_tp: dict[str, Tensor] = {}  # (C, OC) of each (OC, C) E4M3 copy, with its stats
+        self.fp8_stats = None  # (copies, STATS_SLOTS) fp32: row i is the stats slot of the i-th copy
         if fp8:
+            quant = [(name, shape) for name, shape, _ in self.specs
+                     if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS or (fp8_head and name == self.head_name)]  # fmt: skip
             with alloc.context("Weights FP8"):
-                for name, shape, _ in self.specs:
-                    if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS or (fp8_head and name == self.head_name):
-                        q = self.fp8[name] = alloc.allocate("e4m3", name + ".q", shape)
-                        tp = alloc.allocate("e4m3", name + ".qT", shape[::-1], stats=False)
-                        self.fp8_tp[name] = tp.with_stats(q.stats)
+                self.fp8_stats = alloc.allocate(FP32, "fp8_stats", (len(quant), STATS_SLOTS)).fill_zero()
+                for i, (name, shape) in enumerate(quant):
+                    q = alloc.allocate("e4m3", name + ".q", shape, stats=False).with_stats(self.fp8_stats[i])
+                    tp = alloc.allocate("e4m3", name + ".qT", shape[::-1], stats=False)
+                    self.fp8[name], self.fp8_tp[name] = q, tp.with_stats(q.stats)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -191,18 +197,33 @@ class ModelWeights:
         self.requantize()
 
     # ---- FP8 copies --------------------------------------------------------------------------
-    def requantize(self, names=None, stream=None) -> None:
+    @property
+    def abs_max_slots(self) -> dict[str, Tensor]:
+        """{name: (1,) abs-max slot of its E4M3 copy} for every weight with copies (empty without fp8)."""
+        return {name: q.abs_max for name, q in self.fp8.items()}
+
+    def zero_abs_max(self, stream=None) -> None:
+        """Zero every copy's stats slot (one memset), for an update that records the new weights'
+        abs-maxes in `abs_max_slots` (AdamWState.update(abs_max=)); `requantize(abs_max_recorded=True)`
+        then writes the scales and values from them."""
+        if self.fp8_stats is not None:
+            self.fp8_stats.fill_zero(stream)
+
+    def requantize(self, names=None, stream=None, abs_max_recorded: bool = False) -> None:
         """Refresh the E4M3 copies and their transposes (abs-max, scales, values) from the master
         weights (of `names` only, when given: those with copies); runs after every update, in
-        stream order, without a host sync."""
+        stream order, without a host sync. `abs_max_recorded`: every slot of `abs_max_slots` already
+        holds max|w| of the current weights (the update wrote it after `zero_abs_max`), so only the
+        quantize pass runs (one `quantize_dual` per copy, no memset and no abs-max pass)."""
         if not self.fp8:
             return
         from ..kernels import fp8
 
         for name in self.fp8 if names is None else names:
             q = self.fp8[name]
-            q.abs_max.fill_zero(stream)
-            fp8.abs_max(q.abs_max, self.tensors[name], stream=stream)
+            if not abs_max_recorded:
+                q.abs_max.fill_zero(stream)
+                fp8.abs_max(q.abs_max, self.tensors[name], stream=stream)
             fp8.quantize_dual(q, self.fp8_tp[name], self.tensors[name], q.abs_max, stream=stream)
 
     # ---- HF safetensors ----------------------------------------------------------------------
