@@ -246,11 +246,11 @@ def test_fused_append_equals_append_then_attention(dev, dtype, hq, hkv, hs, leng
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
-    """A block serves up to MAX_TILE_HEADS q heads of one kv head; each head's sums are its own, so
-    any tiling (more, shorter blocks) gives the same results, with the fused append and across
-    splits: the same bits in bf16 here, and within fp32's table in fp32, where each tiling is a
-    kernel variant of its own whose multiply-adds the compiler may contract differently (seen on
-    the H200: last-bit differences)."""
+    """A block serves up to SMALL_BATCH_TILE_HEADS q heads of one kv head (small batches); each
+    head's sums are its own, so any tiling (more, shorter blocks) gives the same results, with the
+    fused append and across splits: the same bits in bf16 here, and within fp32's table in fp32,
+    where each tiling is a kernel variant of its own whose multiply-adds the compiler may contract
+    differently (seen on the H200: last-bit differences)."""
     from cuengine.kernels import decode_attention as da
 
     hq, hkv, hs, lengths, max_seq = 14, 2, 64, [16, 300], 320
@@ -259,7 +259,7 @@ def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
     scratch = nan_scratch(decode_attention_scratch_shape(2, hq, hs, max_seq), hs)
     runs = []
     for heads in (8, 2, 1):
-        monkeypatch.setattr(da, "MAX_TILE_HEADS", heads)
+        monkeypatch.setattr(da, "SMALL_BATCH_TILE_HEADS", heads)
         t = tensors(cuda, qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch)
         out = ce.Tensor.empty(qkv.dtype, (2, hq * hs), cuda, name="out")
         decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"], freqs=t["freqs"])
@@ -270,6 +270,15 @@ def test_heads_per_block_do_not_change_a_bit(cuda, monkeypatch, dtype):
                 assert_close(a.view(np.float32), e.view(np.float32), "fp32", what=what)
             else:
                 np.testing.assert_array_equal(a, e, err_msg=what)
+
+
+def test_tile_heads_by_batch():
+    """Many one-head blocks while a batch's (row, q head) blocks fit one wave (4 per SM), blocks of up
+    to 8 heads beyond: the 0.5B shape's 14 q heads over 2 kv heads on 132 SMs."""
+    from cuengine.kernels.decode_attention import tile_heads
+
+    assert [tile_heads(b, 14, 2, 132) for b in (1, 8, 37, 38, 64)] == [(7, 1)] * 3 + [(1, 7)] * 2
+    assert tile_heads(1, 32, 2, 132) == (16, 1) and tile_heads(40, 32, 2, 132) == (2, 8)
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def launches(st, fn) -> int:
 def token_section(args, dev, bw) -> list[str]:
     rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; L2 prefetch "
             f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight, {decode_layers.BLOCKS_PER_SM} block(s) per SM "
-            f"(persistent); attention blocks of up to {decode_attention.MAX_TILE_HEADS} q heads", "",
+            f"(persistent); attention blocks of up to {decode_attention.SMALL_BATCH_TILE_HEADS} q heads", "",
             f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
@@ -384,15 +384,16 @@ def main(argv=None) -> int:
     p.add_argument("--arms", nargs="+", default=["fused", "persistent"], help="token: the batch-1 arms to time")
     p.add_argument("--prefetch-mb", type=int, help="token: the persistent arm's L2 prefetch per weight (MB)")
     p.add_argument("--blocks-per-sm", type=int, choices=(1, 2), help="token: the persistent arm's blocks per SM")
-    p.add_argument("--max-tile-heads", type=int, choices=(1, 2, 4, 8), help="q heads per decode attention block")
+    p.add_argument("--tile-heads", type=int, choices=(1, 2, 4, 8),
+                   help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
     if args.prefetch_mb is not None:
         decode_layers.PREFETCH_BYTES = args.prefetch_mb << 20
     if args.blocks_per_sm is not None:
         decode_layers.BLOCKS_PER_SM = args.blocks_per_sm
-    if args.max_tile_heads is not None:
-        decode_attention.MAX_TILE_HEADS = args.max_tile_heads
+    if args.tile_heads is not None:
+        decode_attention.SMALL_BATCH_TILE_HEADS = args.tile_heads
     if args.peer_child:
         peer_rows(args)
         return 0

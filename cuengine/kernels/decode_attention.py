@@ -36,10 +36,11 @@ _MIN_CHUNK = 128  # fewest positions per split (MIN_CHUNK in decode_attention.cu
 _BLOCKS_PER_SM = 4  # split blocks per SM that "fills the GPU"
 _H200_SMS = 132  # the scratch is sized for this many SMs; a larger GPU gets fewer splits than it could use
 _THREADS = 128  # NW * 32 in decode_attention.cu
-# q heads per block, at most (GM <= 8). One head per block: a 0.5B step on the H200 took 0.634 ms/token
-# against 0.739 with blocks of 7 heads (prompt 16; 0.816 against 0.943 at 512): more, shorter blocks
-# beat reading each K/V position once per 7 heads. bench_decode --max-tile-heads compares.
-MAX_TILE_HEADS = 1
+# q heads per block while the batch's (row, q head) blocks fit one wave (see tile_heads); bench_decode
+# --tile-heads compares. One head per block: a 0.5B batch-1 step on the H200 took 0.634 ms/token
+# against 0.739 with blocks of 7 heads (prompt 16; 0.816 against 0.943 at 512).
+SMALL_BATCH_TILE_HEADS = 1
+_MAX_TILE_HEADS = 8  # q heads per block at most (GM <= 8)
 _MAX_ROWS = 64  # rows the scratch keeps arrival counters for (the decode batch limit)
 _FUSE_MAX_SPLITS = 32  # the last split block merges at most this many partials per head itself
 
@@ -100,6 +101,18 @@ def _splits(b: int, max_seq: int, blocks_per_split: int, n_sms: int) -> int:
     least _MIN_CHUNK positions of a full cache."""
     want = ceil_div(_BLOCKS_PER_SM * n_sms, b * blocks_per_split)
     return max(1, min(want, ceil_div(max_seq, _MIN_CHUNK)))
+
+
+def tile_heads(b: int, n_q_heads: int, n_kv_heads: int, n_sms: int) -> tuple[int, int]:
+    """(tiles per kv head, q heads per tile): SMALL_BATCH_TILE_HEADS heads per block while b * Hq
+    blocks fit one wave of _BLOCKS_PER_SM per SM, so a small batch gets many short blocks; beyond, up
+    to 8 heads per block (_MAX_TILE_HEADS), each reading a K/V position once for all of them, since a
+    big batch fills the GPU anyway and every tile re-reads the row's K and V. The results do not
+    depend on it beyond the compiler's contraction of each kernel variant."""
+    group = n_q_heads // n_kv_heads
+    heads = SMALL_BATCH_TILE_HEADS if b * n_q_heads <= _BLOCKS_PER_SM * n_sms else _MAX_TILE_HEADS
+    tiles = ceil_div(group, heads)
+    return tiles, ceil_div(group, tiles)
 
 
 def _counter_rows(head_size: int) -> int:
@@ -307,20 +320,18 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         return
     layout = _layout(qkv.dtype, hs)
     _check_aligned(dev, qkv, k_cache, v_cache, nbytes=2 * qkv.dtype.itemsize if layout == "gen" else 16)
-    group = n_q_heads // n_kv_heads
-    tiles = ceil_div(group, MAX_TILE_HEADS)
-    tile_heads = ceil_div(group, tiles)
-    gm = 1 << (tile_heads - 1).bit_length()
+    tiles, heads = tile_heads(b, n_q_heads, n_kv_heads, dev.num_sms)
+    gm = 1 << (heads - 1).bit_length()
     S = min(_splits(b, max_seq, n_kv_heads * tiles, dev.num_sms), (scratch.shape[0] - counter_rows) // b)
     fused = S <= _FUSE_MAX_SPLITS
     part_offset = np.int64(counter_rows * n_q_heads * (hs + 2))
     suf = _SUFFIX[qkv.dtype.name]
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(hs))
     args = (scratch, out, qkv, k_cache, v_cache, lengths, np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs),
-            np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(tile_heads), scale_log2, part_offset,
+            np.int32(max_seq), np.int32(S), np.int32(tiles), np.int32(heads), scale_log2, part_offset,
             np.int32(fused), freqs, np.int32(max_pos))  # fmt: skip
     name = f"decode_attention_split_{suf}_{layout}_g{gm}"
-    smem = 4 * tile_heads * S if fused else 0  # the fused merge's weights
+    smem = 4 * heads * S if fused else 0  # the fused merge's weights
     launch(FAMILY, name, (S, n_kv_heads * tiles, b), _THREADS, args, dev, stream, shared_mem=smem, dependent=True)
     if not fused:
         args = (out, scratch, lengths, np.int32(n_q_heads), np.int32(hs), np.int32(max_seq), np.int32(S), part_offset)

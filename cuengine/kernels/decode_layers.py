@@ -151,9 +151,7 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     layout = _layout(dt, hs)
     if layout is None:
         raise ValueError(f"{what}: no variant for {dt} with head size {hs}")
-    group = Hq // Hkv
-    tiles = _build.ceil_div(group, da.MAX_TILE_HEADS)
-    tile_heads = _build.ceil_div(group, tiles)
+    tiles, tile_heads = da.tile_heads(1, Hq, Hkv, dev.num_sms)
     counter_rows = da._counter_rows(hs)
     S = max(1, min(da._splits(1, max_seq, Hkv * tiles, dev.num_sms), scratch.shape[0] - counter_rows,
                    da._FUSE_MAX_SPLITS))  # fmt: skip
