@@ -196,12 +196,17 @@ def peer_section(args, dev, bw):
 
 
 # torch.compile modes of the peer: with CUDA graphs (the HF docs' recipe), without them, and eager
-PEER_MODES = ("reduce-overhead", "default", "eager")
+# "generate": transformers' own compilation of the static-cache decode step (generate compiles it, with
+# CUDA graphs, when the cache is static: transformers >= 4.4x, 5.x in the GPU image); "reduce-overhead":
+# torch.compile wrapped around model.forward by hand, as the older HF docs did (it segfaulted after
+# compiling in two H200 runs: it compiles on top of generate's own compilation); "eager": static cache,
+# generate's compilation turned off.
+PEER_MODES = ("generate", "eager", "reduce-overhead")
 
 
 def peer_rows(args) -> None:
-    """HF transformers generate with a static cache, compiled in `args.peer_child` mode (or eager), run
-    by `--peer-child MODE`; prints each row as it is measured, so a later crash keeps the earlier rows."""
+    """HF transformers generate with a static cache in `args.peer_child` mode (PEER_MODES), run by
+    `--peer-child MODE`; prints each row as it is measured, so a later crash keeps the earlier rows."""
     try:
         import torch
         import transformers
@@ -218,9 +223,12 @@ def peer_rows(args) -> None:
         model = transformers.Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16).eval()
         model.generation_config.cache_implementation = "static"
         mode = args.peer_child
-        if mode != "eager":
+        if mode == "eager":
+            model.generation_config.disable_compile = True
+        elif mode == "reduce-overhead":
             model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
-        label = f"HF static cache, {'eager' if mode == 'eager' else 'compile ' + mode}"
+        label = {"generate": "HF static cache, generate compiles", "eager": "HF static cache, eager",
+                 "reduce-overhead": "HF static cache, torch.compile(forward)"}[mode]  # fmt: skip
         for b in (1, 8):
             x = torch.from_numpy(np.array(prompts(cfg, b, args.prompt), np.int64)).cuda()
 
