@@ -471,3 +471,26 @@ def test_persistent_generation_graph_equals_eager(cuda):
         if graphs:
             assert ("decode", 1, "persistent") in m.inference_state.graphs
     assert out[0] == out[1]
+
+
+def test_decode_layers_launcher_errors():
+    """The persistent launcher's own checks (the state always passes consistent tensors)."""
+    from cuengine.kernels import decode_layers as dl
+
+    m = model("tiny-hs64", "bf16")
+    st = m.allocate_inference_state(max_batch=2, max_seq_len=32)
+    cfg = m.cfg
+
+    def call(layers, residual=None):
+        dl.decode_layers(st.residual.rows(0, 1) if residual is None else residual, st.qkv.rows(0, 1),
+                         st.att.rows(0, 1), st.up.rows(0, 1), st.att_scratch, st.layer_sync, st.layer_table, layers,
+                         st.lengths.rows(0, 1), st.freqs, cfg.num_q_heads, cfg.num_kv_heads, 1e-5)  # fmt: skip
+
+    with pytest.raises(ValueError, match="decode_layers: no layers"):
+        call([])
+    with pytest.raises(ValueError, match="decode_layers residual"):
+        call(st.layer_weights, residual=st.residual)
+    with pytest.raises(ValueError, match="only e4m3 weights take row scales"):
+        call([dict(L, qkv_scale=st.rstd.rows(0, 1)) for L in st.layer_weights])
+    with pytest.raises(ValueError, match="layer 0 o_w"):
+        call([dict(L, o_w=L["up_w"]) for L in st.layer_weights])
