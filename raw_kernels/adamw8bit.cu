@@ -14,6 +14,15 @@
 // stochastically with adamw.cu's hash (sr_hash.cuh, a copy of its functions; tests check the bits
 // against adamw's NumPy twin). A max is order-independent, so the result is deterministic
 // whatever the scheduling.
+//
+// adamw8bit_multi_*: every tensor of a table in one launch (cuengine.kernels.adamw8bit.AdamW8bitTable,
+// written once, so a step uploads nothing and a captured graph replays it). A Record8 per tensor and an
+// `owner` map (the record of every block of the launch). Block g takes QCHUNK quantization blocks of
+// record owner[g] from (g - first_chunk) * QCHUNK, never past the tensor's last: a quantization block is
+// always one tensor's own 256 elements, as in the per-tensor launch. One warp per quantization block
+// (element k*32 + lane, k < 8: the same elements, the max over the same values by shuffles alone), the
+// maps loaded and beta^step taken once per block. Element i gets the per-tensor kernel's arithmetic
+// (adam8_element), its seed and draw index i, so the bits equal one adamw8bit_update per record.
 #include "common.cuh"
 #include "sr_hash.cuh"
 
@@ -47,6 +56,25 @@ __device__ __forceinline__ float block_max(float x, float* red) {
     return r;
 }
 
+struct Adam8 {
+    float lr, b1, b2, omb1, omb2, eps, wd, gs, bc1, bc2;
+};
+
+// One element: dequantize its codes (m, v out), the fp32 AdamW step; returns the new param (unrounded).
+template <typename Tp, typename Tg>
+__device__ __forceinline__ float adam8_element(Tp param, Tg grad, u8 qm, u8 qv, float am_old, float av_old,
+                                               const float* maps, const Adam8& a, float& m, float& v) {
+    m = __fmul_rn(maps[qm], am_old);
+    v = __fmul_rn(maps[512 + qv], av_old);
+    const float g = __fmul_rn(to_float(grad), a.gs);
+    const float p = to_float(param);
+    m = __fadd_rn(__fmul_rn(a.b1, m), __fmul_rn(a.omb1, g));
+    v = __fadd_rn(__fmul_rn(a.b2, v), __fmul_rn(a.omb2, __fmul_rn(g, g)));
+    const float mhat = __fdiv_rn(m, a.bc1), vhat = __fdiv_rn(v, a.bc2);
+    const float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), a.eps)), __fmul_rn(a.wd, p));
+    return __fsub_rn(p, __fmul_rn(a.lr, upd));
+}
+
 template <typename Tp, typename Tg>
 __device__ void adamw8bit_impl(Tp* param, const Tg* grad, u8* qm, u8* qv, float* absmax_m, float* absmax_v,
                                const float* qmaps, const float* hp, const float* grad_scale, int wd_on, u32 seed,
@@ -65,18 +93,9 @@ __device__ void adamw8bit_impl(Tp* param, const Tg* grad, u8* qm, u8* qv, float*
     const bool in = i < n;
     const float am_old = absmax_m[b], av_old = absmax_v[b];
     __syncthreads();  // maps loaded
+    const Adam8 a = {lr, b1, b2, omb1, omb2, eps, wd, gs, bc1, bc2};
     float p = 0.f, m = 0.f, v = 0.f;
-    if (in) {
-        m = __fmul_rn(maps[qm[i]], am_old);
-        v = __fmul_rn(maps[512 + qv[i]], av_old);
-        const float g = __fmul_rn(to_float(grad[i]), gs);
-        p = to_float(param[i]);
-        m = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(omb1, g));
-        v = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(omb2, __fmul_rn(g, g)));
-        const float mhat = __fdiv_rn(m, bc1), vhat = __fdiv_rn(v, bc2);
-        const float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
-        p = __fsub_rn(p, __fmul_rn(lr, upd));
-    }
+    if (in) p = adam8_element(param[i], grad[i], qm[i], qv[i], am_old, av_old, maps, a, m, v);
     const float am = block_max(in ? fabsf(m) : 0.f, red_m);
     const float av = block_max(in ? v : 0.f, red_v);
     if (in) {
@@ -90,16 +109,102 @@ __device__ void adamw8bit_impl(Tp* param, const Tg* grad, u8* qm, u8* qv, float*
     }
 }
 
+// ---- multi-tensor ------------------------------------------------------------------------------
+#define QCHUNK 32  // quantization blocks per adamw8bit_multi block (AdamW8bitTable.CHUNK)
+#define QWARPS 8   // warps per adamw8bit_multi block: one quantization block each at a time
+
+// One tensor of an adamw8bit table: 72 bytes, the layout of cuengine.kernels.adamw8bit._RECORD.
+struct Record8 {
+    void* param;
+    const void* grad;
+    u8* qm;
+    u8* qv;
+    float* absmax_m;
+    float* absmax_v;
+    long long n;      // elements (> 0)
+    u32 seed;         // adamw8bit_update's seed for this tensor
+    int wd_on;
+    int first_chunk;  // the first adamw8bit_multi block of this tensor: a prefix sum over the table
+    int pad;
+};
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+template <typename Tp, typename Tg>
+__device__ void adamw8bit_multi_impl(const Record8* tab, const int* owner, const float* qmaps, const float* hp,
+                                     const float* grad_scale) {
+    __shared__ float maps[1024];
+    __shared__ float s_bc[2];
+    const float gs = grad_scale ? *grad_scale : 1.f;
+    if (!isfinite(gs)) return;  // the skipped step: the same for every block
+    const Record8& r = tab[owner[blockIdx.x]];
+    for (int k = threadIdx.x; k < 1024; k += blockDim.x) maps[k] = qmaps[k];
+    const float b1 = hp[1], b2 = hp[2], step = hp[5];
+    if (threadIdx.x == 0) {  // the per-tensor kernel's expressions, once per block
+        s_bc[0] = (float)(1.0 - pow((double)b1, (double)step));
+        s_bc[1] = (float)(1.0 - pow((double)b2, (double)step));
+    }
+    __syncthreads();  // maps and bias corrections loaded
+    const Adam8 a = {hp[0], b1, b2, __fsub_rn(1.f, b1), __fsub_rn(1.f, b2), hp[3], r.wd_on ? hp[4] : 0.f, gs,
+                     s_bc[0], s_bc[1]};
+    const u32 key = sr_key(r.seed, (u32)step, 0u);
+    // locals: the stores below could alias the table as far as the compiler knows, and would reload it
+    Tp* param = static_cast<Tp*>(r.param);
+    const Tg* grad = static_cast<const Tg*>(r.grad);
+    u8 *qm = r.qm, *qv = r.qv;
+    float *absmax_m = r.absmax_m, *absmax_v = r.absmax_v;
+    const long long n = r.n, nb = (n + QBLOCK - 1) / QBLOCK;
+    const long long b_lo = (long long)(blockIdx.x - r.first_chunk) * QCHUNK;
+    const long long b_hi = b_lo + QCHUNK < nb ? b_lo + QCHUNK : nb;
+    const int lane = threadIdx.x & 31;
+    for (long long b = b_lo + (threadIdx.x >> 5); b < b_hi; b += QWARPS) {
+        const float am_old = absmax_m[b], av_old = absmax_v[b];
+        // fmaxf drops a NaN operand, so starting from NaN makes the max a function of the block's 256 values
+        // (0 past the end) alone, NaNs included, as block_max's order gives it
+        float p[8], m[8], v[8], mx_m = __int_as_float(0x7fc00000), mx_v = mx_m;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const long long i = b * QBLOCK + k * 32 + lane;
+            p[k] = m[k] = v[k] = 0.f;
+            if (i < n) p[k] = adam8_element(param[i], grad[i], qm[i], qv[i], am_old, av_old, maps, a, m[k], v[k]);
+            mx_m = fmaxf(mx_m, fabsf(m[k]));
+            mx_v = fmaxf(mx_v, v[k]);
+        }
+        const float am = warp_max(mx_m), av = warp_max(mx_v);  // every lane read am_old/av_old above
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const long long i = b * QBLOCK + k * 32 + lane;
+            if (i < n) {
+                param[i] = round_store<Tp>(p[k], key, i);
+                qm[i] = quantize(am > 0.f ? __fdiv_rn(m[k], am) : 0.f, maps + 256);
+                qv[i] = quantize(av > 0.f ? __fdiv_rn(v[k], av) : 0.f, maps + 768);
+            }
+        }
+        if (lane == 0) {
+            absmax_m[b] = am;
+            absmax_v[b] = av;
+        }
+    }
+}
+
 #define ADAMW8BIT_KERNEL(PS, TP, GS, TG)                                                                       \
     extern "C" __global__ void __launch_bounds__(QBLOCK)                                                     \
         adamw8bit_##PS##_##GS(TP* param, const TG* grad, u8* qm, u8* qv, float* absmax_m, float* absmax_v,  \
                               const float* qmaps, const float* hp, const float* grad_scale, int wd_on,       \
                               u32 seed, long long n) {                                                       \
         adamw8bit_impl<TP, TG>(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hp, grad_scale, wd_on, seed, n); \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QWARPS * 32) adamw8bit_multi_##PS##_##GS(                   \
+        const Record8* tab, const int* owner, const float* qmaps, const float* hp, const float* grad_scale) { \
+        adamw8bit_multi_impl<TP, TG>(tab, owner, qmaps, hp, grad_scale);                                     \
     }
 ADAMW8BIT_KERNEL(f32, float, f32, float)
 ADAMW8BIT_KERNEL(f32, float, bf16, bf16)
 ADAMW8BIT_KERNEL(bf16, bf16, f32, float)
 ADAMW8BIT_KERNEL(bf16, bf16, bf16, bf16)
 
-// launchers: cuengine/kernels/adamw8bit.py (adamw8bit_update)
+// launchers: cuengine/kernels/adamw8bit.py (adamw8bit_update, adamw8bit_update_multi)

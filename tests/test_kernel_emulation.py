@@ -3,7 +3,9 @@ by the real launchers: variant choice, tails, unaligned data and index arithmeti
 
 The bitwise claims of the issue-13 kernels: the register-row backward (rmsnorm_backward_v<V>) gives
 the looping kernel's bits, the dweight reduce adds the partials in row order, and quantize_dual
-equals quantize then transpose."""
+equals quantize then transpose. adamw8bit's multi-tensor launch gives the bits of its per-tensor launches."""
+
+import shutil
 
 import kernel_emulator as emu
 import numpy as np
@@ -172,3 +174,106 @@ def test_emulated_classifier_abs_max_equals_abs_max_of_its_dlogits(cls_lib, fp8_
     assert out[False]["amax"][0] == 0
     kind = "_warp" if v <= 4096 else ""
     assert calls[0].startswith("fused_classifier_") and calls[0].endswith(kind), calls
+
+
+# adamw8bit.cu's explicitly rounded fp32 intrinsics (host IEEE arithmetic; x86-64 g++ has no FMA to contract to)
+_A8_EXTRA = r"""
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline bf16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
+"""
+
+
+@pytest.fixture(scope="module")
+def a8_lib(tmp_path_factory):
+    names = [f"adamw8bit{m}_{p}_{g}" for m in ("", "_multi") for p in ("f32", "bf16") for g in ("f32", "bf16")]
+    work = tmp_path_factory.mktemp("adamw8bit_emu")
+    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
+    common = emu._COMMON
+    emu._COMMON = common + _A8_EXTRA
+    try:
+        lib = emu.build("adamw8bit", names, work)
+    finally:
+        emu._COMMON = common
+    if lib is None:
+        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+
+    def launch(family, name, grid, block, args, *a, **kw):  # the seed: a u32 as the int32 of its bits
+        args = tuple(np.int32(np.array(x, np.uint32).view(np.int32)) if isinstance(x, np.uint32) else x for x in args)
+        emu.launch(lib, family, name, grid, block, args, *a, **kw)
+
+    return launch
+
+
+# A tensor smaller than one quantization block, exact blocks, tails, one over two launch blocks (8192 elements).
+A8_SIZES = [1, 37, 256, 257, 1000, 8192 + 300, 512]
+A8_ROLES = ("param", "grad", "qm", "qv", "absmax_m", "absmax_v")
+
+
+def _a8_tensors(pdtype, gdtype):
+    """Per tensor {role: host array}, moments as codes of random fp32 moments."""
+    from cuengine.kernels import adamw8bit as A8
+
+    out = []
+    for k, n in enumerate(A8_SIZES):
+        g = np.random.default_rng(k)
+        qm, am = A8.quantize_reference(g.standard_normal(n).astype(np.float32) * 1e-3, True)
+        qv, av = A8.quantize_reference((g.standard_normal(n).astype(np.float32) * 1e-3) ** 2, False)
+        p = (g.standard_normal(n) * 0.1).astype(ce.dtype(pdtype).np)
+        gr = (g.standard_normal(n) * 1e-2).astype(ce.dtype(gdtype).np)
+        out.append({"param": p, "grad": gr, "qm": qm, "qv": qv, "absmax_m": am, "absmax_v": av})
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.7, np.nan])
+@pytest.mark.parametrize("pdtype,gdtype", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16")])
+def test_emulated_adamw8bit_multi_equals_per_tensor_launches(a8_lib, monkeypatch, pdtype, gdtype, scale):
+    """adamw8bit_update_multi over tensors of mixed sizes (one launch) gives the bits of one
+    adamw8bit_update launch per tensor: params (bf16 stochastic rounding with each tensor's seed),
+    codes and block abs-maxes; a NaN clip scale writes nothing. The per-tensor kernel equals the twin."""
+    from cuengine.kernels import adamw
+    from cuengine.kernels import adamw8bit as A8
+
+    calls = []
+
+    def launch(*args, **kw):
+        calls.append(args[1])
+        a8_lib(*args, **kw)
+
+    monkeypatch.setattr(_build, "launch", launch)
+    arrays = _a8_tensors(pdtype, gdtype)
+    hp = adamw.make_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, 3)
+    decays = [k % 2 == 0 for k in range(len(A8_SIZES))]
+    seeds = [(11 + 7919 * k) & 0x7FFFFFFF for k in range(len(A8_SIZES))]
+    shared = {"qmaps": emu.tensor(A8.make_qmaps(), "fp32", "qmaps"), "hparams": emu.tensor(hp, "fp32", "hparams"),
+              "scale": emu.tensor(np.array([scale]), "fp32", "scale")}  # fmt: skip
+
+    def tensors():
+        return [{r: emu.tensor(a[r], "u8" if r in ("qm", "qv") else (pdtype if r == "param" else gdtype)
+                               if r in ("param", "grad") else "fp32", f"{r}{k}") for r in A8_ROLES}
+                for k, a in enumerate(arrays)]  # fmt: skip
+
+    single = tensors()
+    for t, wd, seed in zip(single, decays, seeds):
+        A8.adamw8bit_update(*(t[r] for r in A8_ROLES), shared["qmaps"], shared["hparams"], shared["scale"], wd, seed)
+    assert calls == [_build.kernel_name("adamw8bit", ce.dtype(pdtype), ce.dtype(gdtype))] * len(A8_SIZES)
+    multi = tensors()
+    table = emu.tensor(np.zeros(A8.multi_tensor_table_shape(A8_SIZES)), "u8", "table")
+    tab = A8.AdamW8bitTable(table, *([t[r] for t in multi] for r in A8_ROLES), decays, seeds)
+    calls.clear()
+    A8.adamw8bit_update_multi(tab, shared["qmaps"], shared["hparams"], shared["scale"])
+    assert calls == [_build.kernel_name("adamw8bit_multi", ce.dtype(pdtype), ce.dtype(gdtype))]
+    assert tab.chunks == sum(-(-n // 8192) for n in A8_SIZES)
+    for k, (s, m, a) in enumerate(zip(single, multi, arrays)):
+        want = A8.adamw8bit_reference(*(a[r] for r in A8_ROLES), hp, scale, decays[k], seeds[k])
+        for r, w in zip(("param", "qm", "qv", "absmax_m", "absmax_v"), want):
+            assert emu.margins_ok(m[r]) and emu.margins_ok(s[r]), f"{r}{k}: written out of bounds"
+            np.testing.assert_array_equal(m[r].numpy().view(np.uint8), s[r].numpy().view(np.uint8), err_msg=f"{r}{k}")
+            np.testing.assert_array_equal(s[r].numpy().view(np.uint8), w.view(np.uint8), err_msg=f"twin {r}{k}")
+            if np.isnan(scale):
+                np.testing.assert_array_equal(m[r].numpy().view(np.uint8), a[r].view(np.uint8), err_msg=f"{r}{k}")
+    if not np.isnan(scale):
+        assert not np.array_equal(multi[-2]["param"].numpy(), arrays[-2]["param"])

@@ -114,6 +114,119 @@ def test_wrong_state_shapes_are_refused():
         _run(t)
 
 
+MULTI_SIZES = [1000, 37, 0, 256, 8192 + 300]  # tails, below one block, empty (skipped), two launch blocks
+
+
+def _multi_tensors(dev, pdtype="bf16", gdtype="bf16"):
+    ts = [_state(dev, pdtype, gdtype, n, seed=k) for k, n in enumerate(MULTI_SIZES)]
+    table = ce.Tensor.from_numpy(np.zeros(adamw8bit.multi_tensor_table_shape(MULTI_SIZES), np.uint8), dev, "table")
+    return ts, table
+
+
+def _table(table, ts, decays=None, seeds=None):
+    roles = ("param", "grad", "qm", "qv", "absmax_m", "absmax_v")
+    decays = [k % 2 == 0 for k in range(len(ts))] if decays is None else decays
+    seeds = [5 + 7919 * k for k in range(len(ts))] if seeds is None else seeds
+    return adamw8bit.AdamW8bitTable(table, *([t[r] for t, _ in ts] for r in roles), decays, seeds)
+
+
+@pytest.mark.parametrize("pdtype,gdtype", [("bf16", "bf16"), ("fp32", "bf16")])
+def test_multi_tensor_update_is_the_per_tensor_twin(pdtype, gdtype):
+    """adamw8bit_update_multi's twin: every tensor as adamw8bit_reference with its own seed and decay flag."""
+    ts, table = _multi_tensors("cpu", pdtype, gdtype)
+    tab = _table(table, ts)
+    assert len(tab.entries) == len(MULTI_SIZES) - 1 and tab.chunks == 1 + 1 + 1 + 2
+    t0 = ts[0][0]
+    adamw8bit.adamw8bit_update_multi(tab, t0["qmaps"], t0["hparams"], t0["scale"])
+    for k, (t, a) in enumerate(ts):
+        want = adamw8bit.adamw8bit_reference(a["param"], a["grad"], a["qm"], a["qv"], a["absmax_m"], a["absmax_v"],
+                                             a["hparams"], a["scale"][0], k % 2 == 0, 5 + 7919 * k)  # fmt: skip
+        for name, w in zip(("param", "qm", "qv", "absmax_m", "absmax_v"), want):
+            assert_bitwise(t[name].numpy(), w, f"{name}{k}")
+
+
+def test_multi_tensor_table_refuses_bad_input():
+    ts, table = _multi_tensors("cpu")
+    with pytest.raises(ValueError, match="no tensors"):
+        adamw8bit.AdamW8bitTable(table, [], [], [], [], [], [], [], [])
+    with pytest.raises(ValueError, match="seeds has 4 entries, params has 5"):
+        _table(table, ts, seeds=[1, 2, 3, 4])
+    mixed, _ = _multi_tensors("cpu", "fp32")
+    with pytest.raises(ValueError, match="one dtype per role"):
+        _table(table, ts[:1] + mixed[1:])
+    bad = dict(ts[1][0], absmax_v=ce.Tensor.from_numpy(np.zeros(2, np.float32), "cpu", name="absmax_v"))
+    with pytest.raises(ValueError, match="absmax_v"):
+        _table(table, [ts[0], (bad, ts[1][1]), *ts[2:]])
+    small = ce.Tensor.from_numpy(np.zeros(table.nelem - 1, np.uint8), "cpu", name="table")
+    with pytest.raises(ValueError, match="table"):
+        _table(small, ts)
+
+
+def _count_updates(monkeypatch):
+    """{"multi": calls of adamw8bit_update_multi, "single": calls of adamw8bit_update not made by it}."""
+    seen = {"multi": 0, "single": 0, "inside": False}
+    multi, single = adamw8bit.adamw8bit_update_multi, adamw8bit.adamw8bit_update
+
+    def count_multi(*a, **kw):
+        seen["multi"] += 1
+        seen["inside"] = True
+        try:
+            multi(*a, **kw)
+        finally:
+            seen["inside"] = False
+
+    def count_single(*a, **kw):
+        seen["single"] += not seen["inside"]
+        single(*a, **kw)
+
+    monkeypatch.setattr(adamw8bit, "adamw8bit_update_multi", count_multi)
+    monkeypatch.setattr(adamw8bit, "adamw8bit_update", count_single)
+    return seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "use_cuda_graphs": True}])
+def test_model_multi_tensor_update_is_bitwise_the_per_tensor_one(monkeypatch, opts, device):
+    """Three steps of the one-GPU model: the multi-tensor update (one call per step; the emulator test
+    checks that a call is one launch) leaves the weights, codes and abs-maxes of one launch per tensor."""
+    cfg = tiny("tiny")
+    seen = _count_updates(monkeypatch)
+    a = make(cfg, device, optimizer="adamw8bit", **opts)
+    b = make(cfg, device, optimizer="adamw8bit", **opts)
+    assert a.opt_state.multi_tensor
+    b.opt_state.multi_tensor = False
+    k = len(b.opt_state.specs)
+    for s in range(3):
+        la = a.train_step(*batch(cfg, seed=s), lr=1e-3)
+        assert (seen["multi"], seen["single"]) == (s + 1, k * s)  # one multi-tensor call, no per-tensor one
+        lb = b.train_step(*batch(cfg, seed=s), lr=1e-3)
+        assert (seen["multi"], seen["single"]) == (s + 1, k * (s + 1)) and la == lb
+    for k, w in a.weights.tensors.items():
+        assert_bitwise(w.numpy(), b.weights.tensors[k].numpy(), k)
+    for k, t in a.opt_state.state_tensors().items():
+        assert_bitwise(t.numpy(), b.opt_state.state_tensors()[k].numpy(), k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdtype,gdtype", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32")])
+@pytest.mark.parametrize("scale", [0.7, np.nan])
+def test_multi_tensor_kernel_equals_per_tensor_kernels_on_gpu(pdtype, gdtype, scale):
+    """On the GPU: one adamw8bit_multi launch gives the bits of one adamw8bit launch per tensor and of the twin."""
+    ts, table = _multi_tensors("cuda", pdtype, gdtype)
+    single, _ = _multi_tensors("cuda", pdtype, gdtype)
+    for t, _ in (*ts, *single):
+        t["scale"].copy_from_numpy(np.array([scale], np.float32))
+    adamw8bit.adamw8bit_update_multi(_table(table, ts), ts[0][0]["qmaps"], ts[0][0]["hparams"], ts[0][0]["scale"])
+    for k, (t, _) in enumerate(single):
+        _run(t, wd=k % 2 == 0, seed=5 + 7919 * k)
+    for k, ((m, a), (t, _)) in enumerate(zip(ts, single)):
+        want = adamw8bit.adamw8bit_reference(a["param"], a["grad"], a["qm"], a["qv"], a["absmax_m"], a["absmax_v"],
+                                             a["hparams"], np.float32(scale), k % 2 == 0, 5 + 7919 * k)  # fmt: skip
+        for name, w in zip(("param", "qm", "qv", "absmax_m", "absmax_v"), want):
+            assert_bitwise(m[name].numpy(), t[name].numpy(), f"{name}{k}")
+            assert_bitwise(m[name].numpy(), w, f"twin {name}{k}")
+
+
 def test_optimizer_memory_is_over_3x_smaller():
     cfg = tiny("tiny", hidden_size=256, head_size=64, intermediate_size=512)
     fp32 = make(cfg).memory_report().by_context["Optimizer"][0]

@@ -7,6 +7,8 @@ abs-max. A linear int8 code would round the small second moments of a block to z
 m / (sqrt(0) + eps) then blows up; the dynamic map keeps about 2 significant digits over 7 decades.
 Each kernel dequantizes, updates in fp32 exactly as `adamw.adamw_update`, and requantizes, in one
 pass. State: 2 bytes per parameter plus 8 bytes per 256, against 8 for fp32 moments.
+`adamw8bit_update_multi` updates every tensor of an `AdamW8bitTable` in one launch, with the bits of
+one `adamw8bit_update` per tensor.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import numpy as np
 
 from .. import _checks
-from ..dtypes import BF16, BYTE, FP32
+from ..dtypes import BF16, BYTE, FP32, INT32
 from . import _build
 from .adamw import _store, adamw_fp32_np
 
@@ -96,6 +98,24 @@ def adamw8bit_reference(param, grad, qm, qv, absmax_m, absmax_v, hparams, grad_s
     return p, qm2.reshape(qm.shape), qv2.reshape(qv.shape), am, av
 
 
+def _check_state(what, param, grad, qm, qv, absmax_m, absmax_v) -> None:
+    """The dtype and size checks of one tensor's update (shared by the per-tensor launcher and the table)."""
+    _checks.expect(param, f"{what}: param", dtype=(FP32, BF16))  # (N,)
+    _checks.expect(grad, f"{what}: grad", dtype=(FP32, BF16))  # (N,)
+    _checks.expect(qm, f"{what}: qm", dtype=BYTE)  # (N,)
+    _checks.expect(qv, f"{what}: qv", dtype=BYTE)  # (N,)
+    n = param.nelem
+    nb = num_blocks(n)
+    _checks.expect(absmax_m, f"{what}: absmax_m", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
+    _checks.expect(absmax_v, f"{what}: absmax_v", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
+    for t, label in ((grad, "grad"), (qm, "qm"), (qv, "qv")):
+        if t.nelem != n:
+            raise ValueError(
+                f"{what}: {label} {t.name!r} {t.shape} {t.dtype} has {t.nelem} elements, "
+                f"param {param.name!r} {param.shape} has {n}"
+            )
+
+
 def adamw8bit_update(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale, weight_decay_on: bool,
                      seed: int, stream=None) -> None:  # fmt: skip
     """One 8-bit AdamW step, in place on param, the codes and their block abs-maxes.
@@ -112,24 +132,13 @@ def adamw8bit_update(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, gr
     NumPy equivalent: `adamw8bit_reference(...)`.
     """
     what = "adamw8bit_update"
-    _checks.expect(param, f"{what}: param", dtype=(FP32, BF16))  # (N,)
-    _checks.expect(grad, f"{what}: grad", dtype=(FP32, BF16))  # (N,)
-    _checks.expect(qm, f"{what}: qm", dtype=BYTE)  # (N,)
-    _checks.expect(qv, f"{what}: qv", dtype=BYTE)  # (N,)
+    _check_state(what, param, grad, qm, qv, absmax_m, absmax_v)
     n = param.nelem
     nb = num_blocks(n)
-    _checks.expect(absmax_m, f"{what}: absmax_m", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
-    _checks.expect(absmax_v, f"{what}: absmax_v", dtype=FP32, shape=(nb,))  # (ceil(N/256),)
     _checks.expect(qmaps, f"{what}: qmaps", dtype=FP32, shape=(1024,))  # (1024,)
     _checks.expect(hparams, f"{what}: hparams", dtype=FP32, shape=(8,))  # (8,)
     if grad_scale is not None:
         _checks.expect(grad_scale, f"{what}: grad_scale", dtype=FP32, shape=(1,))  # (1,)
-    for t, label in ((grad, "grad"), (qm, "qm"), (qv, "qv")):
-        if t.nelem != n:
-            raise ValueError(
-                f"{what}: {label} {t.name!r} {t.shape} {t.dtype} has {t.nelem} elements, "
-                f"param {param.name!r} {param.shape} has {n}"
-            )
     dev = _checks.same_device(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale)
     seed = int(seed) & 0xFFFFFFFF
     if n == 0:
@@ -144,3 +153,112 @@ def adamw8bit_update(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, gr
     args = (param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, grad_scale, np.int32(bool(weight_decay_on)),
             np.uint32(seed), np.int64(n))  # fmt: skip
     _build.launch("adamw8bit", name, nb, QBLOCK, args, dev, stream)
+
+
+# ---- multi-tensor: one launch over every parameter -------------------------------------------------
+# One Record8 of adamw8bit.cu: 72 bytes, in this order.
+_RECORD = np.dtype([("param", "<u8"), ("grad", "<u8"), ("qm", "<u8"), ("qv", "<u8"), ("absmax_m", "<u8"),
+                    ("absmax_v", "<u8"), ("n", "<i8"), ("seed", "<u4"), ("wd_on", "<i4"), ("first_chunk", "<i4"),
+                    ("pad", "<i4")])  # fmt: skip
+CHUNK = 32  # quantization blocks per block of adamw8bit_multi (QCHUNK in adamw8bit.cu)
+
+
+def _chunks(n: int) -> int:
+    return _build.ceil_div(num_blocks(n), CHUNK)
+
+
+def multi_tensor_table_shape(numels) -> tuple[int]:
+    """Bytes of the BYTE table an `AdamW8bitTable` over tensors of these element counts needs: one
+    record per non-empty tensor, then the owner (int32 record index) of every block of the launch."""
+    ns = [int(n) for n in numels if n > 0]
+    return (max(1, len(ns) * _RECORD.itemsize + 4 * sum(_chunks(n) for n in ns)),)
+
+
+class AdamW8bitTable:
+    """The device table `adamw8bit_update_multi` reads: one record per non-empty tensor (its six
+    addresses, size, seed, weight-decay flag, first block of the launch), then the owner map, written
+    once here, so a step allocates and uploads nothing.
+
+    Args:
+        table: BYTE tensor of `multi_tensor_table_shape(numels)` on the tensors' device; written now
+            (a host-to-device copy: build the table outside any graph capture).
+        params, grads, qms, qvs, absmax_ms, absmax_vs: lists of equal length, each sextuple as
+            `adamw8bit_update` takes it; one dtype per role (params fp32 or bf16, grads fp32 or bf16:
+            one kernel instantiation).
+        weight_decay_on, seeds: per tensor, as `adamw8bit_update` takes them.
+
+    The tensors must stay where they are: the table holds their addresses.
+    """
+
+    def __init__(self, table, params, grads, qms, qvs, absmax_ms, absmax_vs, weight_decay_on, seeds):
+        what = "AdamW8bitTable"
+        k = len(params)
+        if k == 0:
+            raise ValueError(f"{what}: no tensors")
+        lists = {"grads": grads, "qms": qms, "qvs": qvs, "absmax_ms": absmax_ms, "absmax_vs": absmax_vs,
+                 "weight_decay_on": weight_decay_on, "seeds": seeds}  # fmt: skip
+        for label, lst in lists.items():
+            if len(lst) != k:
+                raise ValueError(f"{what}: {label} has {len(lst)} entries, params has {k}")
+        for p, g in zip(params, grads):
+            for t, label, first in ((p, "param", params[0]), (g, "grad", grads[0])):
+                _checks.expect(t, f"{what}: {label}", dtype=(FP32, BF16))  # (N,)
+                if t.dtype != first.dtype:
+                    raise ValueError(f"{what}: {label} {t.name!r} is {t.dtype} but {first.name!r} is {first.dtype}; "
+                                     "one table holds one dtype per role")  # fmt: skip
+        for p, g, qm, qv, am, av in zip(params, grads, qms, qvs, absmax_ms, absmax_vs):
+            _check_state(what, p, g, qm, qv, am, av)
+        self.device = _checks.same_device(table, *params, *grads, *qms, *qvs, *absmax_ms, *absmax_vs)
+        _checks.expect(table, f"{what}: table", dtype=BYTE, shape=multi_tensor_table_shape([p.nelem for p in params]))
+        self.entries = [e for e in zip(params, grads, qms, qvs, absmax_ms, absmax_vs, weight_decay_on, seeds)
+                        if e[0].nelem]  # fmt: skip
+        rec = np.zeros(len(self.entries), _RECORD)
+        self.chunks = sum(_chunks(e[0].nelem) for e in self.entries)
+        if self.chunks >= 2**31:
+            raise ValueError(f"{what}: {self.chunks} blocks do not fit the launch's int32 block index")
+        owners = np.zeros(self.chunks, np.int32)
+        first = 0
+        for i, (r, (p, g, qm, qv, am, av, wd, seed)) in enumerate(zip(rec, self.entries)):
+            r["param"], r["grad"], r["qm"], r["qv"], r["absmax_m"], r["absmax_v"] = (
+                t.ptr for t in (p, g, qm, qv, am, av)
+            )
+            r["n"], r["seed"], r["wd_on"], r["first_chunk"] = p.nelem, int(seed) & 0xFFFFFFFF, bool(wd), first
+            c = _chunks(p.nelem)
+            owners[first : first + c] = i
+            first += c
+        if self.device.is_cuda and self.entries:
+            table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8)]))
+        self.table = table
+        head = rec.nbytes
+        self.owner = table.rows(head, head + owners.nbytes).view(INT32) if self.entries else None  # (chunks,)
+        self.dtypes = (params[0], grads[0])
+
+
+def adamw8bit_update_multi(table: AdamW8bitTable, qmaps, hparams, grad_scale, stream=None) -> None:
+    """`adamw8bit_update` of every tensor of `table`, in one launch, bitwise as one launch per tensor
+    (parameters, codes and block abs-maxes; bf16 params round with each tensor's own seed and element
+    indices; a non-finite grad_scale writes nothing).
+
+    Args:
+        table: an AdamW8bitTable.
+        qmaps: (1024,) fp32 on the device holding `make_qmaps()`.
+        hparams: (8,) fp32 on the device, as `adamw.adamw_update` reads it.
+        grad_scale: (1,) fp32 on the device or None.
+
+    NumPy equivalent: `adamw8bit_reference` per tensor (the cpu path calls `adamw8bit_update` per tensor).
+    """
+    what = "adamw8bit_update_multi"
+    _checks.expect(qmaps, f"{what}: qmaps", dtype=FP32, shape=(1024,))  # (1024,)
+    _checks.expect(hparams, f"{what}: hparams", dtype=FP32, shape=(8,))  # (8,)
+    if grad_scale is not None:
+        _checks.expect(grad_scale, f"{what}: grad_scale", dtype=FP32, shape=(1,))  # (1,)
+    dev = _checks.same_device(table.table, qmaps, hparams, grad_scale)
+    if not table.entries:
+        return
+    if dev.is_cpu:
+        for p, g, qm, qv, am, av, wd, seed in table.entries:
+            adamw8bit_update(p, g, qm, qv, am, av, qmaps, hparams, grad_scale, wd, seed, stream=stream)
+        return
+    name = _build.kernel_name("adamw8bit_multi", *table.dtypes)
+    _build.launch("adamw8bit", name, table.chunks, 256, (table.table, table.owner, qmaps, hparams, grad_scale), dev,
+                  stream)  # fmt: skip

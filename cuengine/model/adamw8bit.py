@@ -1,16 +1,20 @@
 """8-bit AdamW state: m and v as block-wise dynamic 8-bit codes (see kernels/adamw8bit.py).
 
 Everything but the moments is AdamWState's: the hyper-parameters on the device, the deterministic
-global norm and the NaN clip scale that skips a step, so `LlamaModel` drives either alike.
+global norm and the NaN clip scale that skips a step, so `LlamaModel` drives either alike. On one GPU
+the update is one launch over every tensor (`adamw8bit.AdamW8bitTable`, written at the first update),
+bitwise the per-tensor launches that ZeRO's stage 0 keeps.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ..dtypes import BYTE, FP32
 from ..kernels import adamw8bit, norm
-from .optimizer import AdamWState
+from .optimizer import AdamWState, tensor_seed
 
 
 class AdamW8bitState(AdamWState):
@@ -20,10 +24,14 @@ class AdamW8bitState(AdamWState):
     Args:
         specs: [(name, shape, decays)] from `weights.param_specs`.
         alloc: the TensorAllocator.
+        multi_tensor: update every tensor in one launch through a table (context "Optimizer", built
+            at the first update); False: one `adamw8bit_update` launch per tensor.
     """
 
-    def __init__(self, specs, alloc):  # AdamWState.__init__ would allocate fp32 moments
+    def __init__(self, specs, alloc, multi_tensor: bool = True):  # AdamWState.__init__ would allocate fp32 moments
         self.specs = specs
+        self.multi_tensor = multi_tensor
+        self._multi = None  # (key, AdamW8bitTable) of the last update
         self.device = alloc.device
         self.qm, self.qv, self.absmax_m, self.absmax_v = {}, {}, {}, {}
         with alloc.context("Optimizer"):
@@ -34,6 +42,9 @@ class AdamW8bitState(AdamWState):
                 self.absmax_m[name] = alloc.allocate(FP32, f"absmax_m.{name}", (nb,))
                 self.absmax_v[name] = alloc.allocate(FP32, f"absmax_v.{name}", (nb,))
             self.qmaps = alloc.allocate(FP32, "qmaps", (1024,))
+            if multi_tensor:
+                shape = adamw8bit.multi_tensor_table_shape([math.prod(shape) for _, shape, _ in specs])
+                self.table_bytes = alloc.allocate(BYTE, "adamw8bit_table", shape)
             self.hparams = alloc.allocate(FP32, "hparams", (8,))  # adamw.make_hparams layout
             self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
             self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
@@ -62,11 +73,35 @@ class AdamW8bitState(AdamWState):
     def host_arrays(self) -> dict[str, np.ndarray]:
         return {k: t.numpy() for k, t in self.state_tensors().items()}
 
+    def _multi_table(self, weights, grads: dict, seed: int):
+        """The AdamW8bitTable of these tensors, built (a host→device copy) when their addresses or the
+        seed differ from the last update's, so a table never points at memory that moved; None when
+        the parameters or the gradients mix dtypes (one kernel instantiation per table)."""
+        names = [n for n, _, _ in self.specs]
+        params, gs = [weights[n] for n in names], [grads[n] for n in names]
+        key = (seed, tuple((t.ptr, t.nelem, t.dtype) for t in (*params, *gs)))
+        if self._multi is not None and self._multi[0] == key:
+            return self._multi[1]
+        if len({t.dtype for t in params}) != 1 or len({t.dtype for t in gs}) != 1:
+            return None
+        table = adamw8bit.AdamW8bitTable(
+            self.table_bytes, params, gs, [self.qm[n] for n in names], [self.qv[n] for n in names],
+            [self.absmax_m[n] for n in names], [self.absmax_v[n] for n in names], [d for _, _, d in self.specs],
+            [tensor_seed(seed, i) for i in range(len(names))])  # fmt: skip
+        self._multi = (key, table)
+        return table
+
     def update(self, weights, grads: dict, seed: int, stream=None) -> None:
         """One 8-bit AdamW update of every parameter (see AdamWState.update: a NaN clip scale writes
-        nothing; each tensor's rounding seed is derived from `seed` the same way)."""
+        nothing; each tensor's rounding seed is derived from `seed` the same way). With `multi_tensor`
+        one launch (the first call builds its table: make it outside a graph capture, as LlamaModel's
+        warm-up step does), with the bits of one `adamw8bit_update` per tensor."""
         scale = self.norm_result.rows(1, 2)
+        table = self._multi_table(weights, grads, seed) if self.multi_tensor and self.specs else None
+        if table is not None:
+            adamw8bit.adamw8bit_update_multi(table, self.qmaps, self.hparams, scale, stream=stream)
+            return
         for i, (name, _, decays) in enumerate(self.specs):
             adamw8bit.adamw8bit_update(weights[name], grads[name], self.qm[name], self.qv[name], self.absmax_m[name],
                                        self.absmax_v[name], self.qmaps, self.hparams, scale, decays,
-                                       (seed + 7919 * i) & 0x7FFFFFFF, stream=stream)  # fmt: skip
+                                       tensor_seed(seed, i), stream=stream)  # fmt: skip

@@ -136,7 +136,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                 block_grads = [{k[len(f"layers.{i}.") :]: v for k, v in self.grads.items()
                                 if k.startswith(f"layers.{i}.")} for i in range(cfg.num_layers)]  # fmt: skip
                 if o.optimizer == "adamw8bit":
-                    self.opt_state = AdamW8bitState(opt_specs, self.alloc)
+                    self.opt_state = AdamW8bitState(opt_specs, self.alloc, multi_tensor=self.comm is None)
                 elif o.optimizer == "muon":
                     self.opt_state = MuonState(cfg, self.weights.specs, self.alloc, o.muon_momentum)
                 else:
