@@ -5,6 +5,8 @@
 #   bash tools/gpu_check.sh tests           # tests only
 #   bash tools/gpu_check.sh bench kernels   # only tools/bench_kernels.py
 #   PYTEST_ARGS="-k rmsnorm" bash tools/gpu_check.sh tests
+#   bash tools/gpu_check.sh pair            # two GPUs: the NCCL tests on both, beside the single-GPU
+#                                           # suite split over GPU 0 and GPU 1 (about half the time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -16,6 +18,23 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 what=${1:-all}
 status=0
+if [ "$what" = pair ]; then
+  # device time counts by the second whatever the GPUs do, so keep both busy: test files alternate
+  # between the two GPUs, and the two-GPU tests (test_dist.py) run beside them on both
+  nvidia-smi --query-gpu=index,name --format=csv,noheader | tee "$out/gpu.txt"
+  files=$(ls tests/test_*.py | grep -v -e test_dist.py -e test_kernel_emulation.py)
+  g0=$(echo "$files" | awk 'NR % 2 == 1')
+  g1=$(echo "$files" | awk 'NR % 2 == 0')
+  p="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${PYTEST_ARGS:-}"
+  $p tests/test_dist.py > "$out/gpu_nccl.log" 2>&1 & n=$!
+  CUDA_VISIBLE_DEVICES=0 $p $g0 > "$out/gpu_tests0.log" 2>&1 & a=$!
+  CUDA_VISIBLE_DEVICES=1 $p $g1 > "$out/gpu_tests1.log" 2>&1 & b=$!
+  for job in $n $a $b; do wait $job || status=1; done
+  for f in "$out"/gpu_nccl.log "$out"/gpu_tests0.log "$out"/gpu_tests1.log; do
+    echo "== $f"; grep -E "passed|skipped|failed|FAILED|ERROR|no tests ran" "$f" | tail -15
+  done
+  exit "$status"
+fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
   python3 -m pytest -m gpu -q -x ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log"
