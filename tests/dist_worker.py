@@ -251,20 +251,24 @@ def model_grads(cfg_changes: dict, B: int, device="cpu") -> dict:
     return out
 
 
-def gather_order(stage: int) -> dict:
-    """Two train steps of a model with `zero_stage` stage; the second one's all-gathers, waits for
-    them and block forwards are logged, with the phase (forward / update) each came in."""
+def stepped_tiny(stage: int, dtype: str):
+    """(comm, cfg, model, x, y, rows): this rank's tiny model with `zero_stage` stage after one train
+    step (its graphs and tables built), and the rows of the global batch it trains on."""
     from cuengine.model.config import TransformerConfig
 
     comm = ce.dist.init()
-    cfg = TransformerConfig.preset("tiny").replace(dtype="fp32")
+    cfg = TransformerConfig.preset("tiny").replace(dtype=dtype)
     model = ce.LlamaModel(cfg, ce.TrainOptions(zero_stage=stage), device=comm.device, comm=comm)
     model.init_weights(seed=1)
     model.allocate_run_state(1, MODEL_T)
     x, y = global_batch(cfg, 0, comm.world_size)
     rows = slice(comm.rank, comm.rank + 1)
     model.train_step(x[rows], y[rows], lr=1e-2)
-    log, phase = [], ["-"]
+    return comm, cfg, model, x, y, rows
+
+
+def logging_wrapper(log: list):
+    """wrap(obj, name, entry): obj.name still runs, after appending entry(*its arguments) to log."""
 
     def wrap(obj, name, entry):
         inner = getattr(obj, name)
@@ -274,6 +278,17 @@ def gather_order(stage: int) -> dict:
             return inner(*a, **k)
 
         setattr(obj, name, call)
+
+    return wrap
+
+
+def gather_order(stage: int) -> dict:
+    """Two train steps of a model with `zero_stage` stage; the second one's all-gathers, waits for
+    them and block forwards are logged, with the phase (forward / update) each came in."""
+
+    comm, cfg, model, x, y, rows = stepped_tiny(stage, "fp32")
+    log, phase = [], ["-"]
+    wrap = logging_wrapper(log)
 
     wrap(comm, "all_gather", lambda out, inp, stream=None: (phase[0], "gather", out.nelem, stream is comm.stream))
     wrap(model._blocks, "forward", lambda i, r: (phase[0], "block", i))
@@ -374,27 +389,11 @@ def update_launches(stage: int) -> dict:
     AdamW: which table) and all-gathers in order, and whether every AdamW table entry is what one
     `adamw_update` of that piece would take (addresses, size, decay flag, seed, draw offset)."""
     from cuengine.kernels import adamw, norm
-    from cuengine.model.config import TransformerConfig
 
-    comm = ce.dist.init()
-    cfg = TransformerConfig.preset("tiny").replace(dtype="bf16")
-    model = ce.LlamaModel(cfg, ce.TrainOptions(zero_stage=stage), device=comm.device, comm=comm)
-    model.init_weights(seed=1)
-    model.allocate_run_state(1, MODEL_T)
-    x, y = global_batch(cfg, 0, comm.world_size)
-    rows = slice(comm.rank, comm.rank + 1)
-    model.train_step(x[rows], y[rows], lr=1e-2)
+    comm, cfg, model, x, y, rows = stepped_tiny(stage, "bf16")
     log, dp = [], model._dp
     names = {}
-
-    def wrap(obj, name, entry):
-        inner = getattr(obj, name)
-
-        def call(*a, **k):
-            log.append(entry(*a, **k))
-            return inner(*a, **k)
-
-        setattr(obj, name, call)
+    wrap = logging_wrapper(log)
 
     wrap(adamw, "adamw_update_multi", lambda table, *a, **k: ("adamw_multi", names.get(id(table), "opt_state")))
     wrap(adamw, "global_norm_squared_multi", lambda partials, sums, table, **k: ("norm_multi", names.get(id(table))))

@@ -46,6 +46,14 @@ inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; if (v > o)
 typedef _Float16 half;
 inline float __half2float(half h) { return (float)h; }
 inline half __float2half_rn(float f) { return (half)f; }
+// explicitly rounded fp32 intrinsics (adamw.cu, adamw8bit.cu): host IEEE arithmetic, and x86-64 g++ has
+// no FMA to contract them into
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline bf16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
 enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
 enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
 inline float fp8_decode(unsigned char c, int e5) {

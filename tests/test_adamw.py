@@ -401,12 +401,6 @@ def test_norm_only_table_refuses_an_update():
 
 # ---- the kernels on the host (tests/kernel_emulator.py): multi-tensor bits = per-tensor bits -------------
 _EMU_EXTRA = r"""
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return sqrtf(a); }
-inline bf16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
 inline float block_sum(float x, float* scratch) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
     x = warp_sum(x);
