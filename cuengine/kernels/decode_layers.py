@@ -14,6 +14,7 @@ weights and cache, so the launch itself carries only scalars and stays capturabl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -171,6 +172,7 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     _build.launch(FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=smem)
 
 
+@functools.cache
 def _resident_grid(dev, name: str, smem: int) -> int:
     """BLOCKS_PER_SM blocks per SM, after checking that they fit: the barriers need every block
     resident at once (a grid that did not fit would wait forever at the first barrier)."""
