@@ -196,11 +196,16 @@ def test_model_multi_tensor_update_is_bitwise_the_per_tensor_one(monkeypatch, op
     assert a.opt_state.multi_tensor
     b.opt_state.multi_tensor = False
     k = len(b.opt_state.specs)
+    graphs = opts.get("use_cuda_graphs", False) and device == "cuda"
     for s in range(3):
+        multi, single = seen["multi"], seen["single"]
         la = a.train_step(*batch(cfg, seed=s), lr=1e-3)
-        assert (seen["multi"], seen["single"]) == (s + 1, k * s)  # one multi-tensor call, no per-tensor one
+        # one multi-tensor call, no per-tensor one; a step replayed from its CUDA graph calls nothing
+        assert seen["single"] == single and seen["multi"] - multi in ((0, 1) if graphs else (1,))
+        multi = seen["multi"]
         lb = b.train_step(*batch(cfg, seed=s), lr=1e-3)
-        assert (seen["multi"], seen["single"]) == (s + 1, k * (s + 1)) and la == lb
+        assert seen["multi"] == multi and seen["single"] - single in ((0, k) if graphs else (k,)) and la == lb
+    assert seen["multi"] >= 1
     for k, w in a.weights.tensors.items():
         assert_bitwise(w.numpy(), b.weights.tensors[k].numpy(), k)
     for k, t in a.opt_state.state_tensors().items():
