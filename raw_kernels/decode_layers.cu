@@ -95,7 +95,7 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
         prefetch_l2(L.o_w, wb * C * A, prefetch_cap);
         gemv_impl<T, W, T, 1>(qkv, residual, static_cast<const W*>(L.qkv_w), L.qkv_scale,
                               static_cast<const T*>(L.qkv_b), (const T*)nullptr, static_cast<const T*>(L.ln1), eps,
-                              PRO_NORM, 0, 1, C, Q, s_qkv, 0, block, G, wait);
+                              PRO_NORM, 0, 1, C, Q, s_qkv, block, G, wait);
         prefetch_l2(L.up_w, wb * 2 * I * C, prefetch_cap);
         wait();
         for (int v = team * G + block; v < nvb; v += 2 * G) {
@@ -113,13 +113,13 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
         }
         prefetch_l2(L.down_w, wb * C * I, prefetch_cap);
         gemv_impl<T, W, T, 1>(residual, att, static_cast<const W*>(L.o_w), L.o_scale, (const T*)nullptr, residual,
-                              (const T*)nullptr, eps, PRO_NONE, 0, 1, A, C, s_o, 0, block, G, wait);
+                              (const T*)nullptr, eps, PRO_NONE, 0, 1, A, C, s_o, block, G, wait);
         if (next) prefetch_l2(next->qkv_w, wb * Q * C, prefetch_cap);
         gemv_impl<T, W, T, 1>(up, residual, static_cast<const W*>(L.up_w), L.up_scale, (const T*)nullptr,
-                              (const T*)nullptr, static_cast<const T*>(L.ln2), eps, PRO_NORM, 1, 1, C, 2 * I, s_up, 0,
+                              (const T*)nullptr, static_cast<const T*>(L.ln2), eps, PRO_NORM, 1, 1, C, 2 * I, s_up,
                               block, G, wait);
         gemv_impl<T, W, T, 1>(residual, up, static_cast<const W*>(L.down_w), L.down_scale, (const T*)nullptr,
-                              residual, (const T*)nullptr, eps, PRO_SWIGLU, 0, 1, I, C, s_down, 0, block, G, wait);
+                              residual, (const T*)nullptr, eps, PRO_SWIGLU, 0, 1, I, C, s_down, block, G, wait);
     }
     // The last block out resets the counters for the next launch: every block has passed every barrier.
     __syncthreads();

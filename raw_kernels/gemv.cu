@@ -50,9 +50,9 @@ __device__ void quantize_rows_impl(fp8e4* w8, float* w_scale, const T* w, int N,
 #define GEMV_KERNEL(SUF, T, W, O, BT, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) gemv_##SUF##_##BT(                  \
         O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,              \
-        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S, int slots) {    \
+        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {               \
         gemv_impl<T, W, O, BT>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, \
-                               S, slots, blockIdx.x, gridDim.x, [] { grid_dependency_wait(); });             \
+                               S, blockIdx.x, gridDim.x, [] { grid_dependency_wait(); });                    \
     }
 #define GEMV_KERNELS(SUF, T, W, O)  \
     GEMV_KERNEL(SUF, T, W, O, 1, 3) \

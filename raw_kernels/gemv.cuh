@@ -158,28 +158,29 @@ __device__ __forceinline__ void finish(O* out, const Epilogue& e, bool scaled, b
 // N/2 + q/2 (q odd) in one warp.
 __device__ __forceinline__ int weight_row(int q, int N, int dual) { return dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q; }
 
+// The first U weight vectors of each of a warp's R rows for its K-slice [c0, c1).
+template <typename W>
+__device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&wrow)[R], int c0, int c1, int lane) {
+    constexpr int VW = 16 / sizeof(W);
+    for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+            wv[u][r] = c0 + lane + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c0 + lane + 32 * u) * VW)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+}
+
+
 // ---- kernels ------------------------------------------------------------------------------
 
 // Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
 // a tile's sums do not depend on which block runs it). A block's work is (tile, pass of BT input rows)
 // items in order; the first weight vectors of the next item are in flight while the current one reduces
-// and writes.
-// Resident weights: the first `slots` 16-byte weight vectors a thread will read (its tiles in order, per
-// tile its vectors j, per vector its R rows) are copied into shared memory with cp.async before `wait`,
-// so that under programmatic dependent launch a GEMV's weights stream in while the kernel before it still
-// runs, without holding registers (which would keep the next kernel's blocks off the SM). Each thread
-// reads back only the slots it copied itself (slot v of thread i at (v * blockDim.x + i) * 16 bytes: a
-// warp reads 512 contiguous bytes), so no barrier guards them; the rest comes from global memory as
-// before. The sums are the same either way. slots = 0: no resident weights; the first item's first
-// vectors are loaded into registers before `wait` instead.
-// Dynamic shared memory: BT * K * sizeof(T) bytes of staged input, then slots * blockDim.x * 16 bytes.
+// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes.
 template <typename T, typename W, typename O, int BT, typename Wait>
 __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
                           const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
-                          int b, int K, int N, int S, int slots, int block, int blocks, Wait wait) {
+                          int b, int K, int N, int S, int block, int blocks, Wait wait) {
     extern __shared__ __align__(16) unsigned char smem[];
     T* xs = reinterpret_cast<T*>(smem);
-    uint4* resident = reinterpret_cast<uint4*>(smem + (size_t)BT * K * sizeof(T));
     __shared__ float s_partial[WARPS][R][BT];
     __shared__ float s_rstd[BT];
     constexpr int VW = 16 / sizeof(W);         // weights per 16-byte vector
@@ -201,34 +202,17 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     const bool finisher = S == 1 ? lane < R * BT : threadIdx.x < groups * R * BT;
     const int fr = (S == 1 ? group : fi / (R * BT)) * R + fi / BT % R, ft = fi % BT;
 
-    const auto row_of = [&](int ti, int r) {  // rows past N load a valid row, store nothing
-        return w + (size_t)weight_row(min(ti * groups * R + group * R + r, N - 1), N, dual) * K;
-    };
-    // This thread's vectors per row of a tile (lane, lane + 32, ... of its slice) and per tile.
-    const int per_row = c1 - c0 > lane ? (c1 - c0 - lane + 31) / 32 : 0, per_tile = R * per_row;
-    for (int ti = block, v = 0; ti < tiles && v < slots; ti += blocks)
-        for (int j = 0; j < per_row; ++j)
-            for (int r = 0; r < R && v < slots; ++r, ++v)
-                copy_async16(resident + (size_t)v * blockDim.x + threadIdx.x, row_of(ti, r) + (size_t)(c0 + lane + 32 * j) * VW);
-
-    int tile_index = block, ordinal = 0, m0 = 0;  // ordinal: the block's tiles before this one
+    int tile_index = block, m0 = 0;
     const W* wrow[R];
     const auto set_rows = [&](int ti) {
-        for (int r = 0; r < R; ++r) wrow[r] = row_of(ti, r);
-    };
-    // vector c (c0 + lane + 32 j) of row r of the tile with this ordinal: from shared memory if resident
-    const auto fetch = [&](int ord, int c, int r) {
-        if (c >= c1) return make_uint4(0u, 0u, 0u, 0u);
-        const int v = ord * per_tile + (c - c0 - lane) / 32 * R + r;
-        return v < slots ? resident[(size_t)v * blockDim.x + threadIdx.x] : load_weights(wrow[r] + (size_t)c * VW);
-    };
-    uint4 wv[U][R];
-    const auto load_first = [&](int ord) {
-        for (int u = 0; u < U; ++u)
-            for (int r = 0; r < R; ++r) wv[u][r] = fetch(ord, c0 + lane + 32 * u, r);
+        for (int r = 0; r < R; ++r) {
+            const int q = min(ti * groups * R + group * R + r, N - 1);  // rows past N load a valid row, store nothing
+            wrow[r] = w + (size_t)weight_row(q, N, dual) * K;
+        }
     };
     set_rows(tile_index);
-    if (slots == 0) load_first(0);  // in flight while the block stages its input
+    uint4 wv[U][R];
+    load_first<W>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
     for (;;) {
         const int tile = tile_index * groups * R;  // first row of the tile
@@ -240,9 +224,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             // kernel (or phase); its outputs (x, residual, out's memory) are touched only after this wait.
             if (!staged) wait();
             stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
-            if (slots > 0) asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's resident weights
             __syncthreads();
-            if (slots > 0 && !staged) load_first(0);
             staged = true;
         }
         const int fq = tile + fr, fm = m0 + ft;
@@ -256,7 +238,9 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
         for (int c = c0 + lane; c < c1; c += 32 * U) {
             if (c != c0 + lane)
                 for (int u = 0; u < U; ++u)
-                    for (int r = 0; r < R; ++r) wv[u][r] = fetch(ordinal, c + 32 * u, r);
+                    for (int r = 0; r < R; ++r)
+                        wv[u][r] = c + 32 * u < c1 ? load_weights(wrow[r] + (size_t)(c + 32 * u) * VW)
+                                                   : make_uint4(0u, 0u, 0u, 0u);
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int cu = c + 32 * u;
@@ -297,10 +281,9 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             next_index += blocks;
         }
         const bool more = next_index < tiles;
-        const int next_ordinal = ordinal + (next_index != tile_index);
         if (more) {
             if (next_index != tile_index) set_rows(next_index);
-            load_first(next_ordinal);
+            load_first<W>(wv, wrow, c0, c1, lane);
         }
 
         for (int r = 0; r < R; ++r)
@@ -323,7 +306,6 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
         if (writes) finish<O>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, fm, fn, N);
         if (!more) break;
         tile_index = next_index;
-        ordinal = next_ordinal;
         m0 = next_m0;
     }
 }

@@ -12,10 +12,8 @@ from conftest import assert_close, check_op, rng
 
 import cuengine as ce
 from cuengine.kernels.activations import swiglu_forward
-from cuengine.kernels import gemv as gemv_module
 from cuengine.kernels.gemv import (
     _grid,
-    _resident,
     _split,
     _tile,
     gemv,
@@ -195,49 +193,6 @@ def test_input_tile_and_grid_sizes():
     assert _grid(sm132, 9496, 8, 8 * 1792) == 264
     assert _grid(sm132, 512, 4, 4 * 28672) == 264  # two blocks with 112 KB of staged input fit an SM
     assert _grid(sm132, 512, 1, 150 * 1024) == 132  # one with 150 KB
-
-
-def test_resident_weight_sizes():
-    """One block per SM holding its weights in shared memory while at least half of them fit the
-    128 KB budget: every GEMV of the 0.5B decode step (FP8 too), not the LM head or the 1.5B FFN."""
-    sm132 = SimpleNamespace(num_sms=132)
-    bf16, e4m3 = 896 * 2 // 16, 896 // 16  # 16-byte vectors per row, K = 896
-    assert _resident(sm132, 144, 2, bf16, 1792) == (132, 8)  # qkv 896 -> 1152: 2 tiles of 4 vectors
-    assert _resident(sm132, 608, 1, bf16, 1792) == (132, 32)  # gate/up 896 -> 2 x 4864: 32 of 40 fit
-    assert _resident(sm132, 608, 1, e4m3, 1792) == (132, 20)  # the same in E4M3: all of it
-    assert _resident(sm132, 224, 4, 4864 * 2 // 16, 9728) == (132, 20)  # down 4864 -> 896
-    assert _resident(sm132, 9496, 1, bf16, 1792) == (0, 0)  # the LM head: 576 vectors per thread
-    assert _resident(sm132, 1120, 1, 1536 * 2 // 16, 3072) == (0, 0)  # 1.5B gate/up: 102 per thread
-    assert _resident(sm132, 16, 1, 4864 * 2 // 16, 9728) == (0, 0)  # one tile of 38 vectors per thread
-    assert _resident(sm132, 10, 2, bf16, 1792) == (10, 4)  # a small GEMV: one block per tile
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("wdtype", [None, "e4m3"])
-@pytest.mark.parametrize(
-    "b,K,N,dual",
-    [(1, 896, 1152, False), (1, 896, 2 * 4864, True), (1, 4864, 896, False), (17, 896, 896, False), (3, 64, 200, True)],
-)
-def test_resident_weights_do_not_change_a_bit(monkeypatch, b, K, N, dual, wdtype):
-    """Weights held in shared memory (all of them, part of them, none) give the bits of the register
-    path: the sums keep their order, only where each vector comes from changes."""
-    dev = ce.device("cuda")
-    c = case(b, K, N, "bf16", wdtype, seed=7)
-    t = tensors(dev, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight", "residual") if k in c})
-    outs = {}
-    for budget in (0, 16 * 1024, gemv_module.RESIDENT_BYTES):
-        monkeypatch.setattr(gemv_module, "RESIDENT_BYTES", budget)
-        out = ce.Tensor.empty(ce.BF16, (b, N), dev, name="out")
-        if dual:
-            gemv_dual(out, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
-        else:
-            gemv(out, t["x"], t["w"], w_scale=t.get("w_scale"), residual=t["residual"], eps=EPS)
-        outs[budget] = out.numpy()
-    for budget, got in outs.items():
-        np.testing.assert_array_equal(got.view(np.uint16), outs[0].view(np.uint16), err_msg=f"{budget} bytes")
-    want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), c["norm_weight"], EPS) if dual else (
-        gemv_np(c["x"], c["w"], c.get("w_scale"), residual=c["residual"], eps=EPS))  # fmt: skip
-    assert_close(outs[0], want, "bf16", "register path against the twin")
 
 
 # ---- launchers: both devices -------------------------------------------------------------------

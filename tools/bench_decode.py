@@ -43,7 +43,7 @@ from bench_kernels import copy_case, fill, tensor  # noqa: E402
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import time_ms  # noqa: E402
 from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
-from cuengine.kernels import decode_attention, decode_layers, gemv, sampling  # noqa: E402
+from cuengine.kernels import decode_attention, decode_layers, sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 PROMPT = 16  # prompt tokens before timed decode steps (--prompt)
@@ -126,8 +126,7 @@ def launches(st, fn) -> int:
 def token_section(args, dev, bw) -> list[str]:
     rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; L2 prefetch "
             f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight, {decode_layers.BLOCKS_PER_SM} block(s) per SM "
-            f"(persistent); attention blocks of up to {decode_attention.SMALL_BATCH_TILE_HEADS} q heads; "
-            f"{gemv.RESIDENT_BYTES >> 10} KB of resident GEMV weights per block", "",
+            f"(persistent); attention blocks of up to {decode_attention.SMALL_BATCH_TILE_HEADS} q heads", "",
             f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
@@ -391,8 +390,6 @@ def main(argv=None) -> int:
     p.add_argument("--blocks-per-sm", type=int, choices=(1, 2), help="token: the persistent arm's blocks per SM")
     p.add_argument("--tile-heads", type=int, choices=(1, 2, 4, 8),
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
-    p.add_argument("--resident-kb", type=int,
-                   help="GEMV weights per block held in shared memory (gemv.RESIDENT_BYTES; 0: none)")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
     if args.prefetch_mb is not None:
@@ -401,8 +398,6 @@ def main(argv=None) -> int:
         decode_layers.BLOCKS_PER_SM = args.blocks_per_sm
     if args.tile_heads is not None:
         decode_attention.SMALL_BATCH_TILE_HEADS = args.tile_heads
-    if args.resident_kb is not None:
-        gemv.RESIDENT_BYTES = args.resident_kb << 10
     if args.peer_child:
         peer_rows(args)
         return 0

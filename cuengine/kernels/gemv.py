@@ -37,11 +37,6 @@ _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less 
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU = 0, 1, 2  # enum Prologue in gemv.cu
 _RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
 _SM_SHARED = 228 * 1024  # shared memory per SM (sm_90); each block also takes 1 KB reserved + its static arrays
-_BLOCK_SHARED = 200 * 1024  # staged input + resident weights of one block (227 KB is the limit, less static arrays)
-# Resident weights per block (`_resident`): one block per SM holding up to this many bytes of its weights
-# in shared memory, loaded while the kernel before runs. 128 KB leaves room on the SM for the next GEMV's
-# block (the down projection's 80 KB beside the gate/up's 128 KB at 0.5B); 0 turns residency off.
-RESIDENT_BYTES = 128 * 1024
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -118,26 +113,6 @@ def _grid(dev, tiles: int, bt: int, smem: int) -> int:
     return max(1, min(tiles, dev.num_sms * max(1, per_sm)))
 
 
-def _resident(dev, tiles: int, split: int, vectors: int, staged: int) -> tuple[int, int]:
-    """(grid, slots): one block per SM, each holding its first `slots` weight vectors per thread in
-    shared memory (gemv.cuh), or (0, 0) for the register-prefetch grid (`_grid`) when less than half
-    of a block's weights would fit.
-
-    Under programmatic dependent launch a block's resident weights load while the kernel before still
-    runs; with one 8-warp block per SM of modest registers the next GEMV's block fits beside it and
-    starts its own loads in turn, so weight traffic runs ahead of the data dependencies. The vectors
-    past the budget stream from global memory after the wait, with a third of the warps the register
-    grid has, hence the half: a GEMV much larger than the budget (an LM head, the 1.5B FFN) keeps the
-    register grid.
-    """
-    per_tile = _ROWS * ceil_div(ceil_div(vectors, split), 32)  # the most vectors a thread reads per tile
-    grid = max(1, min(tiles, dev.num_sms))
-    need = ceil_div(tiles, grid) * per_tile
-    budget = max(0, min(RESIDENT_BYTES, _BLOCK_SHARED - staged)) // (32 * _WARPS * 16)
-    slots = min(need, budget)
-    return (grid, slots) if slots >= per_tile and 2 * slots >= need else (0, 0)
-
-
 # ---- launchers ----------------------------------------------------------------------------
 def _overlaps(a, b) -> bool:
     return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
@@ -196,18 +171,13 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
 
 def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream):
     bt = _tile(b, K, x.dtype.itemsize)
-    vectors = K * w.dtype.itemsize // 16
-    s = split or _split(N, vectors)
-    tiles = ceil_div(N, _ROWS * _WARPS // s)
-    staged = bt * K * x.dtype.itemsize
-    grid, slots = _resident(dev, tiles, s, vectors, staged)
-    if slots == 0:
-        grid = _grid(dev, tiles, bt, staged)
+    s = split or _split(N, K * w.dtype.itemsize // 16)
     name = f"{kernel_name('gemv', x, w, out)}_{bt}"
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
-            np.int32(b), np.int32(K), np.int32(N), np.int32(s), np.int32(slots))  # fmt: skip
-    launch(FAMILY, name, grid, 32 * _WARPS, args, dev, stream, shared_mem=staged + slots * 32 * _WARPS * 16,
-           dependent=True)  # fmt: skip
+            np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
+    smem = bt * K * x.dtype.itemsize
+    launch(FAMILY, name, _grid(dev, ceil_div(N, _ROWS * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
+           shared_mem=smem, dependent=True)  # fmt: skip
 
 
 def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, split=None,
