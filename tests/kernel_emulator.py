@@ -1,4 +1,4 @@
-"""raw_kernels/rmsnorm.cu, fp8.cu and classifier.cu on the host, for tests/test_kernel_emulation.py.
+"""raw_kernels/rmsnorm.cu, fp8.cu, classifier.cu and adamw8bit.cu on the host, for tests/test_kernel_emulation.py.
 
 The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch
 loop) with a common.cuh stand-in for the helpers these families use: bf16/fp16/fp8 types and
@@ -115,6 +115,15 @@ template <typename T> struct alignas(16) Pack16 {
     }
 };
 inline unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+// cache-hinted global loads and stores (adamw8bit.cu): plain accesses that fail when misaligned
+template <typename T> inline T __ldcs(const T* p) {
+    if ((uintptr_t)p % sizeof(T)) fail("misaligned __ldcs");
+    return *p;
+}
+template <typename T> inline void __stcs(T* p, T v) {
+    if ((uintptr_t)p % sizeof(T)) fail("misaligned __stcs");
+    *p = v;
+}
 inline void block_atomic_abs_max(float* dst, unsigned bits) {
     static unsigned s_bits[32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

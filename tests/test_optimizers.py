@@ -5,6 +5,8 @@ checkpoints and bitwise-equal training across the recompute / graph flags.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from conftest import assert_bitwise
@@ -12,7 +14,7 @@ from test_model import FLAG_SETS, batch, make, run_steps, tiny
 
 import cuengine as ce
 from cuengine import cli
-from cuengine.kernels import adamw, adamw8bit, muon
+from cuengine.kernels import _build, adamw, adamw8bit, muon
 from cuengine.model import LlamaModel, TrainOptions
 from cuengine.model.adamw8bit import AdamW8bitState
 from cuengine.model.muon import lr_scale, newton_schulz_reference
@@ -160,6 +162,147 @@ def test_multi_tensor_table_refuses_bad_input():
     small = ce.Tensor.from_numpy(np.zeros(table.nelem - 1, np.uint8), "cpu", name="table")
     with pytest.raises(ValueError, match="table"):
         _table(small, ts)
+
+
+# ---- adamw8bit_multi's quantization (quantize_bucket: a bucket table and one comparison) at its edges ----
+def _edge_values() -> np.ndarray:
+    """fp32 values in [-1, 1] where a bucketed search could pick another code than the binary search:
+    every midpoint of both maps and its neighbours, both ends of every bucket, the clamps, zeros,
+    subnormals; each of them and its square root, with both signs."""
+    q = adamw8bit.make_qmaps()
+    mids = np.concatenate([q[256:511], q[768:1023]])
+    t = np.arange(adamw8bit._BFIRST, adamw8bit._BFIRST + adamw8bit.BUCKET_HALF + 1, dtype=np.uint32)
+    edges = (t << adamw8bit.BUCKET_SHIFT).view(np.float32)
+    up, down = np.float32(2), np.float32(-2)
+    v = np.concatenate([mids, np.nextafter(mids, up), np.nextafter(mids, down), edges, np.nextafter(edges, down),
+                        np.float32([0, 1e-30, 1e-45, 2**-23, 0.99999994])]).astype(np.float32)  # fmt: skip
+    v = np.abs(v[np.abs(v) <= 1])
+    v = np.concatenate([v, np.sqrt(v)])
+    return np.concatenate([v, -v, np.float32([-0.0])]).astype(np.float32)
+
+
+def _bucket_search(x: np.ndarray, signed: bool) -> np.ndarray:
+    """quantize_bucket of adamw8bit.cu in NumPy: the bucket's count, plus one comparison."""
+    q = adamw8bit.make_qmaps()
+    mids = q[256:512] if signed else q[768:1024]
+    b = adamw8bit.make_buckets()[(0 if signed else 2) * adamw8bit.BUCKET_HALF :]
+    ax = np.fmax(np.fmin(np.abs(x), np.float32(1)), np.float32(2.0**-23))
+    j = (ax.view(np.uint32) >> adamw8bit.BUCKET_SHIFT).astype(np.int64) - adamw8bit._BFIRST
+    j += np.where(x >= 0, 0, adamw8bit.BUCKET_HALF)
+    lo = b[j].astype(np.int64)
+    return (lo + (mids[lo] < x)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_bucket_table_gives_the_binary_search_codes(signed):
+    """make_buckets: the bucket's count plus one comparison is the number of midpoints below x (0 for NaN)."""
+    q = adamw8bit.make_qmaps()
+    mids = q[256:511] if signed else q[768:1023]
+    x = np.concatenate([_edge_values(), np.random.default_rng(0).uniform(-1, 1, 100000).astype(np.float32),
+                        np.float32([np.inf, -np.inf, 3.0, -3.0, np.nan, -np.nan])])  # fmt: skip
+    want = np.searchsorted(mids, x, side="left").astype(np.uint8)
+    want[np.isnan(x)] = 0  # the kernels' binary search: every comparison with a NaN is false
+    np.testing.assert_array_equal(_bucket_search(x, signed), want)
+    src = (_build.kernel_dir() / "adamw8bit.cu").read_text()
+    for name, value in (("BSHIFT", adamw8bit.BUCKET_SHIFT), ("BFIRST", f"({adamw8bit._BFIRST >> 7} << 7)"),
+                        ("BHALF", adamw8bit.BUCKET_HALF), ("BBYTES", adamw8bit.BUCKET_BYTES)):  # fmt: skip
+        assert f"#define {name} {value}" in src, name
+
+
+@pytest.fixture(scope="module")
+def a8_emu(tmp_path_factory):
+    """(kernel_emulator, its launch) for adamw8bit.cu on the host."""
+    import kernel_emulator as emu
+
+    names = [f"adamw8bit{m}_{p}_{g}" for m in ("", "_multi") for p in ("f32", "bf16") for g in ("f32", "bf16")]
+    work = tmp_path_factory.mktemp("adamw8bit_edges")
+    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
+    lib = emu.build("adamw8bit", names, work)
+    if lib is None:
+        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+
+    def launch(family, name, grid, block, args, *a, **kw):  # the seed: a u32 as the int32 of its bits
+        args = tuple(np.int32(np.array(x, np.uint32).view(np.int32)) if isinstance(x, np.uint32) else x for x in args)
+        emu.launch(lib, family, name, grid, block, args, *a, **kw)
+
+    return emu, launch
+
+
+def _edge_moments():
+    """Gradients (with beta1 = beta2 = 0 and a unit abs-max per block, m / absmax is the gradient and v / absmax
+    its square, exactly) over the edge values, and a tensor of NaNs and infinities."""
+    g = _edge_values()
+    g = np.insert(g, np.arange(0, g.size, 255), np.float32(1))  # a 1 leads every block of 256
+    rng = np.random.default_rng(3)
+    bad = rng.uniform(-1, 1, 700).astype(np.float32)
+    bad[[0, 5, 300, 301, 600]] = [np.nan, np.inf, -np.inf, np.nan, -np.nan]
+    return [g, bad]
+
+
+def _check_edges(make, pdtype, aligned, margins_ok=None):
+    """The multi-tensor kernel against the per-tensor one (and the twin where all is finite) on the edge
+    moments; `make(array, dtype, name, shift)` puts an array on the device `shift` bytes off 16-byte alignment."""
+    grads = _edge_moments()
+    hp = adamw.make_hparams(1e-2, 0.0, 0.0, 1e-8, 0.1, 1)
+    shared = {"qmaps": make(adamw8bit.make_qmaps(), "fp32", "qmaps", 0), "hparams": make(hp, "fp32", "hp", 0),
+              "scale": make(np.float32([1]), "fp32", "scale", 0)}  # fmt: skip
+    roles = ("param", "grad", "qm", "qv", "absmax_m", "absmax_v")
+    arrays = []
+    for k, g in enumerate(grads):
+        rng = np.random.default_rng(k)
+        qm, am = adamw8bit.quantize_reference(rng.standard_normal(g.size).astype(np.float32), True)
+        qv, av = adamw8bit.quantize_reference(rng.random(g.size).astype(np.float32), False)
+        p = (rng.standard_normal(g.size) * 0.1).astype(ce.dtype(pdtype).np)
+        arrays.append({"param": p, "grad": g, "qm": qm, "qv": qv, "absmax_m": am, "absmax_v": av})
+
+    def tensors(shift):  # shift: bytes off 16-byte alignment for param, grad and the codes
+        dt = {"param": pdtype, "grad": "fp32", "qm": "u8", "qv": "u8"}
+        return [{r: make(a[r], dt.get(r, "fp32"), f"{r}{k}", shift if r in dt else 0) for r in roles}
+                for k, a in enumerate(arrays)]  # fmt: skip
+
+    single, multi = tensors(0), tensors(0 if aligned else 4)
+    for k, t in enumerate(single):
+        adamw8bit.adamw8bit_update(*(t[r] for r in roles), shared["qmaps"], shared["hparams"], shared["scale"],
+                                   k == 0, 7 + k)  # fmt: skip
+    table = make(np.zeros(adamw8bit.multi_tensor_table_shape([g.size for g in grads]), np.uint8), "u8", "table", 0)
+    tab = adamw8bit.AdamW8bitTable(table, *([t[r] for t in multi] for r in roles), [True, False], [7, 8])
+    records = np.frombuffer(table.numpy()[: 2 * adamw8bit._RECORD.itemsize].tobytes(), adamw8bit._RECORD)
+    assert [bool(r["vec"]) for r in records] == [aligned] * 2
+    adamw8bit.adamw8bit_update_multi(tab, shared["qmaps"], shared["hparams"], shared["scale"])
+    for k, (s, m, a) in enumerate(zip(single, multi, arrays)):
+        want = adamw8bit.adamw8bit_reference(*(a[r] for r in roles), hp, np.float32(1), k == 0, 7 + k)
+        for r, w in zip(("param", "qm", "qv", "absmax_m", "absmax_v"), want):
+            assert margins_ok is None or margins_ok(m[r]), f"{r}{k}: written out of bounds"
+            assert_bitwise(m[r].numpy(), s[r].numpy(), f"{r}{k}")
+            if k == 0:
+                assert_bitwise(m[r].numpy(), w, f"twin {r}{k}")
+    assert len(np.unique(multi[0]["qm"].numpy())) == 256 and len(np.unique(multi[0]["qv"].numpy())) > 200
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("pdtype", ["bf16", "fp32"])
+def test_emulated_multi_quantization_edges_are_the_per_tensor_codes(a8_emu, monkeypatch, pdtype, aligned):
+    """The multi-tensor kernel (bucket search; rows as 16-byte words, or element by element when the
+    tensors are not aligned) writes the codes, abs-maxes and params of the per-tensor kernel (binary
+    search) at every midpoint, bucket end, zero, NaN and infinity, and the twin's where all is finite."""
+    emu, launch = a8_emu
+    monkeypatch.setattr(_build, "launch", launch)
+    _check_edges(lambda a, dt, name, shift: emu.tensor(a, dt, name, pad=4096 + shift), pdtype, aligned, emu.margins_ok)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("pdtype", ["bf16", "fp32"])
+def test_multi_quantization_edges_are_the_per_tensor_codes_on_gpu(pdtype, aligned):
+    """As the emulated test, on the GPU (its rcp/sqrt/division fast paths and its min/max)."""
+
+    def make(a, dt, name, shift):
+        a = np.asarray(a).astype(ce.dtype(dt).np).reshape(-1)
+        k = shift // a.itemsize
+        t = ce.Tensor.from_numpy(np.concatenate([np.zeros(k, a.dtype), a]), "cuda", name=name)
+        return t.rows(k, k + a.size)
+
+    _check_edges(make, pdtype, aligned)
 
 
 def _count_updates(monkeypatch):

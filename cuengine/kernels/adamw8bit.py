@@ -56,6 +56,39 @@ def make_qmaps() -> np.ndarray:
     return np.concatenate(parts).astype(np.float32)
 
 
+# The bucket table of adamw8bit_multi's quantization (BSHIFT, BFIRST, BHALF, BBYTES in adamw8bit.cu).
+BUCKET_SHIFT = 16  # a bucket: the |x| whose fp32 bits share their top 16 (exponent and 7 mantissa bits)
+BUCKET_MIN, BUCKET_MAX = np.float32(2.0**-23), np.float32(1.0)  # smaller |x| join the first bucket, larger the last
+_BFIRST = int(BUCKET_MIN.view(np.uint32)) >> BUCKET_SHIFT
+BUCKET_HALF = (int(BUCKET_MAX.view(np.uint32)) >> BUCKET_SHIFT) - _BFIRST + 1  # buckets per map and sign
+BUCKET_BYTES = -(-4 * BUCKET_HALF // 16) * 16
+
+
+@functools.cache
+def make_buckets() -> np.ndarray:
+    """The (BUCKET_BYTES,) uint8 table adamw8bit_multi's `quantize_bucket` reads: for the signed map,
+    then the unsigned one, first x >= 0 (and -0) and then x < 0 (and NaN), the number of midpoints of
+    `make_qmaps()` below every x of each bucket of |x|. Checked here: at most one midpoint lies inside
+    a bucket (so the kernel's one comparison with the next midpoint finishes the count) and a NaN,
+    which takes the last negative bucket, gets code 0 as the binary search gives it."""
+    q = make_qmaps()
+    t = np.arange(_BFIRST, _BFIRST + BUCKET_HALF, dtype=np.uint32)
+    lo_abs = (t << BUCKET_SHIFT).view(np.float32).copy()  # the smallest |x| of each bucket
+    hi_abs = ((t + 1) << BUCKET_SHIFT).view(np.float32)  # the next bucket's first |x|
+    hi_abs = np.nextafter(hi_abs, np.float32(0))  # ... the largest |x| of each bucket
+    lo_abs[0], hi_abs[-1] = 0.0, np.inf  # the clamps: [0, ...] and [1, inf]
+    out = np.zeros(BUCKET_BYTES, np.uint8)
+    for m, mids in enumerate((q[256:512], q[768:1024])):  # 255 midpoints, +inf
+        for s, (lo_x, hi_x) in enumerate(((lo_abs, hi_abs), (-hi_abs, -lo_abs))):
+            lo = np.searchsorted(mids, lo_x, side="left")  # midpoints below every x of the bucket
+            inside = np.searchsorted(mids, hi_x, side="right") - lo
+            if inside.max() > 1:
+                raise AssertionError(f"make_buckets: {inside.max()} midpoints in one bucket of map {m} sign {s}")
+            out[(2 * m + s) * BUCKET_HALF : (2 * m + s + 1) * BUCKET_HALF] = lo
+        assert out[(2 * m + 2) * BUCKET_HALF - 1] == 0  # NaN: no midpoint below -inf, and mids[0] < NaN is false
+    return out
+
+
 def num_blocks(n: int) -> int:
     return -(-int(n) // QBLOCK)
 
@@ -159,7 +192,7 @@ def adamw8bit_update(param, grad, qm, qv, absmax_m, absmax_v, qmaps, hparams, gr
 # One Record8 of adamw8bit.cu: 72 bytes, in this order.
 _RECORD = np.dtype([("param", "<u8"), ("grad", "<u8"), ("qm", "<u8"), ("qv", "<u8"), ("absmax_m", "<u8"),
                     ("absmax_v", "<u8"), ("n", "<i8"), ("seed", "<u4"), ("wd_on", "<i4"), ("first_chunk", "<i4"),
-                    ("pad", "<i4")])  # fmt: skip
+                    ("vec", "<i4")])  # fmt: skip
 CHUNK = 32  # quantization blocks per block of adamw8bit_multi (QCHUNK in adamw8bit.cu)
 
 
@@ -167,17 +200,24 @@ def _chunks(n: int) -> int:
     return _build.ceil_div(num_blocks(n), CHUNK)
 
 
+def _buckets_offset(records: int, chunks: int) -> int:
+    """Where the bucket table starts: after the records and the owner map, 16-byte aligned."""
+    return -(-(records * _RECORD.itemsize + 4 * chunks) // 16) * 16
+
+
 def multi_tensor_table_shape(numels) -> tuple[int]:
     """Bytes of the BYTE table an `AdamW8bitTable` over tensors of these element counts needs: one
-    record per non-empty tensor, then the owner (int32 record index) of every block of the launch."""
+    record per non-empty tensor, the owner (int32 record index) of every block of the launch, then
+    `make_buckets()` (16-byte aligned)."""
     ns = [int(n) for n in numels if n > 0]
-    return (max(1, len(ns) * _RECORD.itemsize + 4 * sum(_chunks(n) for n in ns)),)
+    return (_buckets_offset(len(ns), sum(_chunks(n) for n in ns)) + BUCKET_BYTES,)
 
 
 class AdamW8bitTable:
     """The device table `adamw8bit_update_multi` reads: one record per non-empty tensor (its six
-    addresses, size, seed, weight-decay flag, first block of the launch), then the owner map, written
-    once here, so a step allocates and uploads nothing.
+    addresses, size, seed, weight-decay flag, first block of the launch, whether its rows move as
+    vectors), the owner map, then the quantization's bucket table (`make_buckets`), written once
+    here, so a step allocates and uploads nothing.
 
     Args:
         table: BYTE tensor of `multi_tensor_table_shape(numels)` on the tensors' device; written now
@@ -223,14 +263,23 @@ class AdamW8bitTable:
                 t.ptr for t in (p, g, qm, qv, am, av)
             )
             r["n"], r["seed"], r["wd_on"], r["first_chunk"] = p.nelem, int(seed) & 0xFFFFFFFF, bool(wd), first
+            # 8 elements a lane: 16-byte words of param and grad, 8-byte words of the codes
+            r["vec"] = all(t.ptr % 16 == 0 for t in (p, g)) and all(t.ptr % 8 == 0 for t in (qm, qv))
             c = _chunks(p.nelem)
             owners[first : first + c] = i
             first += c
+        off = _buckets_offset(len(rec), self.chunks)
+        if self.device.is_cuda and table.ptr % 16:
+            raise ValueError(
+                f"{what}: table {table.name!r} is not 16-byte aligned (its bucket table moves in 16-byte words)"
+            )
         if self.device.is_cuda and self.entries:
-            table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8)]))
+            pad = np.zeros(off - rec.nbytes - owners.nbytes, np.uint8)
+            table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8), pad, make_buckets()]))
         self.table = table
         head = rec.nbytes
         self.owner = table.rows(head, head + owners.nbytes).view(INT32) if self.entries else None  # (chunks,)
+        self.buckets = table.rows(off, off + BUCKET_BYTES)  # (BUCKET_BYTES,)
         self.dtypes = (params[0], grads[0])
 
 
@@ -260,5 +309,5 @@ def adamw8bit_update_multi(table: AdamW8bitTable, qmaps, hparams, grad_scale, st
             adamw8bit_update(p, g, qm, qv, am, av, qmaps, hparams, grad_scale, wd, seed, stream=stream)
         return
     name = _build.kernel_name("adamw8bit_multi", *table.dtypes)
-    _build.launch("adamw8bit", name, table.chunks, 256, (table.table, table.owner, qmaps, hparams, grad_scale), dev,
-                  stream)  # fmt: skip
+    args = (table.table, table.owner, qmaps, table.buckets, hparams, grad_scale)
+    _build.launch("adamw8bit", name, table.chunks, 256, args, dev, stream)
