@@ -63,7 +63,7 @@ def collectives(seed: int, n: int) -> dict:
 
 def environment() -> dict:
     comm = ce.dist.init()
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS")
     env = {k: os.environ.get(k) for k in keys}
     env["comm"] = (comm.rank, comm.world_size, comm.local_rank, comm.backend)
     comm.close()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUENGINE_DIST_BACKEND",
-            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")  # fmt: skip
+            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "NCCL_MIN_NCHANNELS")  # fmt: skip
 
 
 @pytest.fixture
@@ -145,11 +145,17 @@ def test_plan_manifest_and_errors():
 
 
 # ---- init and the world of one ---------------------------------------------------------------
+def test_init_keeps_the_users_nccl_settings(clean_env):
+    clean_env.setenv("NCCL_MIN_NCHANNELS", "4")
+    dist.init(device="cpu").close()
+    assert os.environ["NCCL_MIN_NCHANNELS"] == "4"
+
+
 def test_init_without_environment_is_a_world_of_one(clean_env):
     comm = dist.init(device="cpu")
     assert isinstance(comm, dist.SoloComm)
     assert (comm.rank, comm.world_size, comm.local_rank) == (0, 1, 0)
-    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["NCCL_MIN_NCHANNELS"] == "24"
     x = ce.Tensor.from_numpy(np.arange(8, dtype=np.float32), "cpu")
     comm.all_reduce(x)
     np.testing.assert_array_equal(x.numpy(), np.arange(8))
@@ -305,7 +311,7 @@ def test_launch_sets_the_environment_and_returns_per_rank_results():
     assert len(ports) == 1
     for r, e in enumerate(envs):
         assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(r), "3", str(r))
-        assert e["MASTER_ADDR"] == "127.0.0.1" and e["NCCL_NVLS_ENABLE"] == "0"
+        assert e["MASTER_ADDR"] == "127.0.0.1" and e["NCCL_NVLS_ENABLE"] == "0" and e["NCCL_MIN_NCHANNELS"] == "24"
         assert e["comm"] == (r, 3, r, "fake")
 
 
@@ -483,7 +489,7 @@ def test_nccl_collectives_match_numpy():
 def test_nccl_launch_environment():
     envs = dist.launch(dist_worker.environment, 2, backend="nccl", timeout=120, deadline=NCCL_DEADLINE)
     assert [e["comm"] for e in envs] == [(0, 2, 0, "nccl"), (1, 2, 1, "nccl")]
-    assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["NCCL_MIN_NCHANNELS"] == "24" for e in envs)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ gap, bf16 missing from `cupyx.distributed`'s dtype table, does not touch us: we 
 
 Processes, not threads (LLMQ's lesson): its one-thread-per-GPU mode needed a CPU barrier around
 every NCCL call to avoid deadlocks, and finalising NCCL could hang at exit. NVLink multicast
-(NVLS) stays off: `init` and `launch` set NCCL_NVLS_ENABLE=0 before NCCL starts.
+(NVLS) stays off: `init` and `launch` set NCCL_NVLS_ENABLE=0 before NCCL starts; `init` also asks for
+at least 24 channels (comm.NCCL_DEFAULTS), unless the environment says otherwise.
 """
 
 from .checkpoint import load_full, load_shard, read_manifest, save_shard, shard_of, write_manifest

@@ -23,6 +23,12 @@ from .rendezvous import DistError
 REDUCE_DTYPES = (FP32, BF16, FP16, INT32)
 REDUCE_OPS = ("sum", "max")
 DEFAULT_TIMEOUT = 300.0  # seconds: rendezvous, and a collective of the test double
+# NCCL settings `init` applies unless the environment has its own. NVLS (NVLink multicast) stays off
+# (the H200 hosts' rule). At least 24 channels: on the H200 pair the ZeRO-1 reduce-scatters and
+# all-gathers are bandwidth-bound where backward cannot hide them, and 0.5B bf16 exposed 2.8-2.9 ms of
+# communication per step with 24 or 32 channels against 3.3-3.5 ms with NCCL's own choice (8 channels:
+# 6.5 ms, 4: 8.6 ms); BENCHMARKS, fourth session.
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "NCCL_MIN_NCHANNELS": "24"}
 
 
 class Communicator:
@@ -218,9 +224,11 @@ def init(backend: str | None = None, device=None, timeout: float | None = None) 
         timeout: seconds to wait at the rendezvous (and for a collective of the test double);
             None reads CUENGINE_DIST_TIMEOUT, default 300.
 
-    Sets NCCL_NVLS_ENABLE=0 (NVLink multicast off) before NCCL initialises, unless already set.
+    Sets NCCL_DEFAULTS (NVLink multicast off, at least 24 channels) before NCCL initialises, each
+    unless already set.
     """
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    for name, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     backend = backend or os.environ.get("CUENGINE_DIST_BACKEND", "nccl")
     if backend not in ("nccl", "fake"):
         raise ValueError(f"init: backend must be 'nccl' or 'fake', got {backend!r}")
