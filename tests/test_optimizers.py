@@ -14,7 +14,7 @@ from test_model import FLAG_SETS, batch, make, run_steps, tiny
 
 import cuengine as ce
 from cuengine import cli
-from cuengine.kernels import _build, adamw, adamw8bit, muon
+from cuengine.kernels import _build, adamw, adamw8bit, muon, norm
 from cuengine.model import LlamaModel, TrainOptions
 from cuengine.model.adamw8bit import AdamW8bitState
 from cuengine.model.muon import lr_scale, newton_schulz_reference
@@ -306,8 +306,19 @@ def test_multi_quantization_edges_are_the_per_tensor_codes_on_gpu(pdtype, aligne
 
 
 def _count_updates(monkeypatch):
-    """{"multi": calls of adamw8bit_update_multi, "single": calls of adamw8bit_update not made by it}."""
-    seen = {"multi": 0, "single": 0, "inside": False}
+    """{"multi": calls of adamw8bit_update_multi, "single": calls of adamw8bit_update not made by it,
+    "norm_multi" / "norm_single": calls of the multi-tensor and the per-tensor global norm}."""
+    seen = {"multi": 0, "single": 0, "inside": False, "norm_multi": 0, "norm_single": 0}
+
+    def counting(f, key):
+        def counted(*a, **kw):
+            seen[key] += 1
+            f(*a, **kw)
+
+        return counted
+
+    monkeypatch.setattr(adamw, "global_norm_squared_multi", counting(adamw.global_norm_squared_multi, "norm_multi"))
+    monkeypatch.setattr(norm, "global_norm_squared", counting(norm.global_norm_squared, "norm_single"))
     multi, single = adamw8bit.adamw8bit_update_multi, adamw8bit.adamw8bit_update
 
     def count_multi(*a, **kw):
@@ -341,10 +352,12 @@ def test_model_multi_tensor_update_is_bitwise_the_per_tensor_one(monkeypatch, op
     k = len(b.opt_state.specs)
     graphs = opts.get("use_cuda_graphs", False) and device == "cuda"
     for s in range(3):
-        multi, single = seen["multi"], seen["single"]
+        multi, single, norm_multi = seen["multi"], seen["single"], seen["norm_multi"]
         la = a.train_step(*batch(cfg, seed=s), lr=1e-3)
-        # one multi-tensor call, no per-tensor one; a step replayed from its CUDA graph calls nothing
+        # one multi-tensor call, no per-tensor one, for the update and for the global norm; a step
+        # replayed from its CUDA graph calls nothing
         assert seen["single"] == single and seen["multi"] - multi in ((0, 1) if graphs else (1,))
+        assert seen["norm_single"] == 0 and seen["norm_multi"] - norm_multi == seen["multi"] - multi
         multi = seen["multi"]
         lb = b.train_step(*batch(cfg, seed=s), lr=1e-3)
         assert seen["multi"] == multi and seen["single"] - single in ((0, k) if graphs else (k,)) and la == lb

@@ -2,8 +2,9 @@
 
 Everything but the moments is AdamWState's: the hyper-parameters on the device, the deterministic
 global norm and the NaN clip scale that skips a step, so `LlamaModel` drives either alike. On one GPU
-the update is one launch over every tensor (`adamw8bit.AdamW8bitTable`, written at the first update),
-bitwise the per-tensor launches that ZeRO's stage 0 keeps.
+the update is one launch over every tensor (`adamw8bit.AdamW8bitTable`, written at the first update)
+and so is the global norm (AdamWState's multi-tensor norm table), bitwise the per-tensor launches that
+ZeRO's stage 0 keeps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import numpy as np
 
 from ..dtypes import BYTE, FP32
-from ..kernels import adamw8bit, norm
+from ..kernels import adamw, adamw8bit, norm
 from .optimizer import AdamWState, tensor_seed
 
 
@@ -43,8 +44,13 @@ class AdamW8bitState(AdamWState):
                 self.absmax_v[name] = alloc.allocate(FP32, f"absmax_v.{name}", (nb,))
             self.qmaps = alloc.allocate(FP32, "qmaps", (1024,))
             if multi_tensor:
-                shape = adamw8bit.multi_tensor_table_shape([math.prod(shape) for _, shape, _ in specs])
-                self.table_bytes = alloc.allocate(BYTE, "adamw8bit_table", shape)
+                numels = [math.prod(shape) for _, shape, _ in specs]
+                shape = adamw8bit.multi_tensor_table_shape(numels)
+                self.update_table_bytes = alloc.allocate(BYTE, "adamw8bit_table", shape)
+                # the global norm through AdamWState's multi-tensor table (one launch, bitwise the loop)
+                self.table_bytes = {"norm": alloc.allocate(BYTE, "norm_table", adamw.multi_tensor_table_shape(numels))}
+                self.norm_sums = alloc.allocate(FP32, "norm_sums", adamw.multi_norm_sums_shape(numels))
+                self._tables = {}
             self.hparams = alloc.allocate(FP32, "hparams", (8,))  # adamw.make_hparams layout
             self.hparams_host = alloc.allocate(FP32, "hparams_host", (8,), kind="pinned")
             self.norm_partials = alloc.allocate(FP32, "norm_partials", norm.norm_partials_shape())
@@ -53,6 +59,11 @@ class AdamW8bitState(AdamWState):
         self.hparams_event = self.device.event()
         self.qmaps.copy_from_numpy(adamw8bit.make_qmaps())
         self.zero()
+
+    @property
+    def records_abs_max(self) -> bool:
+        """The 8-bit update records no FP8 weight abs-max (its table has no slots for them)."""
+        return False
 
     def state_tensors(self) -> dict:
         """{checkpoint key: Tensor} of the state a checkpoint keeps."""
@@ -85,7 +96,7 @@ class AdamW8bitState(AdamWState):
         if len({t.dtype for t in params}) != 1 or len({t.dtype for t in gs}) != 1:
             return None
         table = adamw8bit.AdamW8bitTable(
-            self.table_bytes, params, gs, [self.qm[n] for n in names], [self.qv[n] for n in names],
+            self.update_table_bytes, params, gs, [self.qm[n] for n in names], [self.qv[n] for n in names],
             [self.absmax_m[n] for n in names], [self.absmax_v[n] for n in names], [d for _, _, d in self.specs],
             [tensor_seed(seed, i) for i in range(len(names))])  # fmt: skip
         self._multi = (key, table)

@@ -38,8 +38,8 @@ class AdamWState:
         m_dtype, v_dtype: "fp32" or "bf16".
     """
 
-    # {"norm" | "adamw": (key, MultiTensorTable)} built on first use; None in subclasses that keep
-    # other state (8-bit, Muon), which loop over the tensors
+    # {"norm" | "adamw": (key, MultiTensorTable)} built on first use; None in Muon, which loops over
+    # the tensors (the 8-bit state uses only "norm": its update has a table of its own)
     _tables: dict | None = None
 
     def __init__(self, specs, alloc, m_dtype="fp32", v_dtype="fp32"):
