@@ -14,7 +14,7 @@ from conftest import assert_close
 
 import cuengine as ce
 from cuengine.inference import InferenceMixin, decode
-from cuengine.inference.state import choose_ffn_arm
+from cuengine.inference.state import choose_ffn_arm, prefill_rows
 from cuengine.kernels import sampling
 from cuengine.model import LlamaModel, TransformerConfig
 
@@ -109,16 +109,23 @@ def test_decode_logits_match_full_forward(dev, preset, dtype, arm):
 
 
 def test_prefill_in_padded_groups(dev):
-    """Prompts of 7, 4 and 1 tokens with 20 rows of prefill scratch: [7, 4] go together (padded to
-    7), [1] alone; padding must not leak into the real rows or the cache."""
+    """Prompts of 7, 4 and 1 tokens with 20 rows of prefill scratch: [7, 4] go together, [1] alone,
+    each group padded as far as its share of the scratch allows toward a multiple of 64 (10 and 20
+    rows per prompt); padding must not leak into the real rows or the cache."""
     lens = [7, 4, 1]
     m = model("tiny", "fp32", dev, run_state=(3, SEQ))
     seqs = sequences(256, lens, seed=4)
     got = decode_logits(m, seqs, lens, "fused", max_seq_len=20)
-    assert [g[:3] for g in m.inference_state.groups] == [(0, 2, 7), (2, 1, 1)]
+    assert [g[:3] for g in m.inference_state.groups] == [(0, 2, 10), (2, 1, 20)]
     want = m.logits(seqs)
     for i, n in enumerate(lens):
         assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], "fp32", f"row {i}")
+
+
+def test_prefill_rows_round_up_within_the_scratch():
+    assert [prefill_rows(n, 1, 2048) for n in (1, 64, 65, 1000, 1024, 2000)] == [64, 64, 128, 1024, 1024, 2048]
+    assert prefill_rows(2000, 1, 2010) == 2010  # capped by the scratch
+    assert prefill_rows(30, 3, 100) == prefill_rows(33, 3, 100) == 33  # 3 x 64 would not fit 100 rows
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -282,13 +289,17 @@ def test_a_superseded_stream_refuses_to_continue():
 def test_cuda_graph_equals_eager(cuda, arm, weights):
     if arm == "gemm" and weights == "fp8":
         pytest.skip("no gemm arm for fp8 weights")
+    # three generations with one prefill group layout (3 prompts, 21 rows each) but other lengths:
+    # the second captures the prefill, the third replays it with its own last rows
+    prompts = [[[1, 2, 3], [9] * 11, [4]], [[5] * 7, [2, 3], [8] * 12], [[6], [7] * 13, [1, 2]]]
     out = []
     for graphs in (True, False):
         m = model("tiny-hs64", "bf16", cuda)
         m.allocate_inference_state(max_batch=4, max_seq_len=64, weights=weights, ffn_arm=arm, cuda_graphs=graphs)
-        out.append(m.generate([[1, 2, 3], [9] * 11, [4]], 10, temperature=0.8, top_p=0.9, seed=2))
+        out.append([m.generate(p, 10, temperature=0.8, top_p=0.9, seed=2) for p in prompts])
         if graphs:
-            assert m.inference_state.graphs, "no decode step was captured"
+            keys = set(m.inference_state.graphs)
+            assert ("prefill", ((0, 3, 21, 0),)) in keys and any(k[0] == "decode" for k in keys), keys
     assert out[0] == out[1]
 
 

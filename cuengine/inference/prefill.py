@@ -16,9 +16,10 @@ from .. import blas
 from ..kernels import activations, attention, decode_attention, encoder, qknorm, rmsnorm, rope
 
 
-def prefill_group(st, first: int, n: int, T: int, off: int, lens) -> None:
+def prefill_group(st, first: int, n: int, T: int, off: int) -> None:
     """Prompts first..first+n-1 (tokens, slots and positions packed at `off` in st.p_index) into
-    the cache; each one's last-row final residual into st.residual[slot]. Enqueued only."""
+    the cache; each one's last-row final residual into st.residual[slot]. Enqueued only, and read
+    from the host: only the group layout (first, n, T, off), so it can be captured and replayed."""
     cfg, W = st.cfg, st.model.weights
     Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
     N = n * T
@@ -46,10 +47,10 @@ def prefill_group(st, first: int, n: int, T: int, off: int, lens) -> None:
         blas.matmul(up, ln, w["up_w"])  # (N, 2H)
         activations.swiglu_forward(act, up)  # (N, H)
         blas.matmul(out, act, w["down_w"])  # mlp_down (N, C)
-    # each prompt's last row: res_ffn[L-1] into the decode residual (its normalised copy in ln is
-    # the decode LM head's to redo)
-    for r in range(n):
-        last, slot = r * T + int(lens[r]) - 1, first + r
-        rmsnorm.fused_residual_rmsnorm_forward(st.residual.rows(slot, slot + 1), ln.rows(last, last + 1),
-                                               rstd.rows(last, last + 1), res_att.rows(last, last + 1),
-                                               out.rows(last, last + 1), W["lnf_w"], eps)  # fmt: skip
+    # each prompt's last row (st.p_last, gathered by the embedding lookup's kernel): res_ffn[L-1] into
+    # the decode residual (the normalised copy, in decode scratch, is the decode LM head's to redo)
+    last, res_last, out_last = st.p_last.rows(first, first + n), st.p_last_res.rows(0, n), st.p_last_out.rows(0, n)
+    encoder.encoder_forward(res_last, last, res_att)
+    encoder.encoder_forward(out_last, last, out)
+    rmsnorm.fused_residual_rmsnorm_forward(st.residual.rows(first, first + n), st.ln.rows(0, n), st.rstd.rows(0, n),
+                                           res_last, out_last, W["lnf_w"], eps)  # fmt: skip

@@ -144,10 +144,15 @@ class InferenceState:
             self.p_act = a(dt, "prefill_swiglu", (S, H))
             # every group's tokens, cache slots and positions, packed one after the other
             self.p_index = a(INT32, "prefill_index", (3, B * S))
+            # each prompt's last row within its group's scratch rows, and those rows gathered
+            # (res_att, then mlp_down): device data, so a captured prefill serves other lengths
+            self.p_last = a(INT32, "prefill_last_rows", (B,))
+            self.p_last_res = a(dt, "prefill_last_res_att", (B, C))
+            self.p_last_out = a(dt, "prefill_last_out", (B, C))
 
         with alloc.context("Decode host"):
             self.index_host = alloc.allocate(INT32, "prefill_index_host", (3, B * S), kind="pinned")
-            self.pos_host = alloc.allocate(INT32, "positions_host", (2, B), kind="pinned")
+            self.pos_host = alloc.allocate(INT32, "positions_host", (3, B), kind="pinned")
             self.ring = alloc.allocate(INT32, "token_ring", (RING, B), kind="pinned")
         self.ring_events = [dev.event() for _ in range(RING)]
         self.upload_event = dev.event()  # the last copy out of index_host / pos_host
@@ -188,10 +193,12 @@ class InferenceState:
         lens = np.array([len(p) for p in prompts], np.int32)
         self.groups = []
         first = off = 0
+        pos = self.pos_host.array()
         for i in range(1, b + 1):
             if i == b or (i + 1 - first) * int(lens[first : i + 1].max()) > S:
-                n, T = i - first, int(lens[first:i].max())
+                n, T = i - first, prefill_rows(int(lens[first:i].max()), i - first, S)
                 self.groups.append((first, n, T, off))
+                pos[2, first:i] = np.arange(n) * T + lens[first:i] - 1
                 first, off = i, off + n * T
         self.upload_event.synchronize()  # the previous copies out of the pinned buffers are done
         idx = self.index_host.array()
@@ -202,15 +209,14 @@ class InferenceState:
                 tokens[r, : lens[first + r]] = prompts[first + r]
             idx[1, off : off + n * T] = np.repeat(np.arange(first, first + n, dtype=np.int32), T)
             idx[2, off : off + n * T] = np.tile(np.arange(T, dtype=np.int32), n)
-        pos = self.pos_host.array()
         pos[0, :b], pos[1, :b] = lens - 1, lens  # as if each prompt's last token were a step's input
         dev.copy_async(self.p_index, self.index_host)
         dev.copy_async(self.positions.rows(0, b), self.pos_host[0].rows(0, b))
         dev.copy_async(self.lengths.rows(0, b), self.pos_host[1].rows(0, b))
+        dev.copy_async(self.p_last.rows(0, b), self.pos_host[2].rows(0, b))
         self.upload_event.record()
         self.params.copy_from_numpy(params)
         self.refresh_weights()
-        self._lens = lens
 
     def prefill(self) -> None:
         """Prefill the prompts of `start` into their cache slots, then the LM head and the sampler
@@ -219,10 +225,22 @@ class InferenceState:
         Consecutive prompts go through the forward together, right-padded to the longest of them,
         as many as fit the max_seq rows of scratch: causal attention keeps the padding out of the
         real rows, and the K/V the padding appends lie past each prompt's end, where decode
-        overwrites them before any step reads them."""
-        for first, n, T, off in self.groups:
-            prefill_group(self, first, n, T, off, self._lens[first : first + n])
-        decode.head_and_sample(self, len(self._lens))
+        overwrites them before any step reads them.
+
+        With cuda_graphs the prefill of a group layout (first prompt, count, padded length, offset
+        of each group) is captured at its second use and replayed after: a prefill is ~12 launches
+        per layer, and from Python their launch cost, not the GPU, set its time (0.5B and 1.5B took
+        the same 10-12 ms for 1024 tokens). Lengths are padded up to a multiple of PREFILL_ROUND
+        (`prefill_rows`) so that prompts of nearby lengths share a graph; where each prompt's last
+        row lies is device data (p_last)."""
+        groups = tuple(self.groups)
+
+        def run_groups():
+            for first, n, T, off in groups:
+                prefill_group(self, first, n, T, off)
+            decode.head_and_sample(self, groups[-1][0] + groups[-1][1])
+
+        self.run(("prefill", groups), run_groups)
 
     # ---- graphs ------------------------------------------------------------------------------
     def run(self, key, fn) -> None:
@@ -239,6 +257,16 @@ class InferenceState:
         if g is None:
             g = self.graphs[key] = self.device.capture(fn)
         g.launch()
+
+
+PREFILL_ROUND = 64  # prefill lengths are padded up to a multiple of this (graph reuse, see `prefill`)
+
+
+def prefill_rows(longest: int, n: int, max_seq: int) -> int:
+    """Rows per prompt of a prefill group of n prompts whose longest has `longest` tokens: rounded
+    up to a multiple of PREFILL_ROUND while the group's n * rows stay within max_seq, never fewer
+    than `longest` (the grouping already ensures n * longest <= max_seq)."""
+    return max(longest, min(-(-longest // PREFILL_ROUND) * PREFILL_ROUND, max_seq // n))
 
 
 def _check_int(name, value, lo, hi, hi_what=None) -> None:
