@@ -14,6 +14,7 @@ from conftest import assert_close
 
 import cuengine as ce
 from cuengine.inference import InferenceMixin, decode
+from cuengine.inference import state as state_module
 from cuengine.inference.state import choose_ffn_arm, prefill_rows
 from cuengine.kernels import sampling
 from cuengine.model import LlamaModel, TransformerConfig
@@ -120,6 +121,21 @@ def test_prefill_in_padded_groups(dev):
     want = m.logits(seqs)
     for i, n in enumerate(lens):
         assert_logits_close(got[i, n - 1 :], want[i, n - 1 :], "fp32", f"row {i}")
+
+
+def test_prefill_graphs_keep_the_latest_layouts(monkeypatch):
+    """Prefill graphs are kept per prompt layout, at most PREFILL_GRAPHS of them: a long-running
+    generator with ever new prompt lengths must not pile up graphs (on cpu a graph re-runs its
+    function, which is enough to check the bookkeeping)."""
+    monkeypatch.setattr(state_module, "PREFILL_GRAPHS", 2)
+    m = model("tiny", "fp32", "cpu")
+    m.allocate_inference_state(max_batch=2, max_seq_len=256, cuda_graphs=True)
+    layouts = [[[1] * n] for n in (3, 70, 140, 200)]  # padded to 64, 128, 192, 256 rows
+    want = [m.generate(p, 3) for p in layouts]
+    for _ in range(2):  # the first round captures, the second replays the two kept, recaptures the rest
+        assert [m.generate(p, 3) for p in layouts] == want
+    keys = [k for k in m.inference_state.graphs if k[0] == "prefill"]
+    assert keys == [("prefill", ((0, 1, 192, 0),)), ("prefill", ((0, 1, 256, 0),))]
 
 
 def test_prefill_rows_round_up_within_the_scratch():

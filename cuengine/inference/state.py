@@ -69,8 +69,8 @@ class InferenceState:
         self.dtype = dt = model.dtype
         self.max_batch, self.max_seq = int(max_batch), int(max_seq_len)
         self.weights, self.ffn_arm, self.cuda_graphs = weights, ffn_arm, bool(cuda_graphs)
-        self.graphs: dict = {}
-        self.warm: set = set()
+        self.graphs: dict = {}  # key -> captured Graph, least recently used first
+        self.warm: dict = {}  # keys run once (eagerly), in order: the next run captures
         self.generation = 0  # bumped by every new generation: a stale stream() generator refuses to run on
         alloc = model.alloc
         blas.init(alloc)
@@ -245,18 +245,37 @@ class InferenceState:
     # ---- graphs ------------------------------------------------------------------------------
     def run(self, key, fn) -> None:
         """Run `fn`, or with cuda_graphs: eagerly the first time (kernels compile and cuBLASLt
-        plans are built outside any capture), captured the second time, then replayed."""
+        plans are built outside any capture), captured the second time, then replayed. At most
+        PREFILL_GRAPHS prefill layouts stay captured (the least recently used is dropped)."""
         if not self.cuda_graphs:
             fn()
             return
-        g = self.graphs.get(key)
+        g = self.graphs.pop(key, None)
         if g is None and key not in self.warm:
-            self.warm.add(key)
+            self.warm[key] = None
+            if key[0] == "prefill":
+                _drop_oldest_prefill(self.warm, 4 * PREFILL_GRAPHS)
             fn()
             return
         if g is None:
-            g = self.graphs[key] = self.device.capture(fn)
+            g = self.device.capture(fn)
+            # decode keys are bounded (batch size, arm); prefill layouts are not: keep the latest few,
+            # waiting for the stream before one is dropped (a rare host sync: only a new layout's capture)
+            if key[0] == "prefill" and sum(k[0] == "prefill" for k in self.graphs) >= PREFILL_GRAPHS:
+                self.device.synchronize()
+                _drop_oldest_prefill(self.graphs, PREFILL_GRAPHS - 1)
+        self.graphs[key] = g  # now the most recently used
         g.launch()
+
+
+PREFILL_GRAPHS = 8  # prefill layouts kept captured; the least recently used is dropped first
+
+
+def _drop_oldest_prefill(ordered: dict, keep: int) -> None:
+    """Drop the oldest prefill keys of `ordered` until `keep` remain."""
+    keys = [k for k in ordered if k[0] == "prefill"]
+    for k in keys[: max(0, len(keys) - keep)]:
+        del ordered[k]
 
 
 PREFILL_ROUND = 64  # prefill lengths are padded up to a multiple of this (graph reuse, see `prefill`)
