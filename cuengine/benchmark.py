@@ -119,6 +119,60 @@ def time_phases_ms(device, phases: list[Callable[[], object]], warmup: int = 3, 
     return [statistics.median(m[i] for m in ms) for i in range(len(phases))]
 
 
+def stream_timeline(kernels, top: int = 8) -> dict:
+    """Where a multi-stream step waits, from one rank's kernel records [(name, stream, start_us,
+    dur_us)] (a CUPTI trace, e.g. torch.profiler's): the compute stream is the one with the most
+    non-NCCL kernel time; its idle time inside the span is what the collectives (or the host) left
+    exposed. Returns {"span_us", "compute_stream", "busy_us" {stream: union of its kernels' time},
+    "idle_us" (compute stream idle within the span), "nccl_us" (union of NCCL kernels' time),
+    "nccl_hidden_us" (NCCL time during compute-stream kernels), "gaps" [(idle_us, kernel before,
+    kernel after)] the `top` longest compute-stream gaps}."""
+    if not kernels:
+        raise ValueError("stream_timeline: no kernels recorded")
+
+    def union(spans):
+        out = []
+        for a, b in sorted(spans):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def length(spans):
+        return sum(b - a for a, b in spans)
+
+    nccl = [k for k in kernels if "nccl" in k[0].lower()]
+    work: dict = {}
+    for name, stream, _, d in kernels:
+        if "nccl" not in name.lower():
+            work[stream] = work.get(stream, 0.0) + d
+    compute = max(work, key=work.get) if work else kernels[0][1]
+    by_stream: dict = {}
+    for _, stream, t, d in kernels:
+        by_stream.setdefault(stream, []).append((t, t + d))
+    busy = {st: length(union(sp)) for st, sp in by_stream.items()}
+    t0 = min(k[2] for k in kernels)
+    t1 = max(k[2] + k[3] for k in kernels)
+    main = sorted((k for k in kernels if k[1] == compute), key=lambda k: k[2])
+    main_busy = union([(k[2], k[2] + k[3]) for k in main])
+    nccl_busy = union([(k[2], k[2] + k[3]) for k in nccl])
+    hidden = 0.0
+    for a, b in nccl_busy:
+        for c, d in main_busy:
+            hidden += max(0.0, min(b, d) - max(a, c))
+    gaps, end, before = [], None, None
+    for name, _, t, d in main:
+        if end is not None and t > end:
+            gaps.append((t - end, before, name))
+        if end is None or t + d >= end:
+            end, before = t + d, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_us": t1 - t0, "compute_stream": compute, "busy_us": busy,
+            "idle_us": (t1 - t0) - length(main_busy), "nccl_us": length(nccl_busy), "nccl_hidden_us": hidden,
+            "gaps": gaps[:top]}  # fmt: skip
+
+
 @functools.cache
 def _spin(device_index: int):
     import cupy

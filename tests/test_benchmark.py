@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuengine as ce
-from cuengine.benchmark import CEILINGS, mfu, time_ms, time_phases_ms
+from cuengine.benchmark import CEILINGS, mfu, stream_timeline, time_ms, time_phases_ms
 
 
 def test_ceilings_are_the_measured_figures():
@@ -62,3 +62,17 @@ def test_fill_random(dev, dtype):
         assert 2.5 < x.std() < 3.5
     again = fill_random(ce.Tensor.empty(dtype, (64, 64), dev, name="t"), 3.0, seed=1).numpy()
     np.testing.assert_array_equal(again.view(np.uint8), t.numpy().view(np.uint8))
+
+
+def test_stream_timeline_finds_the_exposed_waits():
+    """Compute on stream 7 with a 30 µs hole while an NCCL kernel on stream 9 runs from 40 to 100:
+    30 µs of it beside compute kernels; the hole is the exposed wait."""
+    kernels = [("gemm", 7, 0.0, 50.0), ("ncclDevKernel_ReduceScatter", 9, 40.0, 60.0), ("norm", 7, 80.0, 10.0),
+               ("adamw", 7, 90.0, 30.0), ("gemm", 7, 10.0, 5.0), ("copy", 9, 110.0, 5.0)]  # fmt: skip
+    t = stream_timeline(kernels)
+    assert t["compute_stream"] == 7 and t["span_us"] == 120.0
+    assert t["busy_us"] == {7: 90.0, 9: 65.0}
+    assert t["idle_us"] == 30.0 and t["nccl_us"] == 60.0 and t["nccl_hidden_us"] == 30.0
+    assert t["gaps"] == [(30.0, "gemm", "norm")]
+    with pytest.raises(ValueError, match="no kernels"):
+        stream_timeline([])
