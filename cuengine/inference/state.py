@@ -193,16 +193,15 @@ class InferenceState:
         lens = np.array([len(p) for p in prompts], np.int32)
         self.groups = []
         first = off = 0
-        pos = self.pos_host.array()
         for i in range(1, b + 1):
             if i == b or (i + 1 - first) * int(lens[first : i + 1].max()) > S:
                 n, T = i - first, prefill_rows(int(lens[first:i].max()), i - first, S)
                 self.groups.append((first, n, T, off))
-                pos[2, first:i] = np.arange(n) * T + lens[first:i] - 1
                 first, off = i, off + n * T
         self.upload_event.synchronize()  # the previous copies out of the pinned buffers are done
-        idx = self.index_host.array()
+        idx, pos = self.index_host.array(), self.pos_host.array()
         for first, n, T, off in self.groups:
+            pos[2, first : first + n] = np.arange(n) * T + lens[first : first + n] - 1  # last row in the group
             tokens = idx[0, off : off + n * T].reshape(n, T)
             tokens[...] = 0  # padding: causal attention keeps it out of the real rows
             for r in range(n):
