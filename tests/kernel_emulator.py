@@ -214,3 +214,21 @@ def margins_ok(x) -> bool:
     """Nothing was written outside the tensor."""
     m = np.concatenate([x.storage[: x.offset], x.storage[x.offset + x.nbytes :]])
     return np.all(m == 0xA5)
+
+
+def adamw8bit_launcher(workdir):
+    """A `launch` for adamw8bit.cu's per-tensor and multi-tensor kernels (every dtype pair) on the
+    host, built in `workdir`; None without g++. The seed (a u32) travels as the int32 of its bits."""
+    import numpy as np
+
+    names = [f"adamw8bit{m}_{p}_{g}" for m in ("", "_multi") for p in ("f32", "bf16") for g in ("f32", "bf16")]
+    shutil.copy(kernel_dir() / "sr_hash.cuh", workdir)
+    lib = build("adamw8bit", names, workdir)
+    if lib is None:
+        return None
+
+    def run(family, name, grid, block, args, *a, **kw):
+        args = tuple(np.int32(np.array(x, np.uint32).view(np.int32)) if isinstance(x, np.uint32) else x for x in args)
+        launch(lib, family, name, grid, block, args, *a, **kw)
+
+    return run

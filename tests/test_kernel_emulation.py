@@ -5,8 +5,6 @@ The bitwise claims of the issue-13 kernels: the register-row backward (rmsnorm_b
 the looping kernel's bits, the dweight reduce adds the partials in row order, and quantize_dual
 equals quantize then transpose. adamw8bit's multi-tensor launch gives the bits of its per-tensor launches."""
 
-import shutil
-
 import kernel_emulator as emu
 import numpy as np
 import pytest
@@ -178,17 +176,9 @@ def test_emulated_classifier_abs_max_equals_abs_max_of_its_dlogits(cls_lib, fp8_
 
 @pytest.fixture(scope="module")
 def a8_lib(tmp_path_factory):
-    names = [f"adamw8bit{m}_{p}_{g}" for m in ("", "_multi") for p in ("f32", "bf16") for g in ("f32", "bf16")]
-    work = tmp_path_factory.mktemp("adamw8bit_emu")
-    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
-    lib = emu.build("adamw8bit", names, work)
-    if lib is None:
+    launch = emu.adamw8bit_launcher(tmp_path_factory.mktemp("adamw8bit_emu"))
+    if launch is None:
         pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
-
-    def launch(family, name, grid, block, args, *a, **kw):  # the seed: a u32 as the int32 of its bits
-        args = tuple(np.int32(np.array(x, np.uint32).view(np.int32)) if isinstance(x, np.uint32) else x for x in args)
-        emu.launch(lib, family, name, grid, block, args, *a, **kw)
-
     return launch
 
 

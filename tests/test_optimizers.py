@@ -5,8 +5,6 @@ checkpoints and bitwise-equal training across the recompute / graph flags.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 from conftest import assert_bitwise
@@ -214,17 +212,9 @@ def a8_emu(tmp_path_factory):
     """(kernel_emulator, its launch) for adamw8bit.cu on the host."""
     import kernel_emulator as emu
 
-    names = [f"adamw8bit{m}_{p}_{g}" for m in ("", "_multi") for p in ("f32", "bf16") for g in ("f32", "bf16")]
-    work = tmp_path_factory.mktemp("adamw8bit_edges")
-    shutil.copy(_build.kernel_dir() / "sr_hash.cuh", work)
-    lib = emu.build("adamw8bit", names, work)
-    if lib is None:
+    launch = emu.adamw8bit_launcher(tmp_path_factory.mktemp("adamw8bit_edges"))
+    if launch is None:
         pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
-
-    def launch(family, name, grid, block, args, *a, **kw):  # the seed: a u32 as the int32 of its bits
-        args = tuple(np.int32(np.array(x, np.uint32).view(np.int32)) if isinstance(x, np.uint32) else x for x in args)
-        emu.launch(lib, family, name, grid, block, args, *a, **kw)
-
     return emu, launch
 
 
