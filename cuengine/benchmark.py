@@ -122,11 +122,13 @@ def time_phases_ms(device, phases: list[Callable[[], object]], warmup: int = 3, 
 def stream_timeline(kernels, top: int = 8) -> dict:
     """Where a multi-stream step waits, from one rank's kernel records [(name, stream, start_us,
     dur_us)] (a CUPTI trace, e.g. torch.profiler's): the compute stream is the one with the most
-    non-NCCL kernel time; its idle time inside the span is what the collectives (or the host) left
-    exposed. Returns {"span_us", "compute_stream", "busy_us" {stream: union of its kernels' time},
-    "idle_us" (compute stream idle within the span), "nccl_us" (union of NCCL kernels' time),
-    "nccl_hidden_us" (NCCL time during compute-stream kernels), "gaps" [(idle_us, kernel before,
-    kernel after)] the `top` longest compute-stream gaps}."""
+    non-NCCL kernel time; its idle time inside the span (between its non-NCCL kernels: a replayed
+    CUDA graph may report its NCCL nodes on the same stream id) is what the collectives (or the
+    host) left exposed. Returns {"span_us", "compute_stream", "busy_us" {stream: union of its
+    kernels' time}, "compute_us" (union of the compute stream's non-NCCL kernels), "idle_us"
+    (span - compute_us), "nccl_us" (union of NCCL kernels' time), "nccl_hidden_us" (NCCL time
+    during compute kernels), "nccl_by_name" {kernel name: summed time}, "gaps" [(idle_us, kernel
+    before, kernel after)] the `top` longest compute-stream gaps}."""
     if not kernels:
         raise ValueError("stream_timeline: no kernels recorded")
 
@@ -154,7 +156,7 @@ def stream_timeline(kernels, top: int = 8) -> dict:
     busy = {st: length(union(sp)) for st, sp in by_stream.items()}
     t0 = min(k[2] for k in kernels)
     t1 = max(k[2] + k[3] for k in kernels)
-    main = sorted((k for k in kernels if k[1] == compute), key=lambda k: k[2])
+    main = sorted((k for k in kernels if k[1] == compute and "nccl" not in k[0].lower()), key=lambda k: k[2])
     main_busy = union([(k[2], k[2] + k[3]) for k in main])
     nccl_busy = union([(k[2], k[2] + k[3]) for k in nccl])
     hidden = 0.0
@@ -168,9 +170,12 @@ def stream_timeline(kernels, top: int = 8) -> dict:
         if end is None or t + d >= end:
             end, before = t + d, name
     gaps.sort(key=lambda g: -g[0])
-    return {"span_us": t1 - t0, "compute_stream": compute, "busy_us": busy,
+    by_name: dict = {}
+    for name, _, _, d in nccl:
+        by_name[name] = by_name.get(name, 0.0) + d
+    return {"span_us": t1 - t0, "compute_stream": compute, "busy_us": busy, "compute_us": length(main_busy),
             "idle_us": (t1 - t0) - length(main_busy), "nccl_us": length(nccl_busy), "nccl_hidden_us": hidden,
-            "gaps": gaps[:top]}  # fmt: skip
+            "nccl_by_name": by_name, "gaps": gaps[:top]}  # fmt: skip
 
 
 @functools.cache

@@ -73,6 +73,11 @@ def test_stream_timeline_finds_the_exposed_waits():
     assert t["compute_stream"] == 7 and t["span_us"] == 120.0
     assert t["busy_us"] == {7: 90.0, 9: 65.0}
     assert t["idle_us"] == 30.0 and t["nccl_us"] == 60.0 and t["nccl_hidden_us"] == 30.0
-    assert t["gaps"] == [(30.0, "gemm", "norm")]
+    assert t["gaps"] == [(30.0, "gemm", "norm")] and t["compute_us"] == 90.0
+    assert t["nccl_by_name"] == {"ncclDevKernel_ReduceScatter": 60.0}
+    # a replayed graph may report its NCCL nodes on the compute stream's id: still not compute
+    same = [(n, 7 if "nccl" in n else s, a, d) for n, s, a, d in kernels]
+    t = stream_timeline(same)
+    assert t["compute_stream"] == 7 and t["idle_us"] == 30.0 and t["gaps"] == [(30.0, "gemm", "norm")]
     with pytest.raises(ValueError, match="no kernels"):
         stream_timeline([])

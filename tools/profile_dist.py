@@ -1,5 +1,6 @@
 """Where a data-parallel train step waits: per rank, the compute stream's idle time and the NCCL
-kernels beside it, from a CUPTI trace of the captured (CUDA graph) step.
+kernels beside it, from a CUPTI trace of the captured (CUDA graph) step. `--gpus 1` gives the
+compute-kernel time without communication, to compare against.
 
 Starts `--gpus` ranks (`cuengine.dist.launch`, NCCL); each builds the model with `--zero-stage`,
 warms up (the first step eager, the second captures), records `--steps` steps under torch.profiler
@@ -83,9 +84,11 @@ def main(argv=None) -> int:
     n = args.steps
     print(f"{args.preset} {args.dtype}, {args.gpus} GPUs, ZeRO-{args.zero_stage}, B={args.batch} per GPU: per step")
     for rank, t in enumerate(res):
-        print(f"rank {rank}: span {t['span_us'] / n / 1e3:.2f} ms; compute stream {t['compute_stream']} idle "
-              f"{t['idle_us'] / n / 1e3:.2f} ms; NCCL kernels {t['nccl_us'] / n / 1e3:.2f} ms, of which "
-              f"{t['nccl_hidden_us'] / n / 1e3:.2f} ms beside compute kernels")  # fmt: skip
+        print(f"rank {rank}: span {t['span_us'] / n / 1e3:.2f} ms; compute kernels {t['compute_us'] / n / 1e3:.2f} ms; "
+              f"compute stream idle {t['idle_us'] / n / 1e3:.2f} ms; NCCL kernels {t['nccl_us'] / n / 1e3:.2f} ms, "
+              f"of which {t['nccl_hidden_us'] / n / 1e3:.2f} ms beside compute kernels")  # fmt: skip
+        for name, us in sorted(t["nccl_by_name"].items(), key=lambda kv: -kv[1]):
+            print(f"    {us / n / 1e3:7.3f} ms  {name[:90]}")
         for us, before, after in t["gaps"]:
             print(f"    idle {us:8.1f} us  after {before[:60]}  before {after[:60]}")
     return 0
