@@ -121,14 +121,14 @@ def time_phases_ms(device, phases: list[Callable[[], object]], warmup: int = 3, 
 
 def stream_timeline(kernels, top: int = 8) -> dict:
     """Where a multi-stream step waits, from one rank's kernel records [(name, stream, start_us,
-    dur_us)] (a CUPTI trace, e.g. torch.profiler's): the compute stream is the one with the most
-    non-NCCL kernel time; its idle time inside the span (between its non-NCCL kernels: a replayed
-    CUDA graph may report its NCCL nodes on the same stream id) is what the collectives (or the
-    host) left exposed. Returns {"span_us", "compute_stream", "busy_us" {stream: union of its
-    kernels' time}, "compute_us" (union of the compute stream's non-NCCL kernels), "idle_us"
-    (span - compute_us), "nccl_us" (union of NCCL kernels' time), "nccl_hidden_us" (NCCL time
-    during compute kernels), "nccl_by_name" {kernel name: summed time}, "gaps" [(idle_us, kernel
-    before, kernel after)] the `top` longest compute-stream gaps}."""
+    dur_us)] (a CUPTI trace, e.g. torch.profiler's). Compute is every non-NCCL kernel, whatever its
+    stream id: a replayed CUDA graph runs concurrent branches on streams of its own, so the main
+    stream's kernels may carry several ids (and NCCL nodes the main one). The time inside the span
+    when no compute kernel runs is what the collectives (or the host) left exposed. Returns
+    {"span_us", "busy_us" {stream: union of its kernels' time}, "compute_us" (union of compute
+    kernels' time), "idle_us" (span - compute_us), "nccl_us" (union of NCCL kernels' time),
+    "nccl_hidden_us" (NCCL time during compute kernels), "nccl_by_name" {kernel name: summed time},
+    "gaps" [(idle_us, kernel before, kernel after)] the `top` longest compute gaps}."""
     if not kernels:
         raise ValueError("stream_timeline: no kernels recorded")
 
@@ -144,27 +144,25 @@ def stream_timeline(kernels, top: int = 8) -> dict:
     def length(spans):
         return sum(b - a for a, b in spans)
 
-    nccl = [k for k in kernels if "nccl" in k[0].lower()]
-    work: dict = {}
-    for name, stream, _, d in kernels:
-        if "nccl" not in name.lower():
-            work[stream] = work.get(stream, 0.0) + d
-    compute = max(work, key=work.get) if work else kernels[0][1]
+    def is_nccl(k):
+        return "nccl" in k[0].lower()
+
     by_stream: dict = {}
     for _, stream, t, d in kernels:
         by_stream.setdefault(stream, []).append((t, t + d))
     busy = {st: length(union(sp)) for st, sp in by_stream.items()}
     t0 = min(k[2] for k in kernels)
     t1 = max(k[2] + k[3] for k in kernels)
-    main = sorted((k for k in kernels if k[1] == compute and "nccl" not in k[0].lower()), key=lambda k: k[2])
-    main_busy = union([(k[2], k[2] + k[3]) for k in main])
+    compute = sorted((k for k in kernels if not is_nccl(k)), key=lambda k: k[2])
+    nccl = [k for k in kernels if is_nccl(k)]
+    compute_busy = union([(k[2], k[2] + k[3]) for k in compute])
     nccl_busy = union([(k[2], k[2] + k[3]) for k in nccl])
     hidden = 0.0
     for a, b in nccl_busy:
-        for c, d in main_busy:
+        for c, d in compute_busy:
             hidden += max(0.0, min(b, d) - max(a, c))
     gaps, end, before = [], None, None
-    for name, _, t, d in main:
+    for name, _, t, d in compute:
         if end is not None and t > end:
             gaps.append((t - end, before, name))
         if end is None or t + d >= end:
@@ -173,8 +171,8 @@ def stream_timeline(kernels, top: int = 8) -> dict:
     by_name: dict = {}
     for name, _, _, d in nccl:
         by_name[name] = by_name.get(name, 0.0) + d
-    return {"span_us": t1 - t0, "compute_stream": compute, "busy_us": busy, "compute_us": length(main_busy),
-            "idle_us": (t1 - t0) - length(main_busy), "nccl_us": length(nccl_busy), "nccl_hidden_us": hidden,
+    return {"span_us": t1 - t0, "busy_us": busy, "compute_us": length(compute_busy),
+            "idle_us": (t1 - t0) - length(compute_busy), "nccl_us": length(nccl_busy), "nccl_hidden_us": hidden,
             "nccl_by_name": by_name, "gaps": gaps[:top]}  # fmt: skip
 
 

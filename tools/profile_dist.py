@@ -1,14 +1,14 @@
-"""Where a data-parallel train step waits: per rank, the compute stream's idle time and the NCCL
+"""Where a data-parallel train step waits: per rank, the time no compute kernel runs and the NCCL
 kernels beside it, from a CUPTI trace of the captured (CUDA graph) step. `--gpus 1` gives the
 compute-kernel time without communication, to compare against.
 
 Starts `--gpus` ranks (`cuengine.dist.launch`, NCCL); each builds the model with `--zero-stage`,
 warms up (the first step eager, the second captures), records `--steps` steps under torch.profiler
 (only as a CUPTI front end, as tools/profile_step.py uses it; the engine never imports torch) and
-reduces its kernels with `cuengine.benchmark.stream_timeline`: the compute stream's idle time
-inside the recorded span (what communication, or the host between steps, left exposed), the NCCL
-kernels' time and how much of it ran beside compute kernels, and the longest idle gaps with the
-kernels on either side. Steps end with train_step's loss read-back, as in tools/bench_train.py.
+reduces its kernels with `cuengine.benchmark.stream_timeline`: the time inside the recorded span
+when no compute kernel ran (what communication, or the host between steps, left exposed), the NCCL
+kernels' time (per collective) and how much of it ran beside compute kernels, and the longest
+gaps with the kernels on either side. Steps end with train_step's loss read-back, as in tools/bench_train.py.
 
     python3 tools/profile_dist.py --preset qwen2.5-1.5b --dtype bf16 --gpus 2 --zero-stage 1
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def rank_timeline(preset: str, dtype: str, B: int, T: int, steps: int, zero_stage: int, top: int) -> dict:
     """One rank (spawned by `cuengine.dist.launch`): its stream_timeline over `steps` graph steps."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     import cuengine as ce
     from cuengine.bench_train import random_batch
@@ -44,10 +44,12 @@ def rank_timeline(preset: str, dtype: str, B: int, T: int, steps: int, zero_stag
     for _ in range(3):  # eager, capture, one replay
         model.train_step(x, y, lr=1e-4)
     comm.device.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    # one step recorded and dropped first: the ranks start the profiler at different times, and the
+    # first collective of the first recorded step would count the other rank's lateness
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=steps)) as prof:
+        for _ in range(steps + 1):
             model.train_step(x, y, lr=1e-4)
-        comm.device.synchronize()
+            prof.step()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     print(f"{args.preset} {args.dtype}, {args.gpus} GPUs, ZeRO-{args.zero_stage}, B={args.batch} per GPU: per step")
     for rank, t in enumerate(res):
         print(f"rank {rank}: span {t['span_us'] / n / 1e3:.2f} ms; compute kernels {t['compute_us'] / n / 1e3:.2f} ms; "
-              f"compute stream idle {t['idle_us'] / n / 1e3:.2f} ms; NCCL kernels {t['nccl_us'] / n / 1e3:.2f} ms, "
+              f"no compute {t['idle_us'] / n / 1e3:.2f} ms; NCCL kernels {t['nccl_us'] / n / 1e3:.2f} ms, "
               f"of which {t['nccl_hidden_us'] / n / 1e3:.2f} ms beside compute kernels")  # fmt: skip
         for name, us in sorted(t["nccl_by_name"].items(), key=lambda kv: -kv[1]):
             print(f"    {us / n / 1e3:7.3f} ms  {name[:90]}")
