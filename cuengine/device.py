@@ -57,17 +57,29 @@ class Event:
         return cupy.cuda.get_elapsed_time(self.raw, end.raw)
 
 
-class Stream:
-    """An ordered queue of device work. `ptr` is the cudaStream_t handle (0 on cpu)."""
+STREAM_PRIORITIES = ("normal", "high")
 
-    def __init__(self, device: Device):
-        self.device = device
+
+class Stream:
+    """An ordered queue of device work. `ptr` is the cudaStream_t handle (0 on cpu).
+
+    priority "high" is the device's greatest stream priority: when an SM frees up, the block
+    scheduler takes its kernels' blocks before those of normal streams. The collectives run on
+    such a stream, so that a wide kernel of the main stream (an optimizer launch of thousands of
+    blocks) does not hold them back until its last wave; graphs keep the priority of each node's
+    capturing stream (`Device.capture`)."""
+
+    def __init__(self, device: Device, priority: str = "normal"):
+        if priority not in STREAM_PRIORITIES:
+            raise ValueError(f"Stream: priority must be one of {STREAM_PRIORITIES}, got {priority!r}")
+        self.device, self.priority = device, priority
         self.raw = None
         if device.is_cuda:
             import cupy
 
             with cupy.cuda.Device(device.index):
-                self.raw = cupy.cuda.Stream(non_blocking=True)
+                level = _greatest_stream_priority() if priority == "high" else None
+                self.raw = cupy.cuda.Stream(non_blocking=True, priority=level)
 
     @property
     def ptr(self) -> int:
@@ -98,12 +110,49 @@ class Graph:
         self.device = device
         self.raw = raw
         self.fn = fn
+        self._exec = _instantiate_with_node_priority(raw.graph) if raw is not None else None
 
     def launch(self, stream: Stream | None = None) -> None:
-        if self.raw is not None:
-            self.raw.launch(self.device._stream(stream).raw)
+        if self._exec is not None:
+            import cupy
+
+            cupy.cuda.runtime.graphLaunch(self._exec, self.device._stream(stream).ptr)
         elif self.fn is not None:
             self.fn()
+
+    def __del__(self):
+        if getattr(self, "_exec", None):
+            try:
+                from cuda.bindings import driver
+
+                driver.cuGraphExecDestroy(driver.CUgraphExec(self._exec))
+            except Exception:  # interpreter shutdown: the context goes with the process
+                pass
+
+
+def _instantiate_with_node_priority(graph: int) -> int:
+    """The cudaGraphExec_t of `graph` (a cudaGraph_t), instantiated so that each kernel node runs at
+    the priority of the stream that captured it (CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY),
+    not at that of the stream the graph is launched into: the collectives of a captured step keep
+    their stream's high priority."""
+    from cuda.bindings import driver
+
+    flag = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+    err, exec_ = driver.cuGraphInstantiate(driver.CUgraph(graph), int(flag))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuGraphInstantiate: {err.name}")
+    return int(exec_)
+
+
+@functools.cache
+def _greatest_stream_priority() -> int:
+    """The numerically lowest (most urgent) stream priority of the current context."""
+    from cuda.bindings import driver
+
+    err, _, greatest = driver.cuCtxGetStreamPriorityRange()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuCtxGetStreamPriorityRange: {err.name}")
+    return int(greatest)
 
 
 class Device:
@@ -152,8 +201,8 @@ class Device:
 
         return contextlib.nullcontext()
 
-    def new_stream(self) -> Stream:
-        return Stream(self)
+    def new_stream(self, priority: str = "normal") -> Stream:
+        return Stream(self, priority)
 
     def event(self, timing: bool = False) -> Event:
         return Event(self, timing=timing)

@@ -66,6 +66,11 @@ def environment() -> dict:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS")
     env = {k: os.environ.get(k) for k in keys}
     env["comm"] = (comm.rank, comm.world_size, comm.local_rank, comm.backend)
+    # the communication stream's priority beside the main stream's and the device's most urgent
+    from cuda.bindings import driver
+
+    env["priorities"] = (comm.stream.raw.priority, comm.device.stream.raw.priority,
+                         driver.cuCtxGetStreamPriorityRange()[2])  # fmt: skip
     comm.close()
     return env
 

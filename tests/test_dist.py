@@ -490,6 +490,8 @@ def test_nccl_launch_environment():
     envs = dist.launch(dist_worker.environment, 2, backend="nccl", timeout=120, deadline=NCCL_DEADLINE)
     assert [e["comm"] for e in envs] == [(0, 2, 0, "nccl"), (1, 2, 1, "nccl")]
     assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["NCCL_MIN_NCHANNELS"] == "24" for e in envs)
+    # collectives run at the device's most urgent stream priority, the main stream at the default
+    assert all(e["priorities"][0] == e["priorities"][2] < e["priorities"][1] == 0 for e in envs)
 
 
 @pytest.mark.gpu

@@ -89,6 +89,42 @@ def test_stream_event_sync(dev):
     np.testing.assert_array_equal(out.numpy(), np.arange(8, dtype=np.float32))
 
 
+def test_stream_priority(dev):
+    """A "high" stream is the device's most urgent; a captured graph keeps the priority of the
+    stream that captured each kernel (the collectives of a step stay urgent inside its graph)."""
+    high, normal = dev.new_stream(priority="high"), dev.new_stream()
+    assert (high.priority, normal.priority) == ("high", "normal")
+    with pytest.raises(ValueError, match="priority must be one of"):
+        dev.new_stream(priority="urgent")
+    if not dev.is_cuda:
+        return
+    from cuda.bindings import driver
+
+    greatest = driver.cuCtxGetStreamPriorityRange()[2]
+    assert high.raw.priority == greatest < normal.raw.priority == 0
+    x = ce.Tensor.from_numpy(np.ones(1 << 16, np.float32), dev, name="x")
+    x.array()[...] *= 1  # CuPy compiles its kernel here, not inside the capture
+    ev, back = dev.event(), dev.event()
+
+    def work():  # scale x on the high stream, forked from the main one and joined back
+        dev.stream.record(ev)
+        high.wait(ev)
+        with high.raw:
+            x.array()[...] *= 3
+        high.record(back)
+        dev.stream.wait(back)
+
+    graph = dev.capture(work)
+    err, nodes, count = driver.cuGraphGetNodes(driver.CUgraph(graph.raw.graph), 0)
+    err, nodes, count = driver.cuGraphGetNodes(driver.CUgraph(graph.raw.graph), count)
+    kernels = [n for n in nodes if driver.cuGraphNodeGetType(n)[1] == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
+    attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+    assert [driver.cuGraphKernelNodeGetAttribute(n, attr)[1].priority for n in kernels] == [greatest]
+    graph.launch()
+    dev.synchronize()
+    np.testing.assert_array_equal(x.numpy(), np.full(1 << 16, 3, np.float32))
+
+
 def test_copies_host_device_pinned(dev):
     alloc = ce.TensorAllocator(dev)
     host = alloc.allocate(ce.BF16, "host", (4, 5), kind="pinned")

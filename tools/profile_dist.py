@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def rank_timeline(preset: str, dtype: str, B: int, T: int, steps: int, zero_stage: int, top: int) -> dict:
     """One rank (spawned by `cuengine.dist.launch`): its stream_timeline over `steps` graph steps."""
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     import cuengine as ce
     from cuengine.bench_train import random_batch
@@ -44,19 +44,21 @@ def rank_timeline(preset: str, dtype: str, B: int, T: int, steps: int, zero_stag
     for _ in range(3):  # eager, capture, one replay
         model.train_step(x, y, lr=1e-4)
     comm.device.synchronize()
-    # one step recorded and dropped first: the ranks start the profiler at different times, and the
-    # first collective of the first recorded step would count the other rank's lateness
-    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=steps)) as prof:
-        for _ in range(steps + 1):
-            model.train_step(x, y, lr=1e-4)
-            prof.step()
+    # one step more is recorded and its kernels dropped (those before "step1" began on the host): the
+    # ranks start the profiler at different times, and the first recorded step's first collective
+    # would count the other rank's lateness
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(steps + 1):
+            with record_function(f"step{k}"):
+                model.train_step(x, y, lr=1e-4)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
+    start = min(float(e["ts"]) for e in events if e.get("name") == "step1")
     kernels = [(e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["dur"]))
-               for e in events if e.get("cat") == "kernel"]  # fmt: skip
+               for e in events if e.get("cat") == "kernel" and float(e["ts"]) >= start]  # fmt: skip
     timeline = stream_timeline(kernels, top)
     del model
     comm.close()

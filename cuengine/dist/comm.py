@@ -48,7 +48,7 @@ class Communicator:
     def __init__(self, rank: int, world_size: int, local_rank: int, device):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
-        self.stream = device.new_stream()
+        self.stream = device.new_stream(priority="high")  # see Stream: beside a wide kernel, collectives go first
         self._fork, self._join = device.event(), device.event()
         self._on_close: list = []  # (weak reference to an owner, fn(owner)) for `on_close`
 
