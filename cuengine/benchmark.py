@@ -128,7 +128,8 @@ def stream_timeline(kernels, top: int = 8) -> dict:
     {"span_us", "busy_us" {stream: union of its kernels' time}, "compute_us" (union of compute
     kernels' time), "idle_us" (span - compute_us), "nccl_us" (union of NCCL kernels' time),
     "nccl_hidden_us" (NCCL time during compute kernels), "nccl_by_name" {kernel name: summed time},
-    "gaps" [(idle_us, kernel before, kernel after)] the `top` longest compute gaps}."""
+    "gaps" [(idle_us, kernel before, kernel after, NCCL time within)] the `top` longest compute
+    gaps (a gap with no NCCL kernel in it waited on the host or on a dependency)}."""
     if not kernels:
         raise ValueError("stream_timeline: no kernels recorded")
 
@@ -161,10 +162,14 @@ def stream_timeline(kernels, top: int = 8) -> dict:
     for a, b in nccl_busy:
         for c, d in compute_busy:
             hidden += max(0.0, min(b, d) - max(a, c))
+
+    def nccl_within(a, b):
+        return sum(max(0.0, min(b, d) - max(a, c)) for c, d in nccl_busy)
+
     gaps, end, before = [], None, None
     for name, _, t, d in compute:
         if end is not None and t > end:
-            gaps.append((t - end, before, name))
+            gaps.append((t - end, before, name, nccl_within(end, t)))
         if end is None or t + d >= end:
             end, before = t + d, name
     gaps.sort(key=lambda g: -g[0])

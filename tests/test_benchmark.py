@@ -72,12 +72,15 @@ def test_stream_timeline_finds_the_exposed_waits():
     t = stream_timeline(kernels)
     assert t["span_us"] == 120.0 and t["busy_us"] == {7: 90.0, 9: 65.0}
     assert t["idle_us"] == 30.0 and t["nccl_us"] == 60.0 and t["nccl_hidden_us"] == 30.0
-    assert t["gaps"] == [(30.0, "gemm", "norm")] and t["compute_us"] == 90.0
+    assert t["gaps"] == [(30.0, "gemm", "norm", 30.0)] and t["compute_us"] == 90.0
     assert t["nccl_by_name"] == {"ncclDevKernel_ReduceScatter": 60.0}
     # a replayed graph reports its branches on stream ids of its own (NCCL nodes maybe on the main
     # one): compute is every non-NCCL kernel, whatever its id
     moved = [(n, 7 if "nccl" in n else (3 if n == "norm" else s), a, d) for n, s, a, d in kernels]
     t = stream_timeline(moved)
-    assert t["idle_us"] == 30.0 and t["compute_us"] == 90.0 and t["gaps"] == [(30.0, "gemm", "norm")]
+    assert t["idle_us"] == 30.0 and t["compute_us"] == 90.0 and t["gaps"] == [(30.0, "gemm", "norm", 30.0)]
+    # a hole with no collective in it: the host (or a dependency) kept the GPU waiting
+    t = stream_timeline(kernels + [("gemm", 7, 130.0, 10.0)])
+    assert t["gaps"] == [(30.0, "gemm", "norm", 30.0), (10.0, "adamw", "gemm", 0.0)]
     with pytest.raises(ValueError, match="no kernels"):
         stream_timeline([])

@@ -93,8 +93,8 @@ def main(argv=None) -> int:
               f"of which {t['nccl_hidden_us'] / n / 1e3:.2f} ms beside compute kernels")  # fmt: skip
         for name, us in sorted(t["nccl_by_name"].items(), key=lambda kv: -kv[1]):
             print(f"    {us / n / 1e3:7.3f} ms  {name[:90]}")
-        for us, before, after in t["gaps"]:
-            print(f"    idle {us:8.1f} us  after {before[:60]}  before {after[:60]}")
+        for us, before, after, nccl in t["gaps"]:
+            print(f"    idle {us:8.1f} us (NCCL running {nccl:7.1f})  after {before[:50]}  before {after[:50]}")
     return 0
 
 
