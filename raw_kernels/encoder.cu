@@ -1,6 +1,8 @@
 // Token embedding (the encoder): a row gather forward, a deterministic scatter-add backward.
 //
 //   forward:  out[n, :] = wte[tokens[n], :]                          (=; an id outside [0, V) gives a zero row)
+//             with elements of wte outside the flat range [lo, hi) read as zero: one rank's rows of a
+//             ZeRO-sharded embedding (lo, hi multiples of the 16-byte vector; 0, V * C for the whole table)
 //   backward: dwte[v, :] += sum of dout[n, :] over n with tokens[n] == v    (+=, a parameter gradient)
 //
 // The backward gives the same bits on every run and is graph-capturable (no host sync, no allocation):
@@ -41,7 +43,8 @@ static_assert(SUM_THREADS / 32 == PARTIALS * (SUM_VECS / 32), "long runs: a warp
 // Grid-stride over (position n, vector cv) pairs; the pair is advanced by the stride's quotient and
 // remainder with one carry, so there is no 64-bit division per 16-byte vector.
 template <typename T>
-__device__ void encoder_forward_impl(T* out, const int* tokens, const T* wte, long long N, int C, int V) {
+__device__ void encoder_forward_impl(T* out, const int* tokens, const T* wte, long long N, int C, int V,
+                                     long long lo, long long hi) {
     constexpr int VN = Pack16<T>::N;
     const int vecs = C / VN;
     if (vecs == 0) return;
@@ -54,9 +57,10 @@ __device__ void encoder_forward_impl(T* out, const int* tokens, const T* wte, lo
     while (n < N) {
         const int c = cv * VN;
         const int t = tokens[n];
+        const long long e = (long long)t * C + c;
         Pack16<T> v;
-        if (t >= 0 && t < V) {
-            v = Pack16<T>::load(wte + (size_t)t * C + c);
+        if (t >= 0 && t < V && e >= lo && e < hi) {
+            v = Pack16<T>::load(wte + e);
         } else {
             for (int k = 0; k < VN; ++k) v.v[k] = from_float<T>(0.f);
         }
@@ -283,8 +287,8 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* s
 
 #define ENCODER_FORWARD(SUF, T)                                                                         \
     extern "C" __global__ void encoder_forward_##SUF(T* out, const int* tokens, const T* wte, long long N, \
-                                                     int C, int V) {                                    \
-        encoder_forward_impl<T>(out, tokens, wte, N, C, V);                                            \
+                                                     int C, int V, long long lo, long long hi) {        \
+        encoder_forward_impl<T>(out, tokens, wte, N, C, V, lo, hi);                                    \
     }
 ENCODER_FORWARD(f32, float)
 ENCODER_FORWARD(bf16, bf16)

@@ -66,11 +66,11 @@ def environment() -> dict:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS")
     env = {k: os.environ.get(k) for k in keys}
     env["comm"] = (comm.rank, comm.world_size, comm.local_rank, comm.backend)
-    # the communication stream's priority beside the main stream's and the device's most urgent
-    from cuda.bindings import driver
+    if comm.device.is_cuda:  # the communication stream's priority beside the main stream's and the most urgent
+        from cuda.bindings import driver
 
-    env["priorities"] = (comm.stream.raw.priority, comm.device.stream.raw.priority,
-                         driver.cuCtxGetStreamPriorityRange()[2])  # fmt: skip
+        env["priorities"] = (comm.stream.raw.priority, comm.device.stream.raw.priority,
+                             driver.cuCtxGetStreamPriorityRange()[2])  # fmt: skip
     comm.close()
     return env
 
@@ -156,7 +156,10 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
     order = ["head"] + [f"layers.{i}" for i in reversed(range(len(dp.plan.buckets) - 2))] + ["embedding"]
     losses = ce.Tensor.empty("fp32", (6,), comm.device)
     d_loss = ce.Tensor.empty("fp32", (1,), comm.device)
-    sums, counts, loss_weights = [], [], []
+    sums, counts, loss_weights, exact = [], [], [], []
+    V, C = weights["wte"].shape
+    edge = dp.plan.bucket("embedding").shard // C  # the row rank 0's shard ends in (or the first of rank 1's)
+    tokens, encoded = ce.Tensor.empty("int32", (1, 6), comm.device), ce.Tensor.empty("fp32", (1, 6, C), comm.device)
     for step in range(steps):
         g = rank_grads(specs, comm.rank, step)
         d_loss.copy_from_numpy(np.array([dp.count_bits(comm.rank + 1 + step)]))  # this rank's valid targets
@@ -174,11 +177,18 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
         loss_weights.append(d_loss.numpy()[0])
         opt.set_hparams(1e-2, 0.9, 0.95, 1e-8, 0.1, step + 1)
         dp.global_norm(opt, 1.0)
-        dp.update(weights, buckets, opt, seed=42)
-        dp.start_gather(buckets)  # what the model's next forward does, bucket by bucket
+        dp.update(weights, opt, seed=42)
+        if stage > 0:  # what the model's next forward does: the encoder's lookup from the shards, then the gathers
+            tokens.copy_from_numpy(
+                np.array([[0, V - 1, edge, edge - 1, edge + 1, (step * 7 + comm.rank) % V]], np.int32)
+            )
+            dp.encode(encoded, tokens, weights["wte"])
+        dp.start_gather(buckets)
         comm.join()
+        if stage > 0:  # the lookup's bits are the gathered table's
+            exact.append(bool(np.array_equal(encoded.numpy(), weights["wte"].numpy()[tokens.numpy()])))
     out = {n: t.numpy() for n, t in weights.items()}
-    out["loss_sums"], out["counts"], out["loss_weights"] = sums, counts, loss_weights
+    out["loss_sums"], out["counts"], out["loss_weights"], out["encode_exact"] = sums, counts, loss_weights, exact
     out["norm"] = opt.norm_result.numpy()
     if stage > 0:
         out["moments"] = dp.gather_moments()
@@ -311,7 +321,8 @@ def gather_order(stage: int) -> dict:
         refused = str(err)
     model.sync_weights()
     out = {"log": step_log, "due": due, "refused": refused, "due_after_sync": model._gather_due,
-           "weights": {n: t.numpy() for n, t in model.parameters().items()}, "L": cfg.num_layers}  # fmt: skip
+           "weights": {n: t.numpy() for n, t in model.parameters().items()}, "L": cfg.num_layers, "T": x.shape[1],
+           "embedding_size": model._plan.bucket("embedding").size}  # fmt: skip
     comm.close()
     return out
 
@@ -405,24 +416,22 @@ def update_launches(stage: int) -> dict:
     wrap(norm, "global_norm_squared", lambda *a, **k: ("norm_piece",))
     wrap(comm, "all_gather", lambda out, inp, stream=None: ("gather", out.nelem, stream is comm.stream))
     names[id(dp._norm_table)] = "pieces"
-    for k, (t, _) in enumerate(dp._tables):
-        names[id(t)] = f"group {k}"
+    names[id(dp._table)] = "shard"
     model.train_step(x[rows], y[rows], lr=1e-2)
 
     def key(t):
         return t.ptr, t.nelem, t.dtype.name
 
     want, got = [], []
-    for (pieces, _), (table, _) in zip(dp.update_groups, dp._tables):
-        for p in pieces:
+    if dp._table is not None:
+        for p in dp._pieces:
             i = dp._index[p.name]
             m, v = (s.rows(p.shard_offset, p.shard_offset + p.numel) for s in (dp.m, dp.v))
             want.append((key(model.weights[p.name].flat().rows(p.lo, p.hi)), key(dp._grad_piece(p)), key(m), key(v),
                          p.decays, (model.opts.seed + 7919 * i) & 0x7FFFFFFF, p.lo))  # fmt: skip
         got += [(key(p), key(g), key(m), key(v), bool(wd), int(seed), int(off))
-                for p, g, m, v, wd, seed, off in table.entries]  # fmt: skip
+                for p, g, m, v, wd, seed, off in dp._table.entries]  # fmt: skip
     out = {"log": log, "sizes": {b.name: b.size for b in dp.plan.buckets},
-           "groups": [([p.name for p in pieces], b and b.name) for pieces, b in dp.update_groups],
            "pieces": [p.name for p in dp._pieces], "entries_match": got == want, "entries": len(got),
            "norm_grads": [key(e[1]) for e in dp._norm_table.entries] == [key(dp._grad_piece(p)) for p in dp._pieces],
            }  # fmt: skip

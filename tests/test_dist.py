@@ -663,6 +663,8 @@ def test_data_parallel_stages_agree_with_one_process(world):
             assert [w.view(np.uint32) for w in res["loss_weights"]] == [
                 np.float32(1 / c).view(np.uint32) for c in counts
             ]
+            # ZeRO: the encoder's lookup from the shards (the gather still due) is the gathered table's rows
+            assert res["encode_exact"] == ([True] * steps if stage else []), (stage, r)
     assert_close(base["norm"], ref_opt.norm_result.numpy(), "fp32", what="norm")
     # the gathered shard moments are the one-process moments
     for stage in (1, 2):
@@ -753,11 +755,12 @@ def test_fake_runs_communication_stream_collectives_only_when_waited_for(clean_e
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_the_update_leaves_the_layers_gathers_to_the_next_forward(clean_env, stage):
-    """ZeRO >= 1: the update gathers only the embedding; the next forward issues the layers' and the
-    head's gathers on the communication stream before its first block and waits for layer i's just
-    before block i (not for all of them at its start). Until then `parameters()` refuses, and
-    `sync_weights()` makes the weights whole (the same on both ranks)."""
+def test_the_update_leaves_every_gather_to_the_next_forward(clean_env, stage):
+    """ZeRO >= 1: the update gathers nothing; the next forward gathers every rank's tokens for its
+    encoder lookup, then issues the layers', the head's and the embedding's gathers on the
+    communication stream before its first block, and waits for layer i's just before block i (not
+    for all of them at its start) and for the embedding's after the head's. Until then
+    `parameters()` refuses, and `sync_weights()` makes the weights whole (the same on both ranks)."""
     res = dist.launch(dist_worker.gather_order, 2, stage, backend="fake", timeout=120)
     for r in res[1:]:
         for n, a in res[0]["weights"].items():
@@ -768,15 +771,17 @@ def test_the_update_leaves_the_layers_gathers_to_the_next_forward(clean_env, sta
     if stage == 0:
         assert not gathers and not got["due"] and got["refused"] is None
         return
-    # the first update's layers and head, gathered by this forward; then this update's embedding
-    assert [e[0] for _, e in gathers] == ["forward"] * (L + 1) + ["_adamw"], log
+    # the tokens (2 ranks x 1 row x T), then the first update's layers, head and embedding, all in the forward
+    sizes = [e[2] for _, e in gathers]
+    assert [e[0] for _, e in gathers] == ["forward"] * (L + 3), log
+    assert sizes[0] == 2 * got["T"] and sizes[-1] == got["embedding_size"], log
     assert got["due"] and "sync_weights" in got["refused"] and not got["due_after_sync"]
     blocks = {e[2]: i for i, e in enumerate(log) if e[1] == "block" and e[0] == "forward"}
     waits = {e[2]: i for i, e in enumerate(log) if e[1] == "wait"}
     assert max(i for i, e in gathers if e[0] == "forward") < blocks[0]
     for i in range(L):
         assert (blocks[i - 1] if i else 0) < waits[f"layers.{i}"] < blocks[i], log
-    assert waits["head"] > blocks[L - 1]
+    assert waits["embedding"] > waits["head"] > blocks[L - 1]
 
 
 def test_trainer_agrees_on_a_stop_without_a_host_wait_per_step(clean_env, tmp_path):
@@ -969,11 +974,10 @@ def test_cli_train_on_two_ranks_matches_one_process_and_resumes(clean_env, tmp_p
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_norm_and_update_are_multi_tensor_launches_with_the_embedding_gather_between(clean_env, stage):
+def test_norm_and_update_are_one_multi_tensor_launch_each(clean_env, stage):
     """The norm is one multi-tensor launch over this rank's pieces (no launch per piece) at every
-    stage. Stages 1 and 2: the update is two AdamW launches, the embedding's pieces then all the
-    rest, with the embedding's all-gather between them on the communication stream (so it overlaps
-    the second); each table entry is the piece as `adamw_update` takes it alone (its parameter's
+    stage. Stages 1 and 2: the update is one AdamW launch over them and gathers nothing (the next
+    forward does); each table entry is the piece as `adamw_update` takes it alone (its parameter's
     seed and draw offset), which is what makes the update bitwise the per-piece one."""
     res = dist.launch(dist_worker.update_launches, 2, stage, backend="fake", timeout=120)
     for got in res:
@@ -984,8 +988,5 @@ def test_norm_and_update_are_multi_tensor_launches_with_the_embedding_gather_bet
         if stage == 0:
             assert update == [("adamw_multi", "opt_state")], log
             continue
-        assert update == [("adamw_multi", "group 0"), ("gather", got["sizes"]["embedding"], True),
-                          ("adamw_multi", "group 1")], log  # fmt: skip
-        assert [b for _, b in got["groups"]] == ["embedding", None]
-        assert got["groups"][0][0] == ["wte"] and got["groups"][0][0] + got["groups"][1][0] == got["pieces"]
-        assert got["entries_match"] and got["entries"] == len(got["pieces"])
+        assert update == [("adamw_multi", "shard")], log
+        assert got["pieces"][0] == "wte" and got["entries_match"] and got["entries"] == len(got["pieces"])

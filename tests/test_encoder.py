@@ -39,6 +39,19 @@ def test_forward_twin_is_a_gather():
         np.testing.assert_array_equal(out[0, i], wte[tok])
 
 
+def test_forward_twin_owned_ranges_sum_to_the_whole_lookup():
+    """Ranks owning [0, lo) and [lo, V*C) of the flat table (lo inside a row): each lookup keeps only
+    its own elements, and the two add up to the whole one (what a ZeRO forward's reduce-scatter does)."""
+    tokens, _, wte = make(53, 300, 16)
+    lo = 41 * 16 + 8  # row 41 is split between the ranks
+    tokens[0, :3] = 41
+    first, second = (encoder_forward_np(tokens, wte, owned) for owned in ((0, lo), (lo, 300 * 16)))
+    np.testing.assert_array_equal(first + second, encoder_forward_np(tokens, wte))
+    np.testing.assert_array_equal(first[0, 0], np.r_[wte[41, :8], np.zeros(8, np.float32)])
+    np.testing.assert_array_equal(second[0, 0], np.r_[np.zeros(8, np.float32), wte[41, 8:]])
+    assert (first[0, tokens[0] >= 42] == 0).all() and (second[0, tokens[0] < 41] == 0).all()
+
+
 @pytest.mark.parametrize("dwte_dtype", ["fp32", "bf16"])
 def test_backward_twin_matches_float64(dwte_dtype):
     tokens, dout, dwte = make(199, 300, 16, dwte_dtype=dwte_dtype)
@@ -77,6 +90,10 @@ def test_forward(dev, dtype):
     t = tensors(dev, tokens=tokens, wte=wte, out=np.full((2, 37, 64), 7, ce.dtype(dtype).np))
     encoder_forward(t["out"], t["tokens"], t["wte"])
     np.testing.assert_array_equal(t["out"].numpy(), encoder_forward_np(tokens, wte))
+    owned = (150 * 64 + 32, 250 * 64)  # a row split at a 16-byte boundary: its upper half is owned
+    encoder_forward(t["out"], t["tokens"], t["wte"], owned=owned)
+    np.testing.assert_array_equal(t["out"].numpy(), encoder_forward_np(tokens, wte, owned))
+    assert 0 < np.count_nonzero(t["out"].numpy()) < t["out"].nelem
 
 
 @pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
@@ -131,6 +148,9 @@ I32, BF = np.int32, ce.BF16.np
         (lambda: encoder_forward(_t((2, 3, 8), BF), _t((2, 3), I32), _t((10, 8))), "out: expected dtype fp32"),
         (lambda: encoder_forward(_t((2, 3, 6)), _t((2, 3), I32), _t((10, 6))), "C = 6 must be a multiple of 4"),
         (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t(80)), r"wte: expected shape \(\*, \*\)"),
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t((10, 8)), owned=(2, 40)), "owned must be"),
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t((10, 8)), owned=(40, 84)), "owned must be"),
+        (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t((10, 8)), owned=(40, 36)), "owned must be"),
         (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(7, I32)), "scratch: expected shape"),
         (
             lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(530)),

@@ -27,18 +27,24 @@ which one small all-reduce adds up in rank order; all three stages compute it th
 The norm and (stages 1 and 2) the shard's AdamW run as multi-tensor launches over a table of the
 pieces (`adamw.MultiTensorTable`, each piece with its parameter's seed and `index_offsets` = its
 first element), bitwise the launch per piece they replace: at 0.5B on two ranks rank 0 owns 146
-pieces, 73 of them norm weights and biases of one block each, so 292 launches a step become 3 + 2.
+pieces, 73 of them norm weights and biases of one block each, so 292 launches a step become 2 + 1.
 Losses are all-gathered (not summed) so that the host adds the same per-token values in the same
 order as one process with the whole batch would.
 
-The all-gather of the updated weights (stages 1 and 2) is split in two, so that no step waits for
-it. `update` gathers the embedding bucket right after its AdamW (the first of its two AdamW
-launches, so the gather overlaps the second, over every layer and the head) and joins it. The
-layers and the head are left *due*:
-the next forward issues their gathers at its start (`start_gather`, on the communication stream,
-one event per bucket) and waits for layer l's (`wait_gathered`) just before layer l reads its
-weights, so the gathers run beside the forward of the layers before (only layer 0's is exposed).
-Both live in the same captured graph as the work they overlap: a CUDA graph must join every
+The all-gather of the updated weights (stages 1 and 2) is left *due* by `update`, so that no step
+waits for it: the next forward issues every bucket's gather at its start (`start_gather`, on the
+communication stream, one event per bucket: the layers in order, the head, then the embedding)
+and waits for layer l's (`wait_gathered`) just before layer l reads its weights, so the gathers
+run beside the forward of the layers before (only layer 0's is exposed), and the embedding's,
+the largest, beside the whole forward: its first reader after the encoder is the LM head.
+The encoder itself reads the embedding before any gather could finish, so that forward looks up
+its rows from the shards instead (`encode`): the ranks all-gather their tokens (B*T int32), each
+looks up every rank's tokens in the part of the table it owns, zeros elsewhere, and a
+reduce-scatter adds the lookups up and hands each rank its own rows (2 * B*T*C elements move,
+where the embedding's gather moves V*C; x + 0 is exact, so the rows are the table's bits). When
+the embedding was gathered in the update instead, its gather finished 1.4 ms (0.5B) after the
+update's last AdamW kernel, with nothing else to run beside it.
+Gathers live in the same captured graph as the work they overlap: a CUDA graph must join every
 stream it forked, so a gather issued in the update's graph could not be waited for in the
 forward's. The model keeps the host flag saying a gather is due (`LlamaModel.sync_weights`).
 The gather moves bytes only: the weights every rank then holds are those of today's order.
@@ -50,7 +56,7 @@ import numpy as np
 
 from ..dtypes import BYTE, FP32, INT32
 from ..dtypes import dtype as _dtype
-from ..kernels import adamw, loss_weight, norm
+from ..kernels import adamw, encoder, loss_weight, norm
 from .plan import ShardPlan
 
 STAGES = (0, 1, 2)
@@ -116,22 +122,29 @@ class DataParallel:
             self._count = alloc.allocate(INT32, "count.all_ranks", (1,))
             self._count_host = alloc.allocate(INT32, "count.all_ranks_host", (1,), kind="pinned")
         self._layer_free = [self.device.event() for _ in range(2)]  # stage 2: a layer buffer drained
-        # the buckets whose updated weights the next forward gathers (`start_gather`), each with the
-        # event of its gather; the embedding's is gathered inside `update`
-        self.late = [b for b in plan.buckets if b.name != "embedding"] if stage else []
+        # the buckets whose updated weights the next forward gathers (`start_gather`), in the order it
+        # issues them, each with the event of its gather
+        embedding = plan.bucket("embedding")
+        self.late = [b for b in plan.buckets if b is not embedding] + [embedding] if stage else []
         self._gathered = {b.name: self.device.event() for b in self.late}
+        if stage:  # `encode`: the shard's part of the table, and every rank's tokens and lookups
+            (wte,) = [p for p in embedding.params if p.name == "wte"]
+            lo, hi = embedding.owned(self.rank)
+            self._owned = (min(max(lo - wte.offset, 0), wte.numel), min(max(hi - wte.offset, 0), wte.numel))
+            with alloc.context("Activations"):
+                n = comm.world_size * tokens
+                self._tokens_all = alloc.allocate(INT32, "tokens.all_ranks", (n,))
+                self._lookups = alloc.allocate(dt, "encoded.all_ranks", (n, wte.shape[1]))
+            self._tokens_event, self._encoded_event = self.device.event(), self.device.event()
         # the multi-tensor tables over this rank's pieces: the norm's (built now) and, stages 1 and 2,
-        # one per AdamW launch of `update` (`update_groups`; built by its first call, see `_adamw_tables`)
-        self.update_groups = self._update_groups() if stage else []
+        # the AdamW launch's of `update` (built by its first call, see `_adamw_table`)
         with alloc.context("Optimizer"):
             sizes = [p.numel for p in self._pieces]
             self._norm_sums = alloc.allocate(FP32, "norm_sums.shard", adamw.multi_norm_sums_shape(sizes))
             table = alloc.allocate(BYTE, "norm_table.shard", adamw.multi_tensor_table_shape(sizes))
             self._norm_table = self._piece_table(table, self._pieces)
-            self._group_bytes = [alloc.allocate(BYTE, f"adamw_table.shard.{k}",
-                                                adamw.multi_tensor_table_shape([p.numel for p in pieces]))
-                                 for k, (pieces, _) in enumerate(self.update_groups)]  # fmt: skip
-        self._tables, self._tables_key = [], None
+            self._table_bytes = alloc.allocate(BYTE, "adamw_table.shard", adamw.multi_tensor_table_shape(sizes))
+        self._table, self._table_key = None, None
         self._micro, self._accum, self._drained, self._forked = 0, 1, set(), False
         self.count = 0
         self.zero()
@@ -246,20 +259,6 @@ class DataParallel:
             return self.grad_shard.rows(p.shard_offset, p.shard_offset + p.numel)
         return self.grads[p.name].flat().rows(p.lo, p.hi)
 
-    def _update_groups(self) -> list:
-        """[(pieces, bucket or None)]: the AdamW launches of `update`, in plan order, each over the
-        pieces of the buckets since the last one, then the all-gather of `bucket` (one not `late`:
-        the embedding) so that it overlaps the launches after it."""
-        groups, pieces = [], []
-        for b in self.plan.buckets:
-            pieces = pieces + self.plan.pieces(self.rank, b.name)
-            if b.name not in self._gathered:
-                groups.append((pieces, b))
-                pieces = []
-        if pieces:
-            groups.append((pieces, None))
-        return groups
-
     def _piece_table(self, table_bytes, pieces, weights=None, seed: int = 0):
         """The `adamw.MultiTensorTable` of `pieces` (None for none) in `table_bytes`: their gradients
         alone (the norm's), or with `weights` each piece as `adamw_update` would take it alone, with
@@ -275,15 +274,14 @@ class DataParallel:
                                       [(seed + 7919 * self._index[p.name]) & 0x7FFFFFFF for p in pieces],
                                       [p.lo for p in pieces])  # fmt: skip
 
-    def _adamw_tables(self, weights: dict, seed: int) -> list:
-        """[(table or None, bucket or None)] per `update_groups` entry, built when `weights` (their
+    def _adamw_table(self, weights: dict, seed: int):
+        """The AdamW table of this rank's pieces (None for none), built when `weights` (their
         addresses) or `seed` differ from the last call's, so a table never points at moved memory."""
-        key = (seed, tuple(weights[p.name].ptr for pieces, _ in self.update_groups for p in pieces))
-        if key != self._tables_key:
-            self._tables = [(self._piece_table(t, pieces, weights, seed), b)
-                            for t, (pieces, b) in zip(self._group_bytes, self.update_groups)]  # fmt: skip
-            self._tables_key = key
-        return self._tables
+        key = (seed, tuple(weights[p.name].ptr for p in self._pieces))
+        if key != self._table_key:
+            self._table = self._piece_table(self._table_bytes, self._pieces, weights, seed)
+            self._table_key = key
+        return self._table
 
     def global_norm(self, opt_state, max_norm: float) -> None:
         """opt_state.norm_result = [‖g‖, clip scale] of the whole (summed) gradient, the same on
@@ -297,42 +295,52 @@ class DataParallel:
         self.comm.all_reduce(partials)
         norm.global_norm_finish(opt_state.norm_result, partials, float(max_norm))
 
-    def update(self, weights: dict, weight_buckets: dict, opt_state, seed: int) -> None:
-        """AdamW (after `global_norm`) and, with stage >= 1, the all-gather of the embedding.
+    def update(self, weights: dict, opt_state, seed: int) -> None:
+        """AdamW (after `global_norm`).
 
         Stage 0 updates every parameter with `opt_state`'s full moments, as one process would.
         Stages 1 and 2 update this rank's pieces with the shard moments; a piece keeps the seed
         of its parameter and its element indices, so bf16 rounds stochastically as in stage 0.
-        They do it in two multi-tensor launches (`update_groups`; the first call builds their
-        tables, so make it outside a graph capture, as LlamaModel's warm-up step does).
-        `weight_buckets` maps each bucket name to its flat weight buffer (the plan's layout),
-        which the all-gathers fill in place: the embedding's here, overlapping the AdamW of the
-        other buckets; those of `late` (layers, head) are left to `start_gather`, which the caller
-        must run before anything reads them."""
+        They do it in one multi-tensor launch (the first call builds its table, so make it
+        outside a graph capture, as LlamaModel's warm-up step does). The all-gathers of the
+        updated weights are left to `start_gather`, which the caller must run before anything
+        but `encode` reads them."""
         if self.stage == 0:
             opt_state.update(weights, self.grads, seed)
             return
-        scale = opt_state.norm_result.rows(1, 2)
-        comm, forked = self.comm, False
-        for table, b in self._adamw_tables(weights, seed):
-            if table is not None:
-                adamw.adamw_update_multi(table, opt_state.hparams, scale)
-            if b is not None:
-                comm.wait_for()
-                self._gather(b, weight_buckets)
-                forked = True
-        if forked:
-            comm.join()
+        table = self._adamw_table(weights, seed)
+        if table is not None:
+            adamw.adamw_update_multi(table, opt_state.hparams, opt_state.norm_result.rows(1, 2))
+
+    def encode(self, encoded, inputs, wte) -> None:
+        """encoded (B, T, C) = wte[inputs] (B, T) while wte's all-gather is due: each rank holds its
+        own shard of the updated table, stale rows elsewhere. Every rank's tokens are all-gathered,
+        looked up in the part of the table this rank owns (zeros elsewhere), and a reduce-scatter
+        adds the lookups up, handing each rank its own rows: exactly the updated table's (x + 0).
+        The main stream waits for the result; call it before `start_gather`, so that these small
+        collectives go first."""
+        comm = self.comm
+        comm.wait_for()
+        comm.all_gather(self._tokens_all, inputs.reshape(-1), stream=comm.stream)
+        comm.record(self._tokens_event)
+        comm.wait(self._tokens_event)
+        encoder.encoder_forward(self._lookups, self._tokens_all, wte, owned=self._owned)
+        comm.wait_for()
+        comm.reduce_scatter(encoded.reshape(-1), self._lookups.reshape(-1), stream=comm.stream)
+        comm.record(self._encoded_event)
+        comm.wait(self._encoded_event)
 
     def _gather(self, b, weight_buckets) -> None:
         buf = weight_buckets[b.name]
         self.comm.all_gather(buf, buf.rows(self.rank * b.shard, (self.rank + 1) * b.shard), stream=self.comm.stream)
 
     def start_gather(self, weight_buckets: dict) -> None:
-        """Enqueue the all-gather of every `late` bucket (layers in order, then the head) on the
-        communication stream, after the main stream's work so far (the update), each followed by
-        its event; `wait_gathered(name)` orders the main stream after one of them. The caller
-        joins the communication stream (`comm.join()`) before its graph or step ends."""
+        """Enqueue the all-gather of every `late` bucket (layers in order, the head, then the
+        embedding) on the communication stream, after the main stream's work so far (the update),
+        each followed by its event; `wait_gathered(name)` orders the main stream after one of
+        them. `weight_buckets` maps each bucket name to its flat weight buffer (the plan's
+        layout), which the gathers fill in place. The caller joins the communication stream
+        (`comm.join()`) before its graph or step ends."""
         self.comm.wait_for()
         for b in self.late:
             self._gather(b, weight_buckets)

@@ -27,8 +27,9 @@ _SUM_VECS = 128  # 16-byte vectors of channels per sum block (SUM_VECS)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
-def encoder_forward_np(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
-    """out[..., :] = wte[tokens[...], :]; ids outside [0, V) give zero rows.
+def encoder_forward_np(tokens: np.ndarray, wte: np.ndarray, owned: tuple[int, int] | None = None) -> np.ndarray:
+    """out[..., :] = wte[tokens[...], :]; ids outside [0, V) give zero rows, and with `owned` =
+    (lo, hi) every element of wte outside the flat range [lo, hi) reads as zero.
 
     tokens: (...,) integer ids; wte: (V, C). Returns (..., C) in wte's dtype.
     """
@@ -37,6 +38,9 @@ def encoder_forward_np(tokens: np.ndarray, wte: np.ndarray) -> np.ndarray:
     valid = (tok >= 0) & (tok < V)
     out = wte[np.where(valid, tok, 0)]
     out[~valid] = 0
+    if owned is not None:
+        flat = tok[..., None] * C + np.arange(C)
+        out[(flat < owned[0]) | (flat >= owned[1])] = 0
     return out
 
 
@@ -94,13 +98,16 @@ def encoder_scratch_shape(B: int, T: int, C: int | None = None) -> tuple[int]:
 
 
 # ---- launchers ----------------------------------------------------------------------------
-def encoder_forward(out, tokens, wte, stream=None) -> None:
+def encoder_forward(out, tokens, wte, stream=None, owned: tuple[int, int] | None = None) -> None:
     """Embedding lookup: out[b, t, :] = wte[tokens[b, t], :].
 
     Args:
         out: (B, T, C) (any leading dims matching tokens), same dtype as wte; written (=).
         tokens: (B, T) int32 ids. Ids outside [0, V) give zero rows (the model validates ids first).
         wte: (V, C) fp32, bf16 or fp16; C a multiple of 16 bytes' worth of elements.
+        owned: (lo, hi), or None for all of wte: elements of wte outside the flat range [lo, hi)
+            read as zero (a rank's shard of a ZeRO embedding; summing every rank's lookup then gives
+            the whole one). lo and hi are multiples of 16 bytes' worth of elements.
     NumPy equivalent: `out = wte[tokens]`.
     """
     expect(wte, "encoder_forward wte", FLOATS, (None, None))
@@ -109,15 +116,20 @@ def encoder_forward(out, tokens, wte, stream=None) -> None:
     expect(out, "encoder_forward out", wte.dtype, tokens.shape + (C,))
     dev = same_device(out, tokens, wte)
     check_vector_width("encoder_forward", "C", C, wte.dtype)
+    lo, hi = (0, V * C) if owned is None else (int(owned[0]), int(owned[1]))
+    vec = 16 // wte.dtype.itemsize
+    if not 0 <= lo <= hi <= V * C or lo % vec or hi % vec:
+        raise ValueError(f"encoder_forward: owned must be (lo, hi) with 0 <= lo <= hi <= {V * C} (V * C), "
+                         f"both multiples of {vec} elements, got {owned!r}")  # fmt: skip
     if dev.is_cpu:
-        out.array()[...] = encoder_forward_np(tokens.array(), wte.array())
+        out.array()[...] = encoder_forward_np(tokens.array(), wte.array(), owned)
         return
     N = tokens.nelem
     if N == 0:
         return
     check_aligned("encoder_forward", out, wte)
-    blocks = grid_size(dev, N * C // (16 // wte.dtype.itemsize), 256)
-    args = (out, tokens, wte, np.int64(N), np.int32(C), np.int32(V))
+    blocks = grid_size(dev, N * C // vec, 256)
+    args = (out, tokens, wte, np.int64(N), np.int32(C), np.int32(V), np.int64(lo), np.int64(hi))
     launch(FAMILY, kernel_name("encoder_forward", wte), blocks, 256, args, dev, stream)
 
 

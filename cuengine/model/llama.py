@@ -246,9 +246,11 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         rs, cfg, W = self.rs, self.cfg, self.weights
         L, eps = cfg.num_layers, cfg.rms_norm_eps
         res = rs.residuals
-        if gather:
+        if gather:  # the encoder reads the embedding's shards: its gather runs beside the whole forward
+            self._dp.encode(rs.encoded, rs.inputs, W["wte"])
             self._dp.start_gather(self._weight_buckets)
-        encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
+        else:
+            encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
         if self.opts.fp8:
             rs.abs_maxes.fill_zero()
         for i in range(L):
@@ -270,6 +272,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                 res.put(i - 1)
         if gather:
             self._gathered("head")
+            self._gathered("embedding")  # (re-quantizing a tied FP8 head before the backward reads it)
             self.comm.join()  # a captured graph rejoins every stream it forked
         last = rs.acts[L - 1]
         rmsnorm.fused_residual_rmsnorm_forward(res.get(L - 1), rs.lnf, rs.lnf_rstd, last.res_att, rs.lnf,
@@ -397,11 +400,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             opt.update(w.tensors, self.grads, self.opts.seed)
             w.requantize()
             return
-        self._dp.update(self.weights.tensors, self._weight_buckets, self.opt_state, self.opts.seed)
-        if self._dp.stage == 0:
+        self._dp.update(self.weights.tensors, self.opt_state, self.opts.seed)
+        if self._dp.stage == 0:  # (stages 1 and 2 re-quantize each bucket after its gather)
             self.weights.requantize()
-        else:  # the embedding's copies (a tied FP8 head); the rest follow their gathers
-            self.weights.requantize(self._fp8_of("embedding"))
 
     # ---- the all-gather of the updated weights (ZeRO >= 1; cuengine.dist.zero) -----------------
     @property
