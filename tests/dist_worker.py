@@ -137,6 +137,7 @@ def init_params(specs) -> dict:
 def dp_steps(preset: str, stage: int, steps: int) -> dict:
     """DataParallel without a model: each step every rank writes its gradients bucket by bucket in
     backward order, then the norm and the update run; returns the weights and the loss sums."""
+    from cuengine.alloc import DeviceMemoryStack
     from cuengine.dist.plan import ShardPlan
     from cuengine.dist.zero import DataParallel, bucket_views, flat_buckets
     from cuengine.model.config import TransformerConfig
@@ -160,6 +161,7 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
     V, C = weights["wte"].shape
     edge = dp.plan.bucket("embedding").shard // C  # the row rank 0's shard ends in (or the first of rank 1's)
     tokens, encoded = ce.Tensor.empty("int32", (1, 6), comm.device), ce.Tensor.empty("fp32", (1, 6, C), comm.device)
+    stack = DeviceMemoryStack(ce.Tensor.empty(*dp.lookups, comm.device)) if stage else None  # exactly the lookups
     for step in range(steps):
         g = rank_grads(specs, comm.rank, step)
         d_loss.copy_from_numpy(np.array([dp.count_bits(comm.rank + 1 + step)]))  # this rank's valid targets
@@ -182,7 +184,7 @@ def dp_steps(preset: str, stage: int, steps: int) -> dict:
             tokens.copy_from_numpy(
                 np.array([[0, V - 1, edge, edge - 1, edge + 1, (step * 7 + comm.rank) % V]], np.int32)
             )
-            dp.encode(encoded, tokens, weights["wte"])
+            dp.encode(encoded, tokens, weights["wte"], stack)
         dp.start_gather(buckets)
         comm.join()
         if stage > 0:  # the lookup's bits are the gathered table's

@@ -131,10 +131,10 @@ class DataParallel:
             (wte,) = [p for p in embedding.params if p.name == "wte"]
             lo, hi = embedding.owned(self.rank)
             self._owned = (min(max(lo - wte.offset, 0), wte.numel), min(max(hi - wte.offset, 0), wte.numel))
+            n = comm.world_size * tokens
             with alloc.context("Activations"):
-                n = comm.world_size * tokens
                 self._tokens_all = alloc.allocate(INT32, "tokens.all_ranks", (n,))
-                self._lookups = alloc.allocate(dt, "encoded.all_ranks", (n, wte.shape[1]))
+            self.lookups = (dt, (n, wte.shape[1]))  # (dtype, shape) of the stack temporary `encode` takes
             self._tokens_event, self._encoded_event = self.device.event(), self.device.event()
         # the multi-tensor tables over this rank's pieces: the norm's (built now) and, stages 1 and 2,
         # the AdamW launch's of `update` (built by its first call, see `_adamw_table`)
@@ -312,23 +312,25 @@ class DataParallel:
         if table is not None:
             adamw.adamw_update_multi(table, opt_state.hparams, opt_state.norm_result.rows(1, 2))
 
-    def encode(self, encoded, inputs, wte) -> None:
+    def encode(self, encoded, inputs, wte, stack) -> None:
         """encoded (B, T, C) = wte[inputs] (B, T) while wte's all-gather is due: each rank holds its
         own shard of the updated table, stale rows elsewhere. Every rank's tokens are all-gathered,
         looked up in the part of the table this rank owns (zeros elsewhere), and a reduce-scatter
         adds the lookups up, handing each rank its own rows: exactly the updated table's (x + 0).
-        The main stream waits for the result; call it before `start_gather`, so that these small
-        collectives go first."""
+        The lookups are a temporary of `stack` (`lookups` gives its dtype and shape): the main
+        stream waits for the reduce-scatter before anything after it, so the next temporary there
+        may reuse the bytes. Call it before `start_gather`, so that these small collectives go first."""
         comm = self.comm
         comm.wait_for()
         comm.all_gather(self._tokens_all, inputs.reshape(-1), stream=comm.stream)
         comm.record(self._tokens_event)
         comm.wait(self._tokens_event)
-        encoder.encoder_forward(self._lookups, self._tokens_all, wte, owned=self._owned)
-        comm.wait_for()
-        comm.reduce_scatter(encoded.reshape(-1), self._lookups.reshape(-1), stream=comm.stream)
-        comm.record(self._encoded_event)
-        comm.wait(self._encoded_event)
+        with stack.temporary(*self.lookups, "encode_lookups") as lookups:
+            encoder.encoder_forward(lookups, self._tokens_all, wte, owned=self._owned)
+            comm.wait_for()
+            comm.reduce_scatter(encoded.reshape(-1), lookups.reshape(-1), stream=comm.stream)
+            comm.record(self._encoded_event)
+            comm.wait(self._encoded_event)
 
     def _gather(self, b, weight_buckets) -> None:
         buf = weight_buckets[b.name]

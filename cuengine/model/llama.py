@@ -152,6 +152,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         """Everything in a step that takes stack memory: a block's forward and backward (every
         block allocates alike) and the LM head; with RECORDING kernels, this sizes the stack."""
         rs = self.rs
+        if self._dp is not None and self._dp.stage:  # DataParallel.encode's lookups
+            with rs.stack.temporary(*self._dp.lookups, "encode_lookups"):
+                pass
         blocks.forward(0, rs.encoded)
         blocks.backward(0, rs.encoded)
         blocks.lm_head(1.0, d_head=self._head_grad)
@@ -247,7 +250,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         L, eps = cfg.num_layers, cfg.rms_norm_eps
         res = rs.residuals
         if gather:  # the encoder reads the embedding's shards: its gather runs beside the whole forward
-            self._dp.encode(rs.encoded, rs.inputs, W["wte"])
+            self._dp.encode(rs.encoded, rs.inputs, W["wte"], rs.stack)
             self._dp.start_gather(self._weight_buckets)
         else:
             encoder.encoder_forward(rs.encoded, rs.inputs, W["wte"])  # (B, T, C)
