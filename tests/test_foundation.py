@@ -120,6 +120,10 @@ def test_stream_priority(dev):
     kernels = [n for n in nodes if driver.cuGraphNodeGetType(n)[1] == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
     attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY
     assert [driver.cuGraphKernelNodeGetAttribute(n, attr)[1].priority for n in kernels] == [greatest]
+    # and the graph runs each node at that priority, not at the launch stream's
+    err, flags = driver.cuGraphExecGetFlags(driver.CUgraphExec(graph._exec))
+    use_node_priority = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+    assert err == driver.CUresult.CUDA_SUCCESS and int(flags) & int(use_node_priority)
     graph.launch()
     dev.synchronize()
     np.testing.assert_array_equal(x.numpy(), np.full(1 << 16, 3, np.float32))
