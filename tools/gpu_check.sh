@@ -7,6 +7,8 @@
 #   PYTEST_ARGS="-k rmsnorm" bash tools/gpu_check.sh tests
 #   bash tools/gpu_check.sh pair            # two GPUs: the NCCL tests on both, beside the single-GPU
 #                                           # suite split over GPU 0 and GPU 1 (about half the time)
+#   bash tools/gpu_check.sh dist            # two GPUs: the 2-GPU table (0.5B/1.5B, bf16/FP8, ZeRO-1,
+#                                           # 20 steps; about 2 min) and the 1.5B bf16 stream timeline
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -33,6 +35,13 @@ if [ "$what" = pair ]; then
   for f in "$out"/gpu_nccl.log "$out"/gpu_tests0.log "$out"/gpu_tests1.log; do
     echo "== $f"; grep -E "passed|skipped|failed|FAILED|ERROR|no tests ran" "$f" | tail -15
   done
+  exit "$status"
+fi
+if [ "$what" = dist ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_train.py --preset qwen2.5-0.5b qwen2.5-1.5b --dtype bf16 fp8 \
+    --gpus 2 --zero-stage 1 --no-peer --steps 20 --warmup 3 2>&1 | tee "$out/bench_train_2gpu.log" || status=1
+  timeout ${BENCH_TIMEOUT:-300} python3 tools/profile_dist.py --preset qwen2.5-1.5b --dtype bf16 --gpus 2 2>&1 \
+    | grep -v -e Warning -e _warn_once | tee "$out/profile_dist.log" || status=1
   exit "$status"
 fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
