@@ -8,6 +8,7 @@ placeholders, and a captured graph replays its Python function eagerly.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -131,17 +132,27 @@ class Graph:
 
 
 def _instantiate_with_node_priority(graph: int) -> int:
-    """The cudaGraphExec_t of `graph` (a cudaGraph_t), instantiated so that each kernel node runs at
-    the priority of the stream that captured it (CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY),
-    not at that of the stream the graph is launched into: the collectives of a captured step keep
-    their stream's high priority."""
+    """The cudaGraphExec_t of `graph` (a cudaGraph_t), instantiated with `graph_instantiate_flags()`."""
     from cuda.bindings import driver
 
-    flag = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
-    err, exec_ = driver.cuGraphInstantiate(driver.CUgraph(graph), int(flag))
+    err, exec_ = driver.cuGraphInstantiate(driver.CUgraph(graph), graph_instantiate_flags())
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuGraphInstantiate: {err.name}")
     return int(exec_)
+
+
+def graph_instantiate_flags() -> int:
+    """CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: each kernel node runs at the priority of the
+    stream that captured it, not at that of the stream the graph is launched into, so the
+    collectives of a captured step keep their stream's high priority.
+    CUENGINE_GRAPH_NODE_PRIORITY=0 instantiates without it (every node at the launch stream's
+    priority), to measure what the priority does, as CUENGINE_DEPENDENT_LAUNCH=0 does for
+    programmatic dependent launch."""
+    from cuda.bindings import driver
+
+    if os.environ.get("CUENGINE_GRAPH_NODE_PRIORITY", "1") == "0":
+        return 0
+    return int(driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
 
 
 @functools.cache

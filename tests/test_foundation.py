@@ -129,6 +129,17 @@ def test_stream_priority(dev):
     np.testing.assert_array_equal(x.numpy(), np.full(1 << 16, 3, np.float32))
 
 
+def test_graph_instantiate_flags_follow_the_switch(monkeypatch):
+    """Graphs run each node at its capturing stream's priority (flag 8) unless
+    CUENGINE_GRAPH_NODE_PRIORITY=0 asks for the launch stream's."""
+    from cuengine.device import graph_instantiate_flags
+
+    monkeypatch.delenv("CUENGINE_GRAPH_NODE_PRIORITY", raising=False)
+    assert graph_instantiate_flags() == 8
+    monkeypatch.setenv("CUENGINE_GRAPH_NODE_PRIORITY", "0")
+    assert graph_instantiate_flags() == 0
+
+
 def test_copies_host_device_pinned(dev):
     alloc = ce.TensorAllocator(dev)
     host = alloc.allocate(ce.BF16, "host", (4, 5), kind="pinned")
