@@ -139,6 +139,16 @@ inline void block_atomic_abs_max(float* dst, unsigned bits) {
 """
 
 
+def or_skip(built):
+    """`built` (a library or launcher this module or attention_emulator built), or skip the test
+    when it is None: without g++ there is nothing to emulate the kernels with."""
+    if built is None:
+        import pytest
+
+        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+    return built
+
+
 def build(family, kernels, workdir):
     """Compile raw_kernels/<family>.cu with the stand-ins into workdir; the library, or None without g++."""
     gxx = shutil.which("g++")

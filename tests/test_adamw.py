@@ -429,8 +429,7 @@ def adamw_emu(tmp_path_factory):
         lib = emu.build("adamw", names, work)
     finally:
         emu._COMMON = common
-    if lib is None:
-        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
+    emu.or_skip(lib)
     # norm.cu's per-tensor kernels are the reference: the same emulator over norm.cu
     norm_work = tmp_path_factory.mktemp("norm_emu")
     shutil.copy(_build.kernel_dir() / "norm_squared.cuh", norm_work)

@@ -7,6 +7,7 @@ import attention_emulator as emu
 import numpy as np
 import pytest
 from conftest import TOL, finite_difference, rng
+from kernel_emulator import or_skip
 
 import cuengine as ce
 from cuengine.kernels import attention as A
@@ -483,10 +484,7 @@ EMU_CASES = [  # (B, T, Hq, Hkv, hs, dtype, eager): flash with tails, GQA and th
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    lib = emu.build(tmp_path_factory.mktemp("attention_emu"))
-    if lib is None:
-        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
-    return lib
+    return or_skip(emu.build(tmp_path_factory.mktemp("attention_emu")))
 
 
 @pytest.mark.parametrize("case", EMU_CASES, ids=str)

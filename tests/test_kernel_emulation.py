@@ -15,10 +15,7 @@ from cuengine.kernels import rmsnorm as R
 
 
 def _library(tmp_path_factory, family, kernels):
-    lib = emu.build(family, kernels, tmp_path_factory.mktemp(f"{family}_emu"))
-    if lib is None:
-        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
-    return lib
+    return emu.or_skip(emu.build(family, kernels, tmp_path_factory.mktemp(f"{family}_emu")))
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +173,7 @@ def test_emulated_classifier_abs_max_equals_abs_max_of_its_dlogits(cls_lib, fp8_
 
 @pytest.fixture(scope="module")
 def a8_lib(tmp_path_factory):
-    launch = emu.adamw8bit_launcher(tmp_path_factory.mktemp("adamw8bit_emu"))
-    if launch is None:
-        pytest.skip("g++ is needed to emulate the CUDA kernels on the host")
-    return launch
+    return emu.or_skip(emu.adamw8bit_launcher(tmp_path_factory.mktemp("adamw8bit_emu")))
 
 
 # A tensor smaller than one quantization block, exact blocks, tails, one over two launch blocks (8192 elements).
