@@ -137,7 +137,7 @@ class DataParallel:
             self.lookups = (dt, (n, wte.shape[1]))  # (dtype, shape) of the stack temporary `encode` takes
             self._tokens_event, self._encoded_event = self.device.event(), self.device.event()
         # the multi-tensor tables over this rank's pieces: the norm's (built now) and, stages 1 and 2,
-        # the AdamW launch's of `update` (built by its first call, see `_adamw_table`)
+        # the one of `update`'s AdamW launch (built by its first call, see `_adamw_table`)
         with alloc.context("Optimizer"):
             sizes = [p.numel for p in self._pieces]
             self._norm_sums = alloc.allocate(FP32, "norm_sums.shard", adamw.multi_norm_sums_shape(sizes))
