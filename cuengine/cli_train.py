@@ -48,12 +48,13 @@ DEVICE_DEFAULTS = {
 TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", recompute=[], offload_residual=False,
                       cuda_graphs=False, lmhead_chunks=1, weight_decay=0.1, grad_clip=1.0, z_loss=0.0, seed=0,
                       save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
-                      grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False)
+                      grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False, nondeterministic_attention=False)
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
             "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "recompute", "offload_residual",
             "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "z_loss", "seed", "eval_every", "eval_batches",
-            "save_every", "save_minutes", "log", "sample_tokens", "optimizer", "lmhead_fp8")
+            "save_every", "save_minutes", "log", "sample_tokens", "optimizer", "lmhead_fp8",
+            "nondeterministic_attention")
 # fmt: on
 # A resumed run sees the batches the uninterrupted run would: these may not change on --resume.
 FIXED_ON_RESUME = ("data", "batch_size", "seq_len", "grad_accum")
@@ -152,7 +153,8 @@ def _train_options(run, cfg):
                             offload_residual=run["offload_residual"], use_cuda_graphs=run["cuda_graphs"],
                             lmhead_chunks=run["lmhead_chunks"], weight_decay=run["weight_decay"],
                             grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"],
-                            optimizer=run["optimizer"], lmhead_fp8=run["lmhead_fp8"], **kw)  # fmt: skip
+                            optimizer=run["optimizer"], lmhead_fp8=run["lmhead_fp8"],
+                            attention_deterministic=not run["nondeterministic_attention"], **kw)  # fmt: skip
         return opts.resolved(cfg.dtype)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -431,6 +433,9 @@ def add_train_parser(t) -> None:
                    help=f"split the LM head and loss in chunks to save memory ({_dflt('lmhead_chunks')})")  # fmt: skip
     g.add_argument("--lmhead-fp8", action="store_true", default=None,
                    help="the LM head's GEMMs in FP8 too; needs --matmul-dtype e4m3 (default: off)")  # fmt: skip
+    g.add_argument("--nondeterministic-attention", action="store_true", default=None,
+                   help="cuDNN's faster attention backward (dQ added with atomics): the run's bits vary from "
+                        "run to run, so two runs of one seed no longer match (default: off)")  # fmt: skip
     g = t.add_argument_group("run", RESUME_RULE)
     g.add_argument("--out", metavar="DIR", help="run directory (default: runs/<timestamp>)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out")

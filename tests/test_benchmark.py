@@ -84,3 +84,37 @@ def test_stream_timeline_finds_the_exposed_waits():
     assert t["gaps"] == [(30.0, "gemm", "norm", 30.0), (10.0, "adamw", "gemm", 0.0)]
     with pytest.raises(ValueError, match="no kernels"):
         stream_timeline([])
+
+
+def _tool(name):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_tool", Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp8_loss_curve_gap(tmp_path):
+    """tools/fp8_loss.py: windowed curves, the worst gap after the warm-up and the last window's gap."""
+    f8 = _tool("fp8_loss")
+    assert f8.window_means([1, 2, 3, 4, 5], 2) == [1.5, 2.5, 3.5, 4.5]
+    ref = [2.0] * 10
+    test = [2.0] * 4 + [2.2, 2.2] + [2.0] * 3 + [2.1]  # a bump at steps 5-6, then 5% above at the end
+    worst, last = f8.curve_gap(test, ref, window=2, skip=6)
+    assert worst == pytest.approx(0.05) and last == pytest.approx(0.025)  # the bump's windows end by step 6
+    worst, _ = f8.curve_gap(test, ref, window=2, skip=0)
+    assert worst == pytest.approx(0.10)
+    with pytest.raises(ValueError, match="differ in length"):
+        f8.curve_gap(test[:-1], ref, 2, 0)
+    with pytest.raises(ValueError, match="window 11 must be in"):
+        f8.window_means(ref, 11)
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5, "val_loss": 2.75}\n')
+    assert f8.read_log(log) == ([3.0, 2.5], 2.75)
+    log.write_text('{"step": 1, "loss": 3.0}\n{"step": 3, "loss": 2.5}\n')
+    with pytest.raises(ValueError, match="step 3 follows step 1"):
+        f8.read_log(log)

@@ -191,10 +191,16 @@ def test_train_on_text_npy_and_bin_with_grad_accum(tmp_path, capsys):
 def test_engine_flags_reach_the_model_and_keep_the_losses(tmp_path, capsys):
     common = [*FAST, "--steps", "3", "--warmup", "1"]
     assert run_cli(capsys, "train", *common, "--out", tmp_path / "base")[0] == 0
-    flags = ["--recompute", "ffn", "att", "--offload-residual", "--cuda-graphs"]
+    flags = ["--recompute", "ffn", "att", "--offload-residual", "--cuda-graphs", "--nondeterministic-attention"]
     assert run_cli(capsys, "train", *common, *flags, "--out", tmp_path / "flags")[0] == 0
     saved = json.loads((tmp_path / "flags" / "run.json").read_text())
     assert saved["recompute"] == ["ffn", "att"] and saved["offload_residual"] and saved["cuda_graphs"]
+    assert saved["nondeterministic_attention"]  # (the NumPy twin has one attention backward: same losses)
+    from cuengine.cli_train import _train_options
+    from cuengine.model import TransformerConfig
+
+    opts = _train_options(saved, TransformerConfig.preset("tiny"))
+    assert not opts.attention_deterministic and opts.recompute_ffn and opts.use_cuda_graphs
     base, other = read_log(tmp_path / "base" / "log.jsonl"), read_log(tmp_path / "flags" / "log.jsonl")
     assert [r["loss"] for r in other] == [r["loss"] for r in base]
 

@@ -9,6 +9,7 @@ averaged over a sliding window of steps, FP8 over bf16, at its worst point after
 the mean of those gaps over the seeds.
 
     python3 tools/fp8_loss.py --seeds 0 1 2 3 4                   # bf16, fp8, fp8-e4m3-grads
+    python3 tools/fp8_loss.py --recipes bf16 bf16-nd fp8          # with the noise control (cuda only)
     python3 tools/fp8_loss.py --recipes bf16 fp8 --steps 200 --out /tmp/fp8runs
     python3 tools/fp8_loss.py --analyse /tmp/fp8runs              # the table again, from the logs
 """
@@ -24,6 +25,9 @@ from pathlib import Path
 # recipe -> the `cuengine train` flags that select it
 RECIPES = {
     "bf16": [],
+    # the noise control: bf16 again with cuDNN's non-deterministic attention backward, which changes
+    # nothing but the order dQ's terms are added in; its gaps are what rounding alone does to a curve
+    "bf16-nd": ["--nondeterministic-attention"],
     "fp8": ["--matmul-dtype", "e4m3"],  # E4M3 forward, E5M2 gradients (the default FP8 recipe)
     "fp8-e4m3-grads": ["--matmul-dtype", "e4m3", "--grad-dtype", "e4m3"],
     "fp8-lmhead": ["--matmul-dtype", "e4m3", "--lmhead-fp8"],
@@ -75,7 +79,7 @@ def analyse(root: Path, seeds: list[int], recipes: list[str], window: int, skip:
     """Print the table; returns 1 if a run's log is missing."""
     if "bf16" not in recipes:
         raise ValueError("the comparison needs the bf16 recipe")
-    print(f"window {window} steps, gaps counted after step {skip}; gaps are FP8 over bf16 of the same seed")
+    print(f"window {window} steps, gaps counted after step {skip}; gaps are each recipe over bf16 of the same seed")
     print(f"{'recipe':<16}{'seed':>5}{'val':>9}{'val gap':>9}{'last-window gap':>17}{'worst curve gap':>17}")
     sums: dict[str, list[tuple[float, float, float]]] = {}
     missing = 0
