@@ -68,15 +68,21 @@ __device__ void rmsnorm_forward_impl(T* out, float* rstd, T* residual, const T* 
 
 // Block partials of dweight into scratch[blockIdx.x, :]; dynamic shared memory: warps * C floats.
 // V > 0: lane vector i of a row is channel (lane + 32 i) * VN, i < V, held in registers (C <= 32 V VN).
+// A warp's partials are stored element-major, channel j * VN + k at k * C / VN + j (`dw_slot`): the lanes
+// of a warp touch 32 consecutive words for each k. Channel-major, lane l's k-th element sat VN words
+// from lane l-1's, an 8-way (bf16) bank conflict on each of the row's read-modify-writes, which held
+// the kernel to ~45% of copy bandwidth.
+__device__ __forceinline__ int dw_slot(int c, int vn, int C) { return (c % vn) * (C / vn) + c / vn; }
+
 template <typename T, int V>
 __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
                                       const T* weight, const float* rstd, float* abs_max, int N, int C) {
     extern __shared__ float s_dweight[];  // (warps, C); lane-owned entries, so no barrier until the end
     constexpr int VN = Pack16<T>::N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    float* my_dweight = s_dweight + (size_t)warp * C;
-    for (int c = lane * VN; c < C; c += 32 * VN)
-        for (int k = 0; k < VN; ++k) my_dweight[c + k] = 0.f;
+    const int stride = C / VN;  // words between the k-th elements of consecutive vectors' slots
+    float* my_dweight = s_dweight + (size_t)warp * C;  // vector j's element k at k * stride + j
+    for (int c = lane; c < C; c += 32) my_dweight[c] = 0.f;
     unsigned amax = 0;
     for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
         const size_t base = (size_t)row * C;
@@ -111,7 +117,7 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
                 for (int k = 0; k < VN; ++k) {
                     const float xh = to_float(xs[i].v[k]) * r, gk = to_float(gs[i].v[k]);
                     d.v[k] = from_float<T>(to_float(drs[i].v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
-                    my_dweight[c + k] += gk * xh;
+                    my_dweight[k * stride + c / VN] += gk * xh;
                     amax = max(amax, abs_bits(to_float(d.v[k])));
                 }
                 d.store(dinp + base + c);
@@ -132,7 +138,7 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
             for (int k = 0; k < VN; ++k) {
                 const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
                 d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
-                my_dweight[c + k] += gk * xh;
+                my_dweight[k * stride + c / VN] += gk * xh;
                 amax = max(amax, abs_bits(to_float(d.v[k])));
             }
             d.store(dinp + base + c);
@@ -140,8 +146,9 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
     }
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float acc = s_dweight[c];
-        for (int w = 1; w < warps; ++w) acc += s_dweight[(size_t)w * C + c];
+        const int slot = dw_slot(c, VN, C);
+        float acc = s_dweight[slot];
+        for (int w = 1; w < warps; ++w) acc += s_dweight[(size_t)w * C + slot];
         scratch[(size_t)blockIdx.x * C + c] = acc;
     }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
