@@ -1,12 +1,14 @@
-"""raw_kernels/rmsnorm.cu, fp8.cu, classifier.cu and adamw8bit.cu on the host, for tests/test_kernel_emulation.py.
+"""raw_kernels/rmsnorm.cu, fp8.cu, classifier.cu, adamw8bit.cu and rope.cu on the host, for
+tests/test_kernel_emulation.py.
 
 The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch
 loop) with a common.cuh stand-in for the helpers these families use: bf16/fp16/fp8 types and
-conversions (fp8 SATFINITE round-to-nearest-even by search over the 256 codes), 16-byte packs that
-fail on a misaligned access, __reduce_max_sync and atomicMax. Static shared arrays are plain
-statics (blocks run one after another); rmsnorm's dynamic shared memory is the emulator's buffer.
-The real launchers drive it (their `launch` is redirected), so grids, variants, tails and index
-arithmetic are checked without a GPU; register limits and timing are not.
+conversions (fp8 SATFINITE round-to-nearest-even by search over the 256 codes; the paired fp16 one
+as two single ones), 16-byte packs that fail on a misaligned access, __reduce_max_sync and
+atomicMax. Static shared arrays are plain statics (blocks run one after another); rmsnorm's dynamic
+shared memory is the emulator's buffer. The real launchers drive it (their `launch` is redirected),
+so grids, variants, tails and index arithmetic are checked without a GPU; register limits and
+timing are not.
 """
 
 import ctypes
@@ -46,6 +48,9 @@ inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; if (v > o)
 typedef _Float16 half;
 inline float __half2float(half h) { return (float)h; }
 inline half __float2half_rn(float f) { return (half)f; }
+inline half __ushort_as_half(unsigned short u) { half h; memcpy(&h, &u, 2); return h; }
+struct half2 { half x, y; };
+inline half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
 // explicitly rounded fp32 intrinsics (adamw.cu, adamw8bit.cu): host IEEE arithmetic, and x86-64 g++ has
 // no FMA to contract them into
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -247,3 +247,54 @@ def test_emulated_adamw8bit_multi_equals_per_tensor_launches(a8_lib, monkeypatch
                 np.testing.assert_array_equal(m[r].numpy().view(np.uint8), a[r].view(np.uint8), err_msg=f"{r}{k}")
     if not np.isnan(scale):
         assert not np.array_equal(multi[-2]["param"].numpy(), arrays[-2]["param"])
+
+
+@pytest.fixture(scope="module")
+def rope_lib(tmp_path_factory):
+    return _library(tmp_path_factory, "rope", [f"rope_{t}_{f}" for t in ("f32", "bf16", "f16") for f in ("f32", "f16")])
+
+
+# (B, T, Hq, Hkv, hs, dtype, table dtype). Heads go in pairs: H = Hq + 2 Hkv odd leaves the last pair
+# one head short, Hq + Hkv odd pairs the last k head with a v head; hv = hs / 2 / (16-byte vector) of 6
+# or 3 divides no stride of 128-thread blocks, so every digit of the grid-stride counter carries.
+ROPE_CASES = [(2, 100, 4, 2, 32, "bf16", "fp16"), (3, 40, 3, 1, 96, "bf16", "fp32"), (2, 100, 2, 1, 24, "fp32", "fp32"),
+              (2, 50, 6, 2, 48, "fp16", "fp16"), (1, 45, 14, 2, 64, "bf16", "fp16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("aligned_table", [True, False])
+@pytest.mark.parametrize("in_place,with_abs_max", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_emulated_rope_equals_the_twin(rope_lib, monkeypatch, case, in_place, with_abs_max, aligned_table):
+    """rope.cu (two heads per thread, loads before stores, the grid-stride counter) gives the twin's bits,
+    forward and backward, in place or not, with the table read as vectors or (misaligned) as scalars;
+    abs_max is max|out| over the whole output, v heads included. One block per SM (4): each thread
+    loops over several items."""
+    from cuengine.kernels import rope as RP
+
+    B, T, hq, hkv, hs, dtype, table = case
+    calls = []
+    monkeypatch.setattr(RP, "launch", lambda *a, **kw: calls.append(a[2]) or emu.launch(rope_lib, *a, **kw))
+    monkeypatch.setattr(RP, "_BLOCKS_PER_SM", 1)
+    g = np.random.default_rng(hs + T)
+    H = hq + 2 * hkv
+    x = g.standard_normal((B, T, H * hs)) * 2
+    x[-1, -1, -1] = 40.0  # the largest |x| in the last v head: abs_max must see it, unrotated
+    freqs = RP.rope_freqs(T + 3, hs, 1e4, ce.dtype(table).np)
+    itemsize = ce.dtype(table).itemsize
+    f = emu.tensor(freqs, table, "freqs", pad=4096 if aligned_table else 4096 + itemsize)
+    assert (f.ptr % 16 == 0) == aligned_table
+    for inverse, fn in ((False, RP.rope_forward), (True, RP.rope_backward)):
+        inp = emu.tensor(x, dtype, "inp")
+        out = inp if in_place else emu.tensor(np.full(x.shape, 1234.5), dtype, "out")
+        amax = emu.tensor(np.zeros(1), "fp32", "amax") if with_abs_max else None
+        calls.clear()
+        fn(out, inp, f, hq, hkv, abs_max=amax)
+        want = RP.rope_np(x.astype(ce.dtype(dtype).np), freqs, hq, hkv, inverse)
+        np.testing.assert_array_equal(out.numpy().view(np.uint8), want.view(np.uint8), err_msg=f"inverse={inverse}")
+        for t in (out, inp, f) + ((amax,) if amax is not None else ()):
+            assert emu.margins_ok(t), f"{t.name}: written out of bounds"
+        if amax is not None:
+            assert amax.numpy()[0] == np.abs(want.astype(np.float32)).max() == 40.0
+        pairs = -(-(H if not in_place or with_abs_max else hq + hkv) // 2)
+        items = B * T * pairs * hs // 2 // (16 // ce.dtype(dtype).itemsize)
+        assert calls == [4] and items >= 2 * 4 * 128, (calls, items)  # two or more items per thread

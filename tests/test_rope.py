@@ -177,3 +177,34 @@ def test_cuda_other_tables_and_head_size(dtype, table):
     hq, hkv, hs = 12, 4, 128
     freqs = rope_freqs(300, hs, 1e4, table)
     check_rope(rng(7).standard_normal((3, 300, hq + 2 * hkv, hs)).astype(ce.dtype(dtype).np), freqs, hq, hkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,hs", [(3, 1, 96), (2, 1, 64), (5, 2, 32)])
+def test_cuda_odd_head_counts(hq, hkv, hs):
+    """The kernel takes heads in pairs: Hq + 2 Hkv odd leaves the last pair one head short, Hq + Hkv odd
+    pairs a k head with a v head (copied out of place, left alone in place); hs = 96 gives 6 vectors a half."""
+    freqs = rope_freqs(300, hs, 1e4, np.float16)
+    check_rope(rng(hq + hs).standard_normal((2, 300, (hq + 2 * hkv) * hs)).astype(ce.BF16.np), freqs, hq, hkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,table", [("bf16", np.float16), ("fp32", np.float32)])
+def test_cuda_unaligned_table_equals_aligned(cuda, dtype, table):
+    """A table that is not 16-byte aligned is read element by element: the same bits as the vector reads,
+    forward out of place and backward in place, with abs_max."""
+    hq, hkv, hs = 6, 2, 64
+    freqs = rope_freqs(200, hs, 1e4, table)
+    x = rng(8).standard_normal((2, 200, (hq + 2 * hkv) * hs)).astype(ce.dtype(dtype).np)
+    flat = ce.Tensor.from_numpy(np.concatenate([np.zeros(1, table), freqs.reshape(-1)]), cuda, name="flat")
+    tables = {"aligned": ce.Tensor.from_numpy(freqs, cuda, name="freqs"), "unaligned": flat[1:].reshape(freqs.shape)}
+    assert tables["aligned"].ptr % 16 == 0 and tables["unaligned"].ptr % 16 != 0
+    got = {}
+    for k, f in tables.items():
+        t = tensors(cuda, x=x, out=np.zeros_like(x), amax=np.zeros(1, np.float32), bamax=np.zeros(1, np.float32))
+        rope_forward(t["out"], t["x"], f, hq, hkv, abs_max=t["amax"])
+        rope_backward(t["x"], t["x"], f, hq, hkv, abs_max=t["bamax"])
+        got[k] = {n: v.numpy() for n, v in t.items()}
+    for n in got["aligned"]:
+        np.testing.assert_array_equal(got["unaligned"][n].view(np.uint8), got["aligned"][n].view(np.uint8), err_msg=n)
+    assert_close(got["aligned"]["out"], rope_np(x, freqs, hq, hkv), dtype, "rope_forward")

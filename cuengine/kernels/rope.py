@@ -12,11 +12,14 @@ import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
-from ._build import grid_size, kernel_name, launch, write_twin_results
+from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 
 FAMILY = "rope"
 FLOATS = (FP32, BF16, FP16)
 TABLE_DTYPES = (FP32, FP16)
+# rope.cu's ROPE_HEADS, ROPE_THREADS and ROPE_BLOCKS_PER_SM: heads per thread; a grid of one wave of
+# resident blocks, each thread looping over its items (a second, partial wave would leave SMs idle)
+_HEADS, _THREADS, _BLOCKS_PER_SM = 2, 128, 7
 
 
 def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32, scaling: dict | None = None) -> np.ndarray:
@@ -116,12 +119,15 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
     if inp.nelem == 0:
         return
     check_aligned(what, out, inp)
-    total = B * T * H * (hs // 2 // (16 // inp.dtype.itemsize))  # 16-byte vectors of one half of each head
-    blocks = grid_size(dev, total, 256)
+    # a thread's item: a pair of heads' 16-byte vectors of one half; in place without abs_max, the
+    # pairs of v heads are skipped
+    visited = H if not in_place or abs_max is not None else n_q_heads + n_kv_heads
+    total = B * T * ceil_div(visited, _HEADS) * (hs // 2 // (16 // inp.dtype.itemsize))
+    blocks = grid_size(dev, total, _THREADS, _BLOCKS_PER_SM)
     name = kernel_name("rope", inp, freqs)
     heads = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs))
     args = (out, inp, freqs, abs_max, np.int64(B * T), *heads, np.int32(inverse), np.int32(not in_place))
-    launch(FAMILY, name, blocks, 256, args, dev, stream)
+    launch(FAMILY, name, blocks, _THREADS, args, dev, stream)
 
 
 def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
