@@ -5,8 +5,10 @@
 //   float bit patterns as unsigned integers: they order like |x|, NaN sorts above inf (so a NaN
 //   is reported, not dropped as fmaxf would), and the result is exact and order-independent.
 // - quantize reads abs_max from a slot, writes the output's stats [abs_max, scale =
-//   fp8_max/abs_max, scale_inv = 1/scale] (abs_max 0 or non-finite gives 1, 1) from block 0,
-//   and stores x*scale with SATFINITE round-to-nearest-even.
+//   fp8_max/abs_max, scale_inv = 1/scale] (abs_max 0 or non-finite gives 1, 1) from the tensor's
+//   first block, and stores x*scale with SATFINITE round-to-nearest-even.
+// - quantize_dual_multi: quantize_dual of every tensor of a table (DualRecord) in one launch, each
+//   block one tile of one tensor, bitwise one quantize_dual launch per tensor (16-byte variant only).
 // - transposes go through a shared-memory tile: inp rows are read coalesced along C, out rows
 //   are written coalesced along N in 16-byte chunks. One 32-bit smem word holds 4/sizeof(out)
 //   consecutive n of one output row; the 33-word row pitch makes both phases conflict-free.
@@ -40,10 +42,12 @@ __device__ __forceinline__ float fp8_scale(float amax, float fp8_max) {
     return (amax > 0.f && isfinite(amax)) ? fp8_max / amax : 1.f;
 }
 
-// Block 0 publishes the stats the quantised values were made with. The abs-max slot is left
-// alone when it is the one being read (other blocks may still be reading it).
-__device__ __forceinline__ void write_stats(float* stats, const float* amax_src, float amax, float scale) {
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+__device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
+
+// The first block of a tensor (`first`) publishes the stats the quantised values were made with. The
+// abs-max slot is left alone when it is the one being read (other blocks may still be reading it).
+__device__ __forceinline__ void write_stats(bool first, float* stats, const float* amax_src, float amax, float scale) {
+    if (first && threadIdx.x == 0) {
         if (stats + STAT_ABS_MAX != amax_src) stats[STAT_ABS_MAX] = amax;
         stats[STAT_SCALE] = scale;
         stats[STAT_SCALE_INV] = 1.f / scale;
@@ -121,7 +125,7 @@ template <typename Tin, typename Tq, bool VEC>
 __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, const Tin* x, long long n) {
     const float amax = *amax_src;
     const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
-    write_stats(stats, amax_src, amax, scale);
+    write_stats(first_block(), stats, amax_src, amax, scale);
     grid_stride8<Tin, VEC>(
         x, n, [&](long long i, const Tin(&v)[8]) { quantize8<Tin, Tq>(out + i, v, scale); },
         [&](long long i, Tin v) { out[i] = from_float<Tq>(to_float(v) * scale); });
@@ -133,18 +137,19 @@ __device__ void quantize_impl(Tq* out, float* stats, const float* amax_src, cons
 // otherwise Tin and Tout are the same raw-bits type and are moved unchanged (NaN payloads too).
 // ROWS (with QUANT, 1-byte out): the quantised bytes are also stored untransposed into rows (N, C),
 // 8 bytes per thread and row, so one read of inp gives both FP8 copies.
+// The tile is number `pos` of the tensor's tiles in row-tile-major order (`col_tiles` = ceil(C / 64) per
+// row tile): consecutive positions are consecutive column tiles of one row tile, so blocks that start
+// together read the 64-column pieces of each input row at about the same time (whole DRAM pages) rather
+// than a row-tile sweep apart.
 template <typename Tin, typename Tout, typename Tq, bool QUANT, bool VEC, bool ROWS = false>
-__device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float scale, u8* rows = nullptr) {
+__device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float scale, unsigned pos, unsigned col_tiles,
+                               u8* rows = nullptr) {
     constexpr int S = sizeof(Tout);
     constexpr int RW = 4 / S;
     constexpr int TN = 32 * RW, TC = 64, EPC = 16 / S;  // EPC: out elements per 16-byte chunk
     __shared__ u32 tile[TC][33];
     const int b = threadIdx.x % 8, a = threadIdx.x / 8;
-    // The grid is (row tiles, column tiles); blocks start in order of blockIdx.x first. Consecutive
-    // blocks take consecutive column tiles of one row tile, so the 64-column pieces of each input row
-    // are read at about the same time (whole DRAM pages) rather than a row-tile sweep apart.
-    const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;
-    const int n0 = (int)(linear / gridDim.y) * TN, c0 = (int)(linear % gridDim.y) * TC;
+    const int n0 = (int)(pos / col_tiles) * TN, c0 = (int)(pos % col_tiles) * TC;
     const int c = c0 + 8 * b;
     u32 words[8];
 #pragma unroll
@@ -209,24 +214,60 @@ __device__ void transpose_tile(Tout* out, const Tin* inp, int N, int C, float sc
     }
 }
 
+// A one-tensor transpose launch: the grid is (row tiles, column tiles), and blocks start in order of
+// blockIdx.x first, so the block's place in that order is its tile's position.
+__device__ __forceinline__ unsigned grid_tile() { return blockIdx.y * gridDim.x + blockIdx.x; }
+
 template <typename Tin, typename Tq, bool VEC>
 __device__ void quantize_transpose_impl(Tq* out, float* stats, const float* amax_src, const Tin* inp, int N, int C) {
     const float amax = *amax_src;
     const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
-    write_stats(stats, amax_src, amax, scale);
-    transpose_tile<Tin, u8, Tq, true, VEC>(reinterpret_cast<u8*>(out), inp, N, C, scale);
+    write_stats(first_block(), stats, amax_src, amax, scale);
+    transpose_tile<Tin, u8, Tq, true, VEC>(reinterpret_cast<u8*>(out), inp, N, C, scale, grid_tile(), gridDim.y);
 }
 
 // Both FP8 copies of inp (N, C) from one read: rows (N, C) and out (C, N), the same values and stats.
+// This block does tile `pos` of `col_tiles` per row tile (see transpose_tile); `first`: it is the
+// tensor's first block, which writes the stats.
 template <typename Tin, typename Tq, bool VEC>
 __device__ void quantize_dual_impl(Tq* rows, Tq* out, float* stats_rows, float* stats_out, const float* amax_src,
-                                   const Tin* inp, int N, int C) {
+                                   const Tin* inp, int N, int C, bool first, unsigned pos, unsigned col_tiles) {
     const float amax = *amax_src;
     const float scale = fp8_scale(amax, fp8_limits<Tq>::max);
-    write_stats(stats_rows, amax_src, amax, scale);
-    if (stats_out != stats_rows) write_stats(stats_out, amax_src, amax, scale);
-    transpose_tile<Tin, u8, Tq, true, VEC, true>(reinterpret_cast<u8*>(out), inp, N, C, scale,
+    write_stats(first, stats_rows, amax_src, amax, scale);
+    if (stats_out != stats_rows) write_stats(first, stats_out, amax_src, amax, scale);
+    transpose_tile<Tin, u8, Tq, true, VEC, true>(reinterpret_cast<u8*>(out), inp, N, C, scale, pos, col_tiles,
                                                  reinterpret_cast<u8*>(rows));
+}
+
+// ---- quantize_dual over many tensors in one launch ---------------------------------------------
+// One tensor of a quantize_dual_multi table: 64 bytes, the layout of cuengine.kernels.fp8._DUAL_RECORD.
+struct DualRecord {
+    void* rows;              // (N, C) FP8: the plain copy
+    void* out;               // (C, N) FP8: the transposed copy
+    float* stats_rows;       // (STATS_SLOTS,) fp32
+    float* stats_out;        // (STATS_SLOTS,) fp32: stats_rows, or a slot of its own
+    const float* amax;       // (1,) fp32: the abs-max the scale comes from
+    const void* inp;         // (N, C) Tin
+    int N, C;
+    int first_block;  // this tensor's first block of the launch: a prefix sum of the tile counts over the table
+    int col_tiles;    // ceil(C / 64): gridDim.y of its own quantize_dual launch
+};
+
+// Block g does tile g - first_block of record owner[g] (`owner`, written once with the table: one load
+// where a search over the records would be a chain of them) with the per-tensor kernel's code, scale and
+// tile position, so every byte and stat is that of one quantize_dual launch per record. The tables hold
+// only tensors that meet the 16-byte conditions (the launcher launches per tensor otherwise), and no
+// record's abs-max source is another record's stats slot (the launcher checks), so the order of the
+// records' blocks does not matter. __launch_bounds__(256, 8): 32 registers, no spills (40 without), the
+// per-tensor kernel's count, so 8 blocks per SM (2048 threads) as there, not 6.
+template <typename Tin, typename Tq> __device__ void quantize_dual_multi_impl(const DualRecord* tab, const int* owner) {
+    const DualRecord r = tab[owner[blockIdx.x]];  // a copy: the FP8 stores below may alias the table for all
+                                                  // the compiler knows, which would reload every field
+    const unsigned pos = blockIdx.x - (unsigned)r.first_block;
+    quantize_dual_impl<Tin, Tq, true>(static_cast<Tq*>(r.rows), static_cast<Tq*>(r.out), r.stats_rows, r.stats_out,
+                                      r.amax, static_cast<const Tin*>(r.inp), r.N, r.C, pos == 0, pos,
+                                      (unsigned)r.col_tiles);
 }
 
 // ---- bias backward ----------------------------------------------------------------------------
@@ -324,12 +365,18 @@ ABS_MAX_KERNELS(bf16, bf16)
     extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF(                           \
         TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
         int C) {                                                                                              \
-        quantize_dual_impl<TIN, TQ, true>(rows, out, stats_rows, stats_out, amax, inp, N, C);                 \
+        quantize_dual_impl<TIN, TQ, true>(rows, out, stats_rows, stats_out, amax, inp, N, C, first_block(),   \
+                                          grid_tile(), gridDim.y);                                            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF##_scalar(                  \
         TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
         int C) {                                                                                              \
-        quantize_dual_impl<TIN, TQ, false>(rows, out, stats_rows, stats_out, amax, inp, N, C);                \
+        quantize_dual_impl<TIN, TQ, false>(rows, out, stats_rows, stats_out, amax, inp, N, C, first_block(),  \
+                                           grid_tile(), gridDim.y);                                           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 8) quantize_dual_multi_##SUF##_##QSUF(                  \
+        const DualRecord* tab, const int* owner) {                                                            \
+        quantize_dual_multi_impl<TIN, TQ>(tab, owner);                                                        \
     }
 QUANT_KERNELS(f32, float, e4m3, fp8e4)
 QUANT_KERNELS(f32, float, e5m2, fp8e5)
@@ -338,11 +385,11 @@ QUANT_KERNELS(bf16, bf16, e5m2, fp8e5)
 
 #define TRANSPOSE_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(256) transpose_##SUF(T* out, const T* inp, int N, int C) {   \
-        transpose_tile<T, T, T, false, true>(out, inp, N, C, 1.f);                                            \
+        transpose_tile<T, T, T, false, true>(out, inp, N, C, 1.f, grid_tile(), gridDim.y);                    \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) transpose_##SUF##_scalar(T* out, const T* inp, int N,   \
                                                                                int C) {                       \
-        transpose_tile<T, T, T, false, false>(out, inp, N, C, 1.f);                                           \
+        transpose_tile<T, T, T, false, false>(out, inp, N, C, 1.f, grid_tile(), gridDim.y);                   \
     }
 TRANSPOSE_KERNELS(u8, u8)
 TRANSPOSE_KERNELS(u16, u16)
@@ -364,4 +411,4 @@ BIAS_KERNELS(f32, float)
 BIAS_KERNELS(bf16, bf16)
 
 // launchers: cuengine/kernels/fp8.py (abs_max, quantize_with_abs_max, quantize_and_transpose,
-// quantize_dual, transpose, bias_backward)
+// quantize_dual, QuantizeDualTable + quantize_dual_multi, transpose, bias_backward)

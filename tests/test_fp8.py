@@ -1,4 +1,4 @@
-"""FP8 family: abs-max, quantise (plain and transposed), transpose, bias gradient."""
+"""FP8 family: abs-max, quantise (plain and transposed, both at once, over a table), transpose, bias gradient."""
 
 import math
 
@@ -176,6 +176,80 @@ def test_bias_backward_scratch_shape():
     assert fp8.bias_backward_scratch_shape(129, 5) == (2, 5)
 
 
+def _dual_entries(dev, shapes, dtype, fp8_name, amaxes, own_stats=(), inps=None):
+    """(outs, outs_tp, inps) on `dev`: random inputs (or those given), each out's abs-max slot set from
+    `amaxes`, out_tp sharing out's stats slot (its own for indices in `own_stats`)."""
+    outs, outs_tp = [], []
+    if inps is None:
+        inps = [ce.Tensor.from_numpy(data(s, dtype, seed=10 + i), dev, name=f"x{i}") for i, s in enumerate(shapes)]
+    for i, (shape, amax) in enumerate(zip(shapes, amaxes)):
+        c = shape[-1]
+        outs.append(ce.Tensor.empty(fp8_name, shape, dev, name=f"q{i}"))
+        outs[-1].abs_max.copy_from_numpy(np.array([amax], np.float32))
+        tp = ce.Tensor.empty(fp8_name, (c, math.prod(shape) // c), dev, name=f"qt{i}")
+        outs_tp.append(tp if i in own_stats else tp.with_stats(outs[-1].stats))
+    return outs, outs_tp, inps
+
+
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_quantize_dual_multi_is_quantize_dual_per_entry(fp8_name, dtype):
+    """The cpu twin: every entry's copies and stats are quantize_reference's (an empty entry is skipped),
+    the out_tp slots get the stats whether shared or not, and each out's own abs-max lane is not written."""
+    cpu = ce.device("cpu")
+    shapes, amaxes = [(16, 8), (37, 24), (0, 8), (3, 5, 40), (160, 72)], [2.5, 0.0, 1.0, 1e-3, np.inf]
+    assert fp8.quantize_dual_table_shape(shapes) == (4 * 64 + 4 * (1 + 1 + 1 + 4),)
+    assert fp8.quantize_dual_table_shape([(0, 8)]) == (1,)
+    outs, outs_tp, inps = _dual_entries(cpu, shapes, dtype, fp8_name, amaxes, own_stats=(1, 3))
+    table = ce.Tensor.empty(ce.BYTE, fp8.quantize_dual_table_shape(shapes), cpu, name="table")
+    tab = fp8.QuantizeDualTable(table, outs, outs_tp, inps)
+    assert len(tab.entries) == 4 and tab.blocks == 7
+    fp8.quantize_dual_multi(tab)
+    for i, (out, out_tp, inp, amax) in enumerate(zip(outs, outs_tp, inps, amaxes)):
+        if i == 2:
+            continue
+        c = inp.shape[-1]
+        q, stats = fp8.quantize_reference(inp.numpy().reshape(-1, c), np.float32(amax), ce.dtype(fp8_name))
+        np.testing.assert_array_equal(out.numpy().view(np.uint8).reshape(q.shape), q.view(np.uint8), err_msg=str(i))
+        np.testing.assert_array_equal(out_tp.numpy().view(np.uint8), q.T.view(np.uint8), err_msg=str(i))
+        np.testing.assert_array_equal(out.fp8_stats(), stats)
+        np.testing.assert_array_equal(out_tp.fp8_stats(), stats)
+
+
+def test_weights_requantize_through_the_table_equals_the_per_tensor_path(monkeypatch):
+    """ModelWeights.requantize(abs_max_recorded=True) makes every FP8 copy (block matrices and the head) in one
+    quantize_dual_multi call over its table, written on the first call and reused: copies, transposes and stats
+    bitwise those of requantize() (an abs-max pass and one quantize_dual per copy) of the same weights."""
+    from cuengine.alloc import TensorAllocator
+    from cuengine.model import TransformerConfig
+    from cuengine.model.weights import ModelWeights
+
+    cfg = TransformerConfig.preset("tiny-llama")
+    per_tensor, tabled = (ModelWeights(cfg, "bf16", TensorAllocator("cpu"), fp8=True, fp8_head=True) for _ in "ab")
+    assert len(tabled.fp8) == 4 * cfg.num_layers + 1
+    calls = []
+    real_multi = fp8.quantize_dual_multi
+    monkeypatch.setattr(fp8, "quantize_dual_multi", lambda table, stream=None: calls.append(table) or real_multi(table))
+    for step in range(2):
+        for w in (per_tensor, tabled):
+            w.init(seed=step)  # other weights each time (init's own requantize takes the per-tensor path)
+        calls.clear()
+        per_tensor.requantize()
+        assert calls == []
+        tabled.zero_abs_max()  # what LlamaModel._update does, with the update recording the abs-maxes
+        for name, slot in tabled.abs_max_slots.items():
+            fp8.abs_max(slot, tabled[name])
+        tabled.requantize(abs_max_recorded=True)
+        assert len(calls) == 1 and calls[0] is tabled._fp8_table and len(calls[0].entries) == len(tabled.fp8)
+        for name, q in tabled.fp8.items():
+            want = per_tensor.fp8[name]
+            np.testing.assert_array_equal(q.numpy().view(np.uint8), want.numpy().view(np.uint8), err_msg=name)
+            np.testing.assert_array_equal(tabled.fp8_tp[name].numpy().view(np.uint8),
+                                          per_tensor.fp8_tp[name].numpy().view(np.uint8), err_msg=name)  # fmt: skip
+        np.testing.assert_array_equal(tabled.fp8_stats.numpy(), per_tensor.fp8_stats.numpy())
+        assert tabled.fp8_stats.numpy()[:, 0].min() > 0
+
+
 # ---- cpu: error paths -------------------------------------------------------------------------
 def _t(dtype, shape, name="t"):
     return ce.Tensor.empty(dtype, shape, ce.device("cpu"), name=name)
@@ -212,6 +286,35 @@ def test_errors_quantize():
     bare_t = ce.Tensor(ce.FP8_E4M3, (8, 4), ce.device("cpu"), np.zeros(32, np.uint8), name="bare_t")
     with pytest.raises(ValueError, match=r"quantize_dual \(out_tp\): out 'bare_t'.*carries no FP8 stats"):
         fp8.quantize_dual(_t("e4m3", (4, 8)), bare_t, x)
+
+
+def test_errors_quantize_dual_table():
+    x, y = _t(ce.BF16, (4, 8), "x"), _t(ce.BF16, (16, 8), "y")
+    q, qt = _t("e4m3", (4, 8), "q"), _t("e4m3", (8, 4), "qt")
+    r, rt = _t("e4m3", (16, 8), "r"), _t("e4m3", (8, 16), "rt")
+    table = _t(ce.BYTE, fp8.quantize_dual_table_shape([(4, 8), (16, 8)]), "table")
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[1\]: inp 'y32' is fp32 but 'x' is bf16; one table holds "
+                       r"one input dtype and one FP8 dtype"):  # fmt: skip
+        fp8.QuantizeDualTable(table, [q, r], [qt, rt], [x, _t(ce.FP32, (16, 8), "y32")])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[1\]: out 'r5' is e5m2 but 'q' is e4m3"):
+        fp8.QuantizeDualTable(table, [q, _t("e5m2", (16, 8), "r5")], [qt, _t("e5m2", (8, 16))], [x, y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable: table: expected shape \(136\), got tensor 'small'"):
+        fp8.QuantizeDualTable(_t(ce.BYTE, (64,), "small"), [q, r], [qt, rt], [x, y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[1\]: out_tp: expected shape \(8, 16\), got tensor 'rt'"):
+        fp8.QuantizeDualTable(table, [q, r], [qt, rt.reshape(16, 8)], [x, y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[1\]: out 'r' \(16, 8\) and inp 'x2' \(4, 8\) hold "
+                       r"different numbers of elements"):  # fmt: skip
+        fp8.QuantizeDualTable(table, [q, r], [qt, rt], [x, _t(ce.BF16, (4, 8), "x2")])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[0\]: inp: expected dtype fp32/bf16"):
+        fp8.QuantizeDualTable(table, [q, r], [qt, rt], [_t(ce.FP16, (4, 8)), y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable\[1\]: a stats slot of out 'r' or out_tp 'rt' is also "
+                       r"one of entry 0's"):  # fmt: skip
+        fp8.QuantizeDualTable(table, [q, r], [qt, rt.with_stats(q.stats)], [x, y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable: outs has 1 entries and outs_tp 2, inps has 2"):
+        fp8.QuantizeDualTable(table, [q], [qt, rt], [x, y])
+    with pytest.raises(ValueError, match=r"QuantizeDualTable: no tensors"):
+        fp8.QuantizeDualTable(table, [], [], [])
+    fp8.QuantizeDualTable(table, [q, r], [qt, rt], [x, y])  # and the table of the right entries is taken
 
 
 def test_errors_transpose():
@@ -356,6 +459,42 @@ def test_cuda_quantize_dual_equals_quantize_then_transpose(fp8_name, dtype, shap
     q_cpu.abs_max.copy_from_numpy(np.array([2.0], np.float32))
     fp8.quantize_dual(q_cpu, ce.Tensor.empty(fp8_name, (c, n), "cpu"), ce.Tensor.from_numpy(x, "cpu"))
     fp8_close(out.numpy(), q_cpu.numpy())
+
+
+# The FP8 weight copies of one 0.5B layer (qkv_w, atto_w, up_w, down_w), the tied head, and small tensors of 1 and
+# 3 tiles between them: record boundaries inside the launch, several row and column tile counts.
+QWEN_DUAL_SHAPES = [(1152, 896), (896, 896), (16, 8), (9728, 896), (48, 136), (896, 4864), (151936, 896)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_name", FP8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_cuda_quantize_dual_multi_equals_per_tensor_launches(fp8_name, dtype, misaligned):
+    """One quantize_dual_multi launch gives the bits of one quantize_dual launch per entry (values, transposes,
+    stats; shared and own out_tp slots); with one entry 2 elements past a 16-byte boundary it launches per
+    entry (the scalar kernel for that one) with the same bits."""
+    dev = ce.device("cuda")
+    amaxes = [2.5, 1e-3, 0.0, 4.0, 1.0, 3.0, np.inf]
+    single = _dual_entries(dev, QWEN_DUAL_SHAPES, dtype, fp8_name, amaxes, own_stats=(1, 4))
+    if misaligned:
+        single[2][4] = unaligned(dev, single[2][4].numpy(), dtype)
+    multi = _dual_entries(dev, QWEN_DUAL_SHAPES, dtype, fp8_name, amaxes, own_stats=(1, 4), inps=single[2])
+    for out, out_tp, inp in zip(*single):
+        fp8.quantize_dual(out, out_tp, inp)
+    table = ce.Tensor.empty(ce.BYTE, fp8.quantize_dual_table_shape(QWEN_DUAL_SHAPES), dev, name="table")
+    tab = fp8.QuantizeDualTable(table, *multi)
+    assert tab.vectorized != misaligned
+    fp8.quantize_dual_multi(tab)
+    for i, (got, want) in enumerate(zip(zip(*multi[:2]), zip(*single[:2]))):
+        for a, b, what in zip(got, want, ("copy", "transpose")):
+            np.testing.assert_array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8), err_msg=f"{i} {what}")
+            np.testing.assert_array_equal(a.stats.numpy(), b.stats.numpy(), err_msg=f"{i} {what} stats")
+    q_cpu = ce.Tensor.empty(fp8_name, QWEN_DUAL_SHAPES[0], "cpu")
+    q_cpu.abs_max.copy_from_numpy(np.array([amaxes[0]], np.float32))
+    fp8.quantize_dual(q_cpu, ce.Tensor.empty(fp8_name, QWEN_DUAL_SHAPES[0][::-1], "cpu"),
+                      ce.Tensor.from_numpy(single[2][0].numpy(), "cpu"))  # fmt: skip
+    fp8_close(multi[0][0].numpy(), q_cpu.numpy())
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@ by the real launchers: variant choice, tails, unaligned data and index arithmeti
 
 The bitwise claims of the issue-13 kernels: the register-row backward (rmsnorm_backward_v<V>) gives
 the looping kernel's bits, the dweight reduce adds the partials in row order, and quantize_dual
-equals quantize then transpose. adamw8bit's multi-tensor launch gives the bits of its per-tensor launches."""
+equals quantize then transpose. adamw8bit's multi-tensor launch, and quantize_dual_multi's, give the bits of
+their per-tensor launches."""
 
 import kernel_emulator as emu
 import numpy as np
@@ -35,6 +36,7 @@ def fp8_lib(tmp_path_factory):
         names += [f"abs_max_{t}", f"abs_max_{t}_scalar"]
         for q in ("e4m3", "e5m2"):
             names += [f"{k}_{t}_{q}{s}" for k in ("quantize", "quantize_dual") for s in ("", "_scalar")]
+            names.append(f"quantize_dual_multi_{t}_{q}")
     return _library(tmp_path_factory, "fp8", names)
 
 
@@ -128,6 +130,97 @@ def test_emulated_quantize_dual_equals_quantize_then_transpose(fp8_lib, monkeypa
     np.testing.assert_array_equal(out_tp.stats.numpy(), plain.stats.numpy())
     twin, _ = fp8.quantize_reference(x.astype(ce.dtype(dtype).np), np.float32(2.5), ce.dtype(fp8_name))
     np.testing.assert_array_equal(out.numpy().view(np.uint8), twin.view(np.uint8))
+
+
+# (N, C) inputs meeting the 16-byte conditions, with 1, 4, 8, 2, 3 and 1 tiles of 128 rows x 64 columns: the
+# records' boundaries fall inside the grid, and row-tile / column-tile counts differ from record to record.
+MULTI_SHAPES = [(16, 8), (160, 72), (2, 96, 200), (256, 64), (48, 136), (128, 64)]
+MULTI_AMAX = [2.5, 1e-3, 0.0, 4.0, 1.0, np.inf]  # saturation, everything saturated, 0 and inf (scale 1), plain
+
+
+def _dual_operands(shapes, dtype, fp8_name, own_stats=(), unaligned=()):
+    """(outs, outs_tp, inps) on the emulated device: random inputs (2 elements past a 16-byte boundary for
+    indices in `unaligned`), each out's abs-max slot preset from MULTI_AMAX, out_tp sharing out's stats slot
+    (its own, NaN-filled, for indices in `own_stats`)."""
+    outs, outs_tp, inps = [], [], []
+    for i, shape in enumerate(shapes):
+        x = np.random.default_rng(i).standard_normal(shape) * 3
+        c = shape[-1]
+        if i in unaligned:
+            inp = emu.tensor(np.concatenate([np.zeros(2), x.reshape(-1)]), dtype, f"x{i}")[2:].reshape(shape)
+        else:
+            inp = emu.tensor(x, dtype, f"x{i}")
+        stats = emu.tensor(np.zeros(12), "fp32", f"s{i}")
+        stats.array()[0] = MULTI_AMAX[i % len(MULTI_AMAX)]
+        out = emu.tensor(np.zeros(shape), fp8_name, f"q{i}").with_stats(stats)
+        tp = emu.tensor(np.zeros((c, x.size // c)), fp8_name, f"qt{i}")
+        tp_stats = emu.tensor(np.full(12, np.nan), "fp32", f"st{i}") if i in own_stats else stats
+        outs.append(out)
+        outs_tp.append(tp.with_stats(tp_stats))
+        inps.append(inp)
+    return outs, outs_tp, inps
+
+
+def _assert_same_copies(got, want):
+    for o, t, x, wo, wt in zip(*got, *want[:2]):
+        for a, b, what in ((o, wo, "copy"), (t, wt, "transpose"), (o.stats, wo.stats, "stats"),
+                           (t.stats, wt.stats, "out_tp stats")):  # fmt: skip
+            assert emu.margins_ok(a), f"{a.name}: written out of bounds"
+            np.testing.assert_array_equal(
+                a.numpy().view(np.uint8), b.numpy().view(np.uint8), err_msg=f"{x.name} {what}"
+            )
+
+
+@pytest.mark.parametrize("dtype,fp8_name", [("bf16", "e4m3"), ("fp32", "e5m2"), ("bf16", "e5m2"), ("fp32", "e4m3")])
+def test_emulated_quantize_dual_multi_equals_per_tensor_launches(fp8_lib, monkeypatch, dtype, fp8_name):
+    """quantize_dual_multi over tensors of different shapes and tile counts (one launch, record boundaries
+    inside the grid) gives the bits of one quantize_dual launch per tensor: both copies and the stats, out_tp
+    with out's stats slot or its own; each copy is also the twin's."""
+    calls = []
+    monkeypatch.setattr(_build, "launch", _recording(fp8_lib, calls))
+    own = (1, 4)
+    single = _dual_operands(MULTI_SHAPES, dtype, fp8_name, own_stats=own)
+    for out, out_tp, inp in zip(*single):
+        fp8.quantize_dual(out, out_tp, inp)
+    assert calls == [_build.kernel_name("quantize_dual", ce.dtype(dtype), ce.dtype(fp8_name))] * len(MULTI_SHAPES)
+    multi = _dual_operands(MULTI_SHAPES, dtype, fp8_name, own_stats=own)
+    table = emu.tensor(np.zeros(fp8.quantize_dual_table_shape(MULTI_SHAPES)), "u8", "table")
+    tab = fp8.QuantizeDualTable(table, *multi)
+    assert tab.vectorized and tab.blocks == 1 + 4 + 8 + 2 + 3 + 1
+    assert tab.owner.numpy().tolist() == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 5]
+    calls.clear()
+    fp8.quantize_dual_multi(tab)
+    assert calls == [_build.kernel_name("quantize_dual_multi", ce.dtype(dtype), ce.dtype(fp8_name))]
+    assert emu.margins_ok(table)
+    _assert_same_copies(multi, single)
+    for i, (out, out_tp, inp) in enumerate(zip(*multi)):
+        c = inp.shape[-1]
+        amax = np.float32(MULTI_AMAX[i])
+        q, stats = fp8.quantize_reference(inp.numpy().reshape(-1, c), amax, ce.dtype(fp8_name))
+        np.testing.assert_array_equal(out.numpy().view(np.uint8).reshape(q.shape), q.view(np.uint8))
+        np.testing.assert_array_equal(out_tp.numpy().view(np.uint8), q.T.view(np.uint8))
+        np.testing.assert_array_equal(out_tp.fp8_stats(), stats)
+        assert np.isnan(out_tp.stats.numpy()[1:4]).all() == (i in own)  # the lanes between the fields: untouched
+
+
+def test_emulated_quantize_dual_multi_launches_per_tensor_when_one_misses_the_16_byte_kernel(fp8_lib, monkeypatch):
+    """One input 2 elements past a 16-byte boundary, or N not a multiple of 16: the table launches quantize_dual
+    per tensor (the scalar kernel for that one), with the same bits as the plain calls."""
+    calls = []
+    monkeypatch.setattr(_build, "launch", _recording(fp8_lib, calls))
+    cases = [(MULTI_SHAPES[:3], (1,), ["", "_scalar", ""]), (MULTI_SHAPES[:2] + [(37, 24)], (), ["", "", "_scalar"])]
+    for shapes, unaligned, variants in cases:
+        single = _dual_operands(shapes, "bf16", "e4m3", unaligned=unaligned)
+        for out, out_tp, inp in zip(*single):
+            fp8.quantize_dual(out, out_tp, inp)
+        multi = _dual_operands(shapes, "bf16", "e4m3", unaligned=unaligned)
+        table = emu.tensor(np.zeros(fp8.quantize_dual_table_shape(shapes)), "u8", "table")
+        tab = fp8.QuantizeDualTable(table, *multi)
+        assert not tab.vectorized
+        calls.clear()
+        fp8.quantize_dual_multi(tab)
+        assert calls == [f"quantize_dual_bf16_e4m3{v}" for v in variants]
+        _assert_same_copies(multi, single)
 
 
 @pytest.fixture(scope="module")

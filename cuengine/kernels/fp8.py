@@ -1,5 +1,5 @@
-"""FP8 per-tensor scaling: abs-max, quantise, quantise+transpose, both copies at once, transpose,
-bias gradient.
+"""FP8 per-tensor scaling: abs-max, quantise, quantise+transpose, both copies at once (also over a
+table of tensors in one launch), transpose, bias gradient.
 
 Hopper FP8 GEMMs are TN only, so the backward needs transposed FP8 copies; the
 quantise and the transpose are fused so the bf16 source is read once, and `quantize_dual`
@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from .. import _checks
-from ..dtypes import BF16, FP8_E4M3, FP8_E5M2, FP32
+from ..dtypes import BF16, BYTE, FP8_E4M3, FP8_E5M2, FP32, INT32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV
 from . import _build
 
@@ -183,6 +183,26 @@ def quantize_and_transpose(out, inp, abs_max=None, stream=None) -> None:
     _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream)
 
 
+def _check_dual(out, out_tp, inp, abs_max, what: str):
+    """quantize_dual's argument checks (ValueError naming `what`): (N, C, abs-max source slot, device)."""
+    _checks.expect(inp, f"{what}: inp", dtype=(FP32, BF16))  # (N, C)
+    n, c = _rows_cols(inp, what)
+    _checks.expect(out, f"{what}: out", dtype=(FP8_E4M3, FP8_E5M2))  # (N, C), any shape
+    if out.nelem != inp.nelem:
+        raise ValueError(
+            f"{what}: out {out.name!r} {out.shape} and inp {inp.name!r} {inp.shape} hold different numbers of elements"
+        )
+    _checks.expect(out_tp, f"{what}: out_tp", dtype=out.dtype, shape=(c, n))  # (C, N)
+    src = _amax_slot(abs_max, out, what)  # (1,)
+    _amax_slot(None, out_tp, what + " (out_tp)")
+    return n, c, src, _checks.same_device(out, out_tp, inp, src)
+
+
+def _dual_vectorized(out, out_tp, inp, n: int, c: int) -> bool:
+    """Whether quantize_dual takes the 16-byte kernel (the only one quantize_dual_multi has)."""
+    return c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, out_tp, inp)
+
+
 def quantize_dual(out, out_tp, inp, abs_max=None, stream=None) -> None:
     """Quantise `inp` (N, C) to FP8 once and store it twice: `out` (N, C) and `out_tp` (C, N).
 
@@ -202,17 +222,7 @@ def quantize_dual(out, out_tp, inp, abs_max=None, stream=None) -> None:
     `out = q`, `out_tp = q.T`.
     """
     what = "quantize_dual"
-    _checks.expect(inp, f"{what}: inp", dtype=(FP32, BF16))  # (N, C)
-    n, c = _rows_cols(inp, what)
-    _checks.expect(out, f"{what}: out", dtype=(FP8_E4M3, FP8_E5M2))  # (N, C), any shape
-    if out.nelem != inp.nelem:
-        raise ValueError(
-            f"{what}: out {out.name!r} {out.shape} and inp {inp.name!r} {inp.shape} hold different numbers of elements"
-        )
-    _checks.expect(out_tp, f"{what}: out_tp", dtype=out.dtype, shape=(c, n))  # (C, N)
-    src = _amax_slot(abs_max, out, what)  # (1,)
-    _amax_slot(None, out_tp, what + " (out_tp)")
-    dev = _checks.same_device(out, out_tp, inp, src)
+    n, c, src, dev = _check_dual(out, out_tp, inp, abs_max, what)
     if n == 0:
         return
     if dev.is_cpu:
@@ -223,11 +233,119 @@ def quantize_dual(out, out_tp, inp, abs_max=None, stream=None) -> None:
         if out_tp.stats.ptr != out.stats.ptr:
             _write_twin_stats(out_tp, stats, src)
         return
-    vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, out_tp, inp)
+    vec = _dual_vectorized(out, out_tp, inp, n, c)
     name = _build.kernel_name("quantize_dual", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
     args = (out, out_tp, out.stats, out_tp.stats, src, inp, np.int32(n), np.int32(c))
     _build.launch("fp8", name, grid, 256, args, dev, stream)
+
+
+# ---- quantize_dual over many tensors in one launch -------------------------------------------------
+# One DualRecord of fp8.cu: 64 bytes, in this order.
+_DUAL_RECORD = np.dtype([("rows", "<u8"), ("out", "<u8"), ("stats_rows", "<u8"), ("stats_out", "<u8"),
+                         ("amax", "<u8"), ("inp", "<u8"), ("n", "<i4"), ("c", "<i4"), ("first_block", "<i4"),
+                         ("col_tiles", "<i4")])  # fmt: skip
+_MAX_GRID = 2**31 - 1  # blocks of a 1-D launch
+
+
+def _dual_tiles(shape) -> tuple[int, int]:
+    """(row tiles, column tiles) of quantize_dual's launch over an input of `shape` (..., C); (0, 0) when empty."""
+    c = shape[-1] if len(shape) else 0
+    n = math.prod(shape) // c if c else 0
+    return (_build.ceil_div(n, 32 * 4), _build.ceil_div(c, _TILE_C)) if n else (0, 0)
+
+
+def quantize_dual_table_shape(shapes) -> tuple[int]:
+    """Bytes of the BYTE table a `QuantizeDualTable` over inputs of these shapes (each (..., C)) needs:
+    a 64-byte record per non-empty input, then the owner (int32 record index) of every block."""
+    tiles = [r * c for r, c in map(_dual_tiles, shapes) if r]
+    return (max(1, len(tiles) * _DUAL_RECORD.itemsize + 4 * sum(tiles)),)
+
+
+class QuantizeDualTable:
+    """The device table `quantize_dual_multi` reads: one record per non-empty entry (its addresses: plain and
+    transposed copy, their stats slots, the abs-max source and the input; N, C; its first block and column-tile
+    count) and the record index of every block, written once here (a host-to-device copy: build the table
+    outside any graph capture), so a launch allocates and uploads nothing.
+
+    Args:
+        table: BYTE tensor of `quantize_dual_table_shape([inp.shape for inp in inps])` on the tensors' device.
+        outs, outs_tp, inps: lists of equal length; entry i is `quantize_dual(outs[i], outs_tp[i], inps[i])`
+            with abs_max=None (the source is outs[i].abs_max), checked as quantize_dual checks its arguments.
+            One input dtype (fp32 or bf16) and one FP8 dtype per table. No stats slot may belong to two
+            entries (one entry's stats writes would race with another's reads in the one launch).
+
+    On cuda, when an entry misses the 16-byte kernel's conditions (C % 8, N % 16, aligned addresses),
+    `quantize_dual_multi` launches per entry instead (`self.vectorized` False). The tensors must stay where
+    they are: the table holds their addresses.
+    """
+
+    def __init__(self, table, outs, outs_tp, inps):
+        what = "QuantizeDualTable"
+        k = len(inps)
+        if k == 0:
+            raise ValueError(f"{what}: no tensors")
+        if len(outs) != k or len(outs_tp) != k:
+            raise ValueError(f"{what}: outs has {len(outs)} entries and outs_tp {len(outs_tp)}, inps has {k}")
+        checked = [_check_dual(o, t, x, None, f"{what}[{i}]") for i, (o, t, x) in enumerate(zip(outs, outs_tp, inps))]
+        for i, (o, x) in enumerate(zip(outs, inps)):
+            for t, label, first in ((x, "inp", inps[0]), (o, "out", outs[0])):
+                if t.dtype != first.dtype:
+                    raise ValueError(f"{what}[{i}]: {label} {t.name!r} is {t.dtype} but {first.name!r} is "
+                                     f"{first.dtype}; one table holds one input dtype and one FP8 dtype")  # fmt: skip
+        owners_of = {}
+        for i, (o, t) in enumerate(zip(outs, outs_tp)):
+            for s in {o.stats.ptr, t.stats.ptr}:
+                if owners_of.setdefault(s, i) != i:
+                    raise ValueError(f"{what}[{i}]: a stats slot of out {o.name!r} or out_tp {t.name!r} is also "
+                                     f"one of entry {owners_of[s]}'s; each entry needs its own")  # fmt: skip
+        self.device = _checks.same_device(table, *outs, *outs_tp, *inps)
+        _checks.expect(table, f"{what}: table", dtype=BYTE, shape=quantize_dual_table_shape([x.shape for x in inps]))
+        kept = [(i, n, c) for i, (n, c, _, _) in enumerate(checked) if n]  # empty entries launch nothing
+        self.entries = [(outs[i], outs_tp[i], inps[i]) for i, _, _ in kept]  # (out, out_tp, inp) per record
+        self.vectorized = all(_dual_vectorized(*e, n, c) for e, (_, n, c) in zip(self.entries, kept))
+        rec = np.zeros(len(kept), _DUAL_RECORD)
+        grids = [_dual_tiles(inps[i].shape) for i, _, _ in kept]  # (row tiles, column tiles) per record
+        self.blocks = sum(rt * ct for rt, ct in grids)
+        if self.blocks > _MAX_GRID:
+            raise ValueError(f"{what}: {self.blocks} tiles exceed the {_MAX_GRID} blocks of one launch")
+        owners = np.zeros(self.blocks, np.int32)
+        first = 0
+        for j, (r, (out, out_tp, inp), (i, n, c), (rt, ct)) in enumerate(zip(rec, self.entries, kept, grids)):
+            if self.device.is_cuda:  # the per-tensor launch's column limit, which the fallback would meet
+                _transpose_grid(n, c, 1, f"{what}[{i}]")
+            r["rows"], r["out"], r["inp"] = out.ptr, out_tp.ptr, inp.ptr
+            r["stats_rows"], r["stats_out"], r["amax"] = out.stats.ptr, out_tp.stats.ptr, out.abs_max.ptr
+            r["n"], r["c"], r["first_block"], r["col_tiles"] = n, c, first, ct
+            owners[first : first + rt * ct] = j
+            first += rt * ct
+        head = len(kept) * _DUAL_RECORD.itemsize
+        if self.device.is_cuda and self.entries:
+            table.copy_from_numpy(np.concatenate([rec.view(np.uint8), owners.view(np.uint8)]))
+        self.table = table
+        self.owner = table.rows(head, head + owners.nbytes).view(INT32) if self.entries else None  # (blocks,)
+        self.dtypes = (inps[0].dtype, outs[0].dtype)
+
+
+def quantize_dual_multi(table: QuantizeDualTable, stream=None) -> None:
+    """`quantize_dual(out, out_tp, inp)` of every entry of `table` (abs-max source: out.abs_max), on cuda in
+    one launch whose values and stats are bitwise those of one launch per entry.
+
+    Args:
+        table: a QuantizeDualTable.
+
+    NumPy equivalent: the cpu path calls `quantize_dual` per entry (and so does cuda when an entry misses
+    the 16-byte conditions).
+    """
+    dev = table.device
+    if not table.entries:
+        return
+    if dev.is_cpu or not table.vectorized:
+        for out, out_tp, inp in table.entries:
+            quantize_dual(out, out_tp, inp, stream=stream)
+        return
+    name = _build.kernel_name("quantize_dual_multi", *table.dtypes)
+    _build.launch("fp8", name, table.blocks, 256, (table.table, table.owner), dev, stream)
 
 
 def transpose(out, inp, stream=None) -> None:

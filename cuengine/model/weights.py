@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import FP32
+from ..dtypes import BYTE, FP32
 from ..dtypes import dtype as _dtype
 from ..tensor import STATS_SLOTS, Tensor
 
@@ -105,7 +105,8 @@ class ModelWeights:
             their transposes (`fp8_tp`, sharing the stats slot) for the backward's TN-only dinp GEMM:
             made once per update from the same read of the weights, not once per backward matmul.
             Their stats slots are the rows of one table (`fp8_stats`), so one memset zeroes every
-            abs-max before an update that records them (`zero_abs_max`, `requantize(abs_max_recorded=)`).
+            abs-max before an update that records them (`zero_abs_max`, `requantize(abs_max_recorded=)`),
+            and that requantize of every copy is one launch over a `QuantizeDualTable` (in `fp8_table_bytes`).
         layout: None, or a `cuengine.dist.ShardPlan`: then every parameter is a view of one flat
             buffer (`self.flat`) in the plan's layout, which ranks all-gather in place.
         fp8_head: with `fp8`, the LM head (`head_name`) gets copies too (TrainOptions.lmhead_fp8).
@@ -133,7 +134,12 @@ class ModelWeights:
         self.fp8: dict[str, Tensor] = {}
         self.fp8_tp: dict[str, Tensor] = {}  # (C, OC) of each (OC, C) E4M3 copy, with its stats
         self.fp8_stats = None  # (copies, STATS_SLOTS) fp32: row i is the stats slot of the i-th copy
+        # the BYTE table of requantize(abs_max_recorded=True), sized here and written on first use (a host->device
+        # copy, which LlamaModel's first, eager update makes before any graph capture), then that fp8.QuantizeDualTable
+        self.fp8_table_bytes, self._fp8_table = None, None
         if fp8:
+            from ..kernels.fp8 import quantize_dual_table_shape
+
             quant = [(name, shape) for name, shape, _ in self.specs
                      if name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS or (fp8_head and name == self.head_name)]  # fmt: skip
             with alloc.context("Weights FP8"):
@@ -142,6 +148,8 @@ class ModelWeights:
                     q = alloc.allocate("e4m3", name + ".q", shape, stats=False).with_stats(self.fp8_stats[i])
                     tp = alloc.allocate("e4m3", name + ".qT", shape[::-1], stats=False)
                     self.fp8[name], self.fp8_tp[name] = q, tp.with_stats(q.stats)
+                table_shape = quantize_dual_table_shape([shape for _, shape in quant])
+                self.fp8_table_bytes = alloc.allocate(BYTE, "fp8_requantize_table", table_shape)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -214,11 +222,23 @@ class ModelWeights:
         weights (of `names` only, when given: those with copies); runs after every update, in
         stream order, without a host sync. `abs_max_recorded`: every slot of `abs_max_slots` already
         holds max|w| of the current weights (the update wrote it after `zero_abs_max`), so only the
-        quantize pass runs (one `quantize_dual` per copy, no memset and no abs-max pass)."""
+        quantize pass runs (no memset and no abs-max pass): for every copy (names None) one
+        `quantize_dual_multi` launch, the bits of one `quantize_dual` per copy, whose table the first
+        such call writes (a host->device copy: make it outside any graph capture); for `names`, one
+        `quantize_dual` per copy."""
         if not self.fp8:
             return
         from ..kernels import fp8
 
+        if names is None and abs_max_recorded:
+            if self._fp8_table is None:
+                copies = list(self.fp8)
+                self._fp8_table = fp8.QuantizeDualTable(
+                    self.fp8_table_bytes, [self.fp8[n] for n in copies], [self.fp8_tp[n] for n in copies],
+                    [self.tensors[n] for n in copies],
+                )  # fmt: skip
+            fp8.quantize_dual_multi(self._fp8_table, stream=stream)
+            return
         for name in self.fp8 if names is None else names:
             q = self.fp8[name]
             if not abs_max_recorded:
