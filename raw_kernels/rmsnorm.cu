@@ -13,14 +13,32 @@
 // rows in order into dweight. The block count is the scratch's first dimension, a function of (N, C)
 // only (rmsnorm_scratch_shape), so results do not depend on the GPU. C: a multiple of the 16-byte
 // vector width.
-// Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) load a row's x, dout and
-// dresidual into registers with every load issued up front (one trip to memory per row), then run
-// both passes from registers; `rmsnorm_backward_*` (any C) reads them again in the second pass. Both
-// do the same arithmetic in the same order: the same bits.
+// Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) run both passes of a row from
+// registers, and keep memory busy across a warp's rows: the next row's x, dout and dresidual are
+// copied (cp.async) into a per-warp shared-memory stage while this row computes and stores. The block
+// count is capped low (264) so that blocks live for many rows: with a warp's rows one after another
+// and nothing in flight between them, each row paid the full memory latency (43% of copy bandwidth).
+// `rmsnorm_backward_*` (any C) reads the row from global memory in both passes. Both do the same
+// arithmetic in the same order: the same bits.
 #include "common.cuh"
 
 constexpr int FWD_WARPS = 8;  // rows per forward block
 
+
+// ---- PTX helpers -------------------------------------------------------------------------
+// (tests/kernel_emulator.py compiles this file on the host with everything from here to the kernels
+// replaced by an emulation of the same helpers, in which a copy lands only at its wait.)
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 16-byte async copy global -> shared, through L2 only (.cg): each row is read once
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -82,22 +100,54 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int stride = C / VN;  // words between the k-th elements of consecutive vectors' slots
     float* my_dweight = s_dweight + (size_t)warp * C;  // vector j's element k at k * stride + j
+    const int row0 = blockIdx.x * warps + warp, step = gridDim.x * warps;
+    // V > 0: the warp's next row (x, dout, dresidual: (3, C) after the partials) is copied into shared
+    // memory while this one computes from registers. A lane copies and reads back only its own vectors,
+    // so its own wait is all the synchronisation; it reads the staged row into registers before it
+    // stages the next one over it (the asm's memory clobber keeps that order), and a row is staged
+    // before the warp stores it, so dinp may still alias dresidual.
+    T* stage = reinterpret_cast<T*>(s_dweight + (size_t)warps * C) + (size_t)warp * 3 * C;
+    auto stage_row = [&](int row) {
+        const size_t base = (size_t)row * C;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int c = (lane + 32 * i) * VN;
+            if (c < C) {
+                cp_async16(smem_u32(stage + c), inp + base + c);
+                cp_async16(smem_u32(stage + C + c), dout + base + c);
+                cp_async16(smem_u32(stage + 2 * C + c), dresidual + base + c);
+            }
+        }
+        cp_async_commit();
+    };
+    float r_next = 0.f;
+    if constexpr (V > 0) {
+        if (row0 < N) {  // in flight while the partials are zeroed
+            stage_row(row0);
+            r_next = rstd[row0];
+        }
+    }
     for (int c = lane; c < C; c += 32) my_dweight[c] = 0.f;
     unsigned amax = 0;
-    for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
+    for (int row = row0; row < N; row += step) {
         const size_t base = (size_t)row * C;
-        const float r = rstd[row];
         float dot = 0.f;  // sum(weight * dout * x)
         if constexpr (V > 0) {
+            const float r = r_next;
             Pack16<T> xs[V], gs[V], drs[V];
+            cp_async_wait<0>();
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const int c = (lane + 32 * i) * VN;
                 if (c < C) {
-                    xs[i] = Pack16<T>::load(inp + base + c);
-                    gs[i] = Pack16<T>::load(dout + base + c);
-                    drs[i] = Pack16<T>::load(dresidual + base + c);
+                    xs[i] = Pack16<T>::load(stage + c);
+                    gs[i] = Pack16<T>::load(stage + C + c);
+                    drs[i] = Pack16<T>::load(stage + 2 * C + c);
                 }
+            }
+            if (row + step < N) {
+                stage_row(row + step);
+                r_next = rstd[row + step];
             }
 #pragma unroll
             for (int i = 0; i < V; ++i) {
@@ -122,26 +172,27 @@ __device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidua
                 }
                 d.store(dinp + base + c);
             }
-            continue;
-        }
-        for (int c = lane * VN; c < C; c += 32 * VN) {
-            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
-                            w = Pack16<T>::load(weight + c);
-            for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
-        }
-        dot = warp_sum(dot);
-        const float coef = dot * r / C;
-        for (int c = lane * VN; c < C; c += 32 * VN) {
-            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
-                            w = Pack16<T>::load(weight + c), dr = Pack16<T>::load(dresidual + base + c);
-            Pack16<T> d;
-            for (int k = 0; k < VN; ++k) {
-                const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
-                d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
-                my_dweight[k * stride + c / VN] += gk * xh;
-                amax = max(amax, abs_bits(to_float(d.v[k])));
+        } else {
+            const float r = rstd[row];
+            for (int c = lane * VN; c < C; c += 32 * VN) {
+                const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                                w = Pack16<T>::load(weight + c);
+                for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
             }
-            d.store(dinp + base + c);
+            dot = warp_sum(dot);
+            const float coef = dot * r / C;
+            for (int c = lane * VN; c < C; c += 32 * VN) {
+                const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                                w = Pack16<T>::load(weight + c), dr = Pack16<T>::load(dresidual + base + c);
+                Pack16<T> d;
+                for (int k = 0; k < VN; ++k) {
+                    const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
+                    d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
+                    my_dweight[k * stride + c / VN] += gk * xh;
+                    amax = max(amax, abs_bits(to_float(d.v[k])));
+                }
+                d.store(dinp + base + c);
+            }
         }
     }
     __syncthreads();

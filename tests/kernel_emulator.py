@@ -4,11 +4,12 @@ tests/test_kernel_emulation.py.
 The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch
 loop) with a common.cuh stand-in for the helpers these families use: bf16/fp16/fp8 types and
 conversions (fp8 SATFINITE round-to-nearest-even by search over the 256 codes; the paired fp16 one
-as two single ones), 16-byte packs that fail on a misaligned access, __reduce_max_sync and
-atomicMax. Static shared arrays are plain statics (blocks run one after another); rmsnorm's dynamic
-shared memory is the emulator's buffer. The real launchers drive it (their `launch` is redirected),
-so grids, variants, tails and index arithmetic are checked without a GPU; register limits and
-timing are not.
+as two single ones), 16-byte packs that fail on a misaligned access, __reduce_max_sync, atomicMax
+and cp.async (the attention emulator's: a copy reads global memory and lands only at its wait, so a
+missing wait or a row staged after it was overwritten shows). Static shared arrays are plain
+statics (blocks run one after another); rmsnorm's dynamic shared memory is the emulator's buffer.
+The real launchers drive it (their `launch` is redirected), so grids, variants, tails and index
+arithmetic are checked without a GPU; register limits and timing are not.
 """
 
 import ctypes
@@ -21,9 +22,11 @@ import numpy as np
 import cuengine as ce
 from cuengine.kernels._build import kernel_dir
 
-# The attention emulator's fibers, barriers and bf16, without its PTX helpers; min/max come from <algorithm>.
+# The attention emulator's fibers, barriers and bf16, and its cp.async (a copy lands at its wait), without
+# its other PTX helpers; min/max come from <algorithm>.
+_PTX = AE.EMU_HEADER.index("// ---- the PTX helpers, emulated ----")
 _BASE = (
-    AE.EMU_HEADER[: AE.EMU_HEADER.index("// ---- the PTX helpers, emulated ----")]
+    AE.EMU_HEADER[: AE.EMU_HEADER.index("inline uint16_t sm16", _PTX)]
     .replace("#define __align__(n) alignas(n)", "#define __align__(n) alignas(n)\n#define __shared__ static")
     .replace("inline int min(int a, int b) { return a < b ? a : b; }", "")
     .replace("struct alignas(16) int4 { int x, y, z, w; };", "")
@@ -119,6 +122,7 @@ template <typename T> struct alignas(16) Pack16 {
         *reinterpret_cast<Pack16*>(p) = *this;
     }
 };
+inline void cp_async16(unsigned dst, const void* src) { cp_async16(dst, src, 16); }  // rmsnorm.cu's form
 inline unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 // cache-hinted global loads and stores (adamw8bit.cu): plain accesses that fail when misaligned
 template <typename T> inline T __ldcs(const T* p) {
@@ -160,6 +164,9 @@ def build(family, kernels, workdir):
     if gxx is None:
         return None
     src = (kernel_dir() / f"{family}.cu").read_text()
+    if "// ---- PTX helpers" in src:  # rmsnorm.cu's cp.async helpers: the emulated ones are in _COMMON
+        a = src.index("// ---- PTX helpers")
+        src = src[:a] + src[src.index("// ---- kernels", a) :]
     src = src.replace("extern __shared__ float s_dweight[];", "float* s_dweight = (float*)g_smem;")
     src = src.replace(  # classifier.cu's row cache
         "extern __shared__ __align__(16) unsigned char s_cache_bytes[];", "unsigned char* s_cache_bytes = g_smem;"

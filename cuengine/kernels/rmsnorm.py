@@ -19,8 +19,9 @@ FLOATS = (FP32, BF16, FP16)
 
 _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
 _BWD_SMEM = 96 * 1024  # per-warp dweight partials in shared memory: warps * C * 4 bytes at most
+# (the register variants add 8 warps' staged rows, 3 * C * itemsize bytes each: 160 KB in all at most)
 _BWD_MAX_WARPS = 8
-_MAX_PARTIALS = 512  # blocks of the backward = rows of the scratch
+_MAX_PARTIALS = 264  # blocks of the backward = rows of the scratch: one or two waves on the H200's 132 SMs
 _REG_VECTORS = (1, 2, 4, 8)  # rmsnorm_backward_v<V>: a row in registers, V 16-byte vectors per lane at most
 _DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
@@ -74,8 +75,9 @@ def _backward_warps(C: int) -> int:
 def rmsnorm_scratch_shape(N: int, C: int) -> tuple[int, int]:
     """Shape (P, C) of the fp32 scratch rmsnorm_backward needs for N rows of C channels.
 
-    P = min(512, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
+    P = min(264, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
     rows a block works on at once; both depend only on (N, C), which keeps dweight's bits fixed.
+    Few blocks, each living for many rows: a warp's next row loads while its current one computes.
     """
     return (max(1, min(_MAX_PARTIALS, ceil_div(N, _backward_warps(C)))), C)
 
@@ -189,6 +191,7 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     lane_vectors = ceil_div(C * inp.dtype.itemsize, 16 * 32)
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
     name = kernel_name(f"rmsnorm_backward_v{v}" if v else "rmsnorm_backward", inp)
-    launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
+    staged = warps * 3 * C * inp.dtype.itemsize if v else 0  # each warp's next row: x, dout, dresidual
+    launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C + staged)
     args = (dweight, scratch, np.int32(P), np.int32(C))
     launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, _DW_COLS), _DW_THREADS, args, dev, stream)
