@@ -147,6 +147,42 @@ inline void block_atomic_abs_max(float* dst, unsigned bits) {
 }
 """
 
+# classifier.cu's PTX helpers (its "// ---- PTX helpers" section is swapped for these; smem_u32 and the
+# cp.async commit and wait are the attention emulator's, in _BASE): cp.async copies land at the wait
+# (or at issue in eager mode), so a missing wait reads the 0xff fill; ex2.approx.ftz
+# flushes results below 2^-126 to 0 as MUFU.EX2 does; bf16x2 max/min let a NaN lane yield to the
+# other (both NaN: 0x7fff) and prefer +0 (max) or -0 (min) between zeros, as HMNMX2 does.
+_CLASSIFIER_HELPERS = r"""
+inline void copy_to_shared16(unsigned dst, const void* src) { cp_async16(dst, src, 16); }
+inline uint4 ld_shared16(unsigned addr) {
+    uint4 v{};
+    if (addr % 16 || addr + 16 > g_smem_size) { fail("ld.shared outside the dynamic shared memory"); return v; }
+    memcpy(&v, g_smem + addr, 16);
+    return v;
+}
+inline void prefetch_l2(const void*) {}
+inline float ex2_ftz(float x) { const float y = exp2f(x); return y < 0x1p-126f ? 0.f : y; }
+inline unsigned bf16_pick(unsigned a, unsigned b, bool mx) {
+    const float fa = __uint_as_float(a << 16), fb = __uint_as_float(b << 16);
+    if (fa != fa) return fb != fb ? 0x7fffu : b;
+    if (fb != fb) return a;
+    if (fa == fb) return ((a >> 15) == (unsigned)mx) ? b : a;  // zeros of both signs: +0 for max, -0 for min
+    return (fa > fb) == mx ? a : b;
+}
+inline unsigned bf16x2_max(unsigned a, unsigned b) {
+    return bf16_pick(a & 0xffff, b & 0xffff, true) | bf16_pick(a >> 16, b >> 16, true) << 16;
+}
+inline unsigned bf16x2_min(unsigned a, unsigned b) {
+    return bf16_pick(a & 0xffff, b & 0xffff, false) | bf16_pick(a >> 16, b >> 16, false) << 16;
+}
+inline unsigned bf16x2_pack(float lo, float hi) {
+    return (unsigned)__float2bfloat16_rn(lo).x | (unsigned)__float2bfloat16_rn(hi).x << 16;
+}
+inline unsigned u16x2_max(unsigned a, unsigned b) {
+    return std::max(a & 0xffff, b & 0xffff) | std::max(a >> 16, b >> 16) << 16;
+}
+"""
+
 
 def or_skip(built):
     """`built` (a library or launcher this module or attention_emulator built), or skip the test
@@ -164,13 +200,16 @@ def build(family, kernels, workdir):
     if gxx is None:
         return None
     src = (kernel_dir() / f"{family}.cu").read_text()
-    if "// ---- PTX helpers" in src:  # rmsnorm.cu's cp.async helpers: the emulated ones are in _COMMON
+    if family == "rmsnorm":  # rmsnorm.cu's cp.async helpers: the emulated ones are in _COMMON
         a = src.index("// ---- PTX helpers")
         src = src[:a] + src[src.index("// ---- kernels", a) :]
     src = src.replace("extern __shared__ float s_dweight[];", "float* s_dweight = (float*)g_smem;")
     src = src.replace(  # classifier.cu's row cache
         "extern __shared__ __align__(16) unsigned char s_cache_bytes[];", "unsigned char* s_cache_bytes = g_smem;"
     )
+    if family == "classifier":
+        a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
+        src = src[:a] + _CLASSIFIER_HELPERS + src[b:]
     (workdir / f"{family}_emu.cu").write_text(src)
     (workdir / "common.cuh").write_text(_BASE + _COMMON)
     main = AE.EMU_MAIN.replace('#include "attention_emu.cu"', f'#include "{family}_emu.cu"')

@@ -9,6 +9,7 @@ their per-tensor launches."""
 import kernel_emulator as emu
 import numpy as np
 import pytest
+from conftest import assert_close
 
 import cuengine as ce
 from cuengine.kernels import _build, classifier, fp8
@@ -289,6 +290,99 @@ def test_emulated_classifier_abs_max_equals_abs_max_of_its_dlogits(cls_lib, fp8_
     assert out[False]["amax"][0] == 0
     kind = "_warp" if v <= 4096 else ""
     assert calls[0].startswith("fused_classifier_") and calls[0].endswith(kind), calls
+
+
+# (rows, V, compute capability major): a row shorter than one 16-byte vector per thread, all of it in shared memory;
+# a row longer than the 224 KB cache (bf16: one tail vector on some threads; fp32: more tail vectors than
+# slots, so pass 2 reuses each slot); and the 32 KB cache of other devices (two slots, a tail waited for one
+# vector at a time).
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("n,v,cc", [(4, 4104, 9), (4, 120000, 9), (4, 40000, 8)])
+def test_emulated_classifier_pipelined_matches_the_twin(cls_lib, monkeypatch, dtype, n, v, cc):
+    """The 16-byte block kernel (cp.async head, tail loaded ahead, tail re-read into freed slots) against the
+    twin: dlogits, lse and losses, a target in the tail, an ignored row (zero gradient, loss untouched), a bad
+    target (NaN loss); a row whose elements 89 below its lse get their subnormal gradient, as exp2f gives it
+    and MUFU.EX2 alone would flush to 0. Copies landing at issue with warps at random speeds (eager) give the
+    same bits as copies landing at the wait; the forward-only launch gives the same lse and losses."""
+    g = np.random.default_rng(v + cc)
+    x = g.standard_normal((n, v)) * 3
+    x[1] = g.standard_normal(v)
+    lse1 = np.log(np.exp(x[1]).sum())
+    x[1, 3::7] = np.round(lse1) - 89
+    targets = np.array([v - 1, 5, -1, v], np.int32)
+    losses0 = np.linspace(0.5, 2, n)
+    calls = []
+
+    def launch(family, name, *a, **kw):
+        calls.append(name)
+        emu.launch(cls_lib, family, name, *a, **kw)
+
+    monkeypatch.setattr(classifier._build, "launch", launch)
+    monkeypatch.setattr(emu.DEV, "compute_capability", (cc, 0))
+    out = {}
+    for eager, write in ((0, True), (1, True), (0, False)):
+        t = {"logits": emu.tensor(x, dtype, "logits"), "losses": emu.tensor(losses0, "fp32", "losses"),
+             "lse": emu.tensor(np.zeros(n), "fp32", "lse"),
+             "targets": emu.tensor(targets, "int32", "targets")}  # fmt: skip
+        cls_lib.emu_set_eager(eager)
+        try:
+            classifier.fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1 / 3, 1e-3, write)
+        finally:
+            cls_lib.emu_set_eager(0)
+        for k, tt in t.items():
+            assert emu.margins_ok(tt), k
+        out[eager, write] = {k: tt.numpy() for k, tt in t.items()}
+    assert calls == [_build.kernel_name("fused_classifier", ce.dtype(dtype))] * 3
+    for k in ("logits", "losses", "lse"):
+        np.testing.assert_array_equal(out[1, True][k].view(np.uint8), out[0, True][k].view(np.uint8), err_msg=k)
+    for k in ("losses", "lse"):
+        np.testing.assert_array_equal(out[0, False][k].view(np.uint8), out[0, True][k].view(np.uint8), err_msg=k)
+    np.testing.assert_array_equal(out[0, False]["logits"], x.astype(ce.dtype(dtype).np))
+    got = out[0, True]
+    want = {"logits": x.astype(ce.dtype(dtype).np), "losses": losses0.astype(np.float32),
+            "lse": np.zeros(n, np.float32)}  # fmt: skip
+    classifier.fused_classifier_reference(want["logits"], want["losses"], want["lse"], targets, np.float32(1 / 3), 1e-3)
+    assert_close(got["logits"], want["logits"], dtype, "dlogits", scale=1e-9)
+    assert_close(got["lse"], want["lse"], "fp32", "lse")
+    assert_close(got["losses"][:3], want["losses"][:3], "fp32", "losses")
+    assert got["losses"][2] == np.float32(losses0[2]) and np.isnan(got["losses"][3])
+    assert np.all(got["logits"][2] == 0) and got["logits"][0, -1] < 0 and got["logits"][1, 5] < 0
+    tiny = got["logits"][1, 3::7].astype(np.float32)
+    assert np.all((tiny > 0) & (tiny < np.finfo(np.float32).tiny)), tiny[:8]
+
+
+def test_emulated_classifier_pipelined_pass1_adds_subnormal_terms(cls_lib, monkeypatch):
+    """Pass 1 of the pipelined kernel adds the exp2f values, subnormal ones included, where MUFU.EX2 alone
+    would flush them: thread 0's first group of an fp32 row holds exact powers of two (x log2(e) rounds to an
+    integer) 2^-127 nine times, 2^-121 twice, then 2^-96, 2^-72, 2^-48, 2^-24 and 1, each sum after the
+    subnormals a rounding tie they tip upwards, so that the row's sum is 1 + 2^-23 with them and 1 without
+    (lse > 0 against lse = 0); the rest of the row (-1000) adds 0."""
+    log2e = np.float32(1.4426950408889634)
+
+    def exact(k):  # an fp32 x whose x * log2(e), rounded to fp32, is k
+        x = np.float32(k / float(log2e))
+        for _ in range(16):
+            if np.float32(np.float64(x) * np.float64(log2e)) == k:
+                return x
+            x = np.nextafter(x, np.float32(np.inf) if x * log2e < k else np.float32(-np.inf), dtype=np.float32)
+        raise AssertionError(k)
+
+    v = 16384
+    x = np.full((1, v), -1000, np.float32)
+    group = [u * 4096 + k for u in range(4) for k in range(4)]  # thread 0's first group (1024 threads, 4 floats)
+    x[0, group] = [exact(k) for k in [-127] * 9 + [-121] * 2 + [-96, -72, -48, -24, 0]]
+    calls = []
+
+    def launch(family, name, *a, **kw):
+        calls.append(name)
+        emu.launch(cls_lib, family, name, *a, **kw)
+
+    monkeypatch.setattr(classifier._build, "launch", launch)
+    t = {"logits": emu.tensor(x, "fp32", "logits"), "losses": emu.tensor(np.zeros(1), "fp32", "losses"),
+         "lse": emu.tensor(np.zeros(1), "fp32", "lse"), "targets": emu.tensor([5], "int32", "targets")}  # fmt: skip
+    classifier.fused_classifier(t["logits"], t["losses"], t["lse"], t["targets"], 1.0, write_dlogits=False)
+    assert calls == ["fused_classifier_f32"]
+    assert t["lse"].numpy()[0] > 0, t["lse"].numpy()  # log(1 + 2^-23), where a sum of 1 gives 0
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,12 @@ from .fp8 import abs_max_reference
 _WARP_ROW_MAX_V = 4096  # rows up to this length take one warp each
 _WARP_ROWS = 8  # rows (warps) per block of the `_warp` kernels
 # Dynamic shared memory per block that caches a row's head between the forward and backward
-# passes, by compute capability major (the opt-in maximum is 227 KB on sm_90 and sm_100).
+# passes, by compute capability major (the opt-in maximum is 227 KB on sm_90 and sm_100); other
+# devices get 32 KB, which needs no opt-in. The 16-byte block kernels also stage their loads there
+# (cp.async), so they take it in the forward-only launch too, and need a 16-byte slot per thread
+# (16 KB at 1024 threads) unless the whole row fits.
 _CACHE_BYTES = {9: 224 * 1024, 10: 224 * 1024}
+_CACHE_BYTES_OTHER = 32 * 1024
 
 
 def fused_classifier_reference(logits, losses, lse, targets, d_loss, z_loss=0.0, write_dlogits=True, abs_max=None):
@@ -113,8 +117,8 @@ def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, 
     else:
         blocks = n
         threads = min(1024, max(32, _build.ceil_div(_build.ceil_div(v, per_thread), 32) * 32))
-        if write_dlogits:
-            budget = _CACHE_BYTES.get(dev.compute_capability[0], 0) // logits.dtype.itemsize
+        if write_dlogits or vectorised:
+            budget = _CACHE_BYTES.get(dev.compute_capability[0], _CACHE_BYTES_OTHER) // logits.dtype.itemsize
             cache_n = min(v, budget) // per_thread * per_thread
             smem = cache_n * logits.dtype.itemsize
     args = (logits, losses, lse, abs_max, targets, np.float32(0.0 if on_device else d_loss),
