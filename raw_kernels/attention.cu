@@ -19,6 +19,7 @@
 // Invariants: rows t >= T are never written; masked scores contribute exactly 0; the kernels only
 // read qkv/att/datt/lse and write their outputs, which must not alias the inputs.
 #include "common.cuh"
+#include "cp_async.cuh"
 
 #define LOG2E 1.4426950408889634f
 #define ATT_INF __int_as_float(0x7f800000)  // NVRTC has no math.h INFINITY
@@ -27,17 +28,6 @@
 // ---- PTX helpers -------------------------------------------------------------------------
 // (tests/test_attention.py compiles this file on the host with everything from here to the
 // extern __shared__ declaration replaced by an emulation of the same helpers.)
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// 16-byte async copy global -> shared; src_bytes = 0 zero-fills the destination (rows past T).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");

@@ -38,24 +38,12 @@
 // element taking p * zf, the bits of the fused form with 0; and bf16 results are rounded two at a
 // time (F2FP, round-to-nearest-even as the scalar F2F). The dlogits are stored evict-first.
 #include "common.cuh"
+#include "cp_async.cuh"
 
 // helpers
 // ---- PTX helpers -------------------------------------------------------------------------
 // (tests/kernel_emulator.py compiles this file on the host with everything from here to the end
 // of this section replaced by host stand-ins of the same helpers.)
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// 16-byte async copy global -> shared (L2 only). No L2 cache-policy operand: the
-// `.L2::cache_hint` form with a `createpolicy.fractional` policy stopped with an illegal instruction
-// on the H200 (compute-sanitizer, sixth session).
-__device__ __forceinline__ void copy_to_shared16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // 16 bytes at a shared-memory address (as smem_u32 gives it).
 __device__ __forceinline__ uint4 ld_shared16(unsigned addr) {
     uint4 v;
@@ -219,7 +207,7 @@ __device__ void pass1_pipelined(const T* x, uint4* cache, int tid, int nthreads,
         if (j0 < c) {
 #pragma unroll
             for (int u = 0; u < U; ++u)
-                if (j0 + u < c) copy_to_shared16(dst + (j0 + u) * vb, at(j0 + u));
+                if (j0 + u < c) cp_async16(dst + (j0 + u) * vb, at(j0 + u));
         }
         cp_async_commit();
     };
@@ -300,7 +288,7 @@ __device__ void pass2_pipelined(T* x, uint4* cache, int tid, int nthreads, int n
     auto at = [&](int j) { return xt + (size_t)(unsigned)j * vb; };
     // One commit group per vector done, so that tail vector k is always group k of this pass.
     auto fetch = [&](int k, int q) {
-        if (k < tail) copy_to_shared16(dst + q * vb, at(n - 1 - k));
+        if (k < tail) cp_async16(dst + q * vb, at(n - 1 - k));
         cp_async_commit();
     };
     auto step = [&](int j, int q) {

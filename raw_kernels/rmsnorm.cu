@@ -21,24 +21,10 @@
 // `rmsnorm_backward_*` (any C) reads the row from global memory in both passes. Both do the same
 // arithmetic in the same order: the same bits.
 #include "common.cuh"
+#include "cp_async.cuh"
 
 constexpr int FWD_WARPS = 8;  // rows per forward block
 
-
-// ---- PTX helpers -------------------------------------------------------------------------
-// (tests/kernel_emulator.py compiles this file on the host with everything from here to the kernels
-// replaced by an emulation of the same helpers, in which a copy lands only at its wait.)
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// 16-byte async copy global -> shared, through L2 only (.cg): each row is read once
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // ---- kernels ------------------------------------------------------------------------------
 

@@ -253,6 +253,7 @@ def build(workdir):
     b = src.index(decl)
     (workdir / "attention_emu.cu").write_text(src[:a] + "#define att_smem g_smem\n" + src[b + len(decl) :])
     (workdir / "common.cuh").write_text(EMU_HEADER)
+    (workdir / "cp_async.cuh").write_text("")  # cp_async.cuh's helpers are emulated in EMU_HEADER
     (workdir / "emu.cpp").write_text(EMU_MAIN)
     out = workdir / "libemu.so"
     cmd = [gxx, "-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-o", str(out), str(workdir / "emu.cpp")]

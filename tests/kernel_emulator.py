@@ -122,7 +122,7 @@ template <typename T> struct alignas(16) Pack16 {
         *reinterpret_cast<Pack16*>(p) = *this;
     }
 };
-inline void cp_async16(unsigned dst, const void* src) { cp_async16(dst, src, 16); }  // rmsnorm.cu's form
+inline void cp_async16(unsigned dst, const void* src) { cp_async16(dst, src, 16); }  // cp_async.cuh's 2-operand form
 inline unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 // cache-hinted global loads and stores (adamw8bit.cu): plain accesses that fail when misaligned
 template <typename T> inline T __ldcs(const T* p) {
@@ -147,13 +147,12 @@ inline void block_atomic_abs_max(float* dst, unsigned bits) {
 }
 """
 
-# classifier.cu's PTX helpers (its "// ---- PTX helpers" section is swapped for these; smem_u32 and the
-# cp.async commit and wait are the attention emulator's, in _BASE): cp.async copies land at the wait
-# (or at issue in eager mode), so a missing wait reads the 0xff fill; ex2.approx.ftz
+# classifier.cu's PTX helpers (its "// ---- PTX helpers" section is swapped for these; cp.async is the
+# attention emulator's, in _BASE: copies land at the wait, so a missing wait reads the 0xff fill);
+# ex2.approx.ftz
 # flushes results below 2^-126 to 0 as MUFU.EX2 does; bf16x2 max/min let a NaN lane yield to the
 # other (both NaN: 0x7fff) and prefer +0 (max) or -0 (min) between zeros, as HMNMX2 does.
 _CLASSIFIER_HELPERS = r"""
-inline void copy_to_shared16(unsigned dst, const void* src) { cp_async16(dst, src, 16); }
 inline uint4 ld_shared16(unsigned addr) {
     uint4 v{};
     if (addr % 16 || addr + 16 > g_smem_size) { fail("ld.shared outside the dynamic shared memory"); return v; }
@@ -200,9 +199,6 @@ def build(family, kernels, workdir):
     if gxx is None:
         return None
     src = (kernel_dir() / f"{family}.cu").read_text()
-    if family == "rmsnorm":  # rmsnorm.cu's cp.async helpers: the emulated ones are in _COMMON
-        a = src.index("// ---- PTX helpers")
-        src = src[:a] + src[src.index("// ---- kernels", a) :]
     src = src.replace("extern __shared__ float s_dweight[];", "float* s_dweight = (float*)g_smem;")
     src = src.replace(  # classifier.cu's row cache
         "extern __shared__ __align__(16) unsigned char s_cache_bytes[];", "unsigned char* s_cache_bytes = g_smem;"
@@ -212,6 +208,7 @@ def build(family, kernels, workdir):
         src = src[:a] + _CLASSIFIER_HELPERS + src[b:]
     (workdir / f"{family}_emu.cu").write_text(src)
     (workdir / "common.cuh").write_text(_BASE + _COMMON)
+    (workdir / "cp_async.cuh").write_text("")  # its helpers are the attention emulator's, in _BASE
     main = AE.EMU_MAIN.replace('#include "attention_emu.cu"', f'#include "{family}_emu.cu"')
     a = main.index("static const Entry kernels[] = {")
     b = main.index("};", a)
