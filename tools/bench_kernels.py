@@ -4,7 +4,10 @@ Each case moves at least 64 MB (bytes read + bytes written, counting every tenso
 algorithmic minimum, not what the kernel happens to re-read from L2). The ceiling is measured
 here, as a 1 GiB device-to-device copy timed the same way (CEILINGS["copy"] in cuengine.benchmark
 is the known H200 figure). Timing: cuengine.benchmark.time_ms, CUDA events around a few
-back-to-back launches (about 200 MB of traffic) after a warm-up; the median per launch.
+back-to-back launches (about 200 MB of traffic) after a warm-up; the median per launch. The timed
+launches queue up behind a spin kernel (`--hold-ms`), so that a kernel shorter than its Python
+wrapper is timed on the GPU alone, as it runs inside a captured step (`--hold-ms 0`: the launches
+are timed as Python issues them, the measurement before 2026-11-30's seventh session).
 
     python tools/bench_kernels.py                      # every family
     python tools/bench_kernels.py --family fp8,adamw   # some of them
@@ -39,10 +42,11 @@ def tensor(dev, dtype, shape, scale=1.0, seed=0, name="t"):
     return fill(ce.Tensor.empty(dtype, shape, dev, name=name), scale, seed)
 
 
-def launch_ms(dev, fn, nbytes: int, warmup: int, iters: int) -> float:
+def launch_ms(dev, fn, nbytes: int, warmup: int, iters: int, hold_ms: float) -> float:
     """Median milliseconds per call of fn(), with enough calls per sample for about 200 MB of
-    traffic, so that the GPU time of a sample outweighs Python's launch overhead."""
-    return time_ms(dev, fn, warmup, iters, reps=max(1, min(64, round(2e8 / max(nbytes, 1)))))
+    traffic; with hold_ms > 0 every timed call is queued before the GPU starts on them."""
+    reps = max(1, min(64, round(2e8 / max(nbytes, 1))))
+    return time_ms(dev, fn, warmup, iters, reps=reps, hold_ms=hold_ms)
 
 
 # ---- cases: each yields (family, case, bytes moved, fn) ------------------------------------------
@@ -219,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed launches per case (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed launches first (the first compiles)")
     ap.add_argument("--device", default="cuda", help="cuda; or cpu, with --shrink, to check this script without a GPU")
+    ap.add_argument("--hold-ms", type=float, default=20.0,
+                    help="park the stream this long before the timed launches (0: time them as issued)")
     ap.add_argument("--shrink", type=int, default=1, help="divide each case's row count by this (smoke runs)")
     args = ap.parse_args(argv)
     families = FAMILIES if args.family == "all" else tuple(f.strip() for f in args.family.split(","))
@@ -232,14 +238,14 @@ def main(argv=None) -> int:
 
     rows = []
     ((_, _, nbytes, fn),) = copy_case(dev, args.shrink)
-    ceiling = nbytes / (launch_ms(dev, fn, nbytes, args.warmup, args.iters) * 1e-3)
+    ceiling = nbytes / (launch_ms(dev, fn, nbytes, args.warmup, args.iters, args.hold_ms) * 1e-3)
     print(f"{dev.name}: device-to-device copy {ceiling / 1e12:.2f} TB/s (the ceiling; known figure "
           f"{CEILINGS['copy'] / 1e12:.2f} TB/s)")  # fmt: skip
     failed = 0
     for family in families:
         try:
             for fam, case, nbytes, fn in CASES[family](dev, args.shrink):
-                ms = launch_ms(dev, fn, nbytes, args.warmup, args.iters)
+                ms = launch_ms(dev, fn, nbytes, args.warmup, args.iters, args.hold_ms)
                 gbs = nbytes / (ms * 1e-3) / 1e9 if nbytes else float("nan")
                 rows.append((fam, case, nbytes / MB, ms * 1e3, gbs, 100 * gbs * 1e9 / ceiling))
                 print(f"  {fam:<10} {case:<48} {ms * 1e3:9.1f} us {gbs:8.0f} GB/s", flush=True)
