@@ -67,6 +67,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                                     fp8_head=self.opts.lmhead_fp8)  # fmt: skip
         self.rs: RunState | None = None
         self.grads: dict | None = None
+        self._grads_flat = None  # the one buffer the 1-GPU gradients are views of
         self._blocks: Blocks | None = None
         self.opt_state: AdamWState | None = None
         self.step = 0
@@ -113,6 +114,20 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         raise MemoryError(f"allocate_run_state: B={B}, T={T} does not fit in memory with these options; "
                           f"{options_that_fit(self, B, T)}\n{why}")  # fmt: skip
 
+    def _allocate_grads(self) -> tuple:
+        """One flat gradient buffer and each parameter's gradient as a view of it: the first
+        micro-step zeroes them all with one memset instead of one per parameter (~170 graph nodes).
+        Views start on 256-byte boundaries, as separate allocations would."""
+        layout = ShardPlan(self.weights.specs, 1, align=256 // self.dtype.itemsize)
+        with self.alloc.context("Gradients"):
+            flat = self.alloc.allocate(self.dtype, "gradients", (layout.total,))
+        grads = {}
+        for name, shape, _ in self.weights.specs:
+            s = layout.params[name]
+            grads[name] = flat.rows(s.offset, s.offset + s.numel).reshape(shape)
+            grads[name].name = f"d.{name}"
+        return flat, grads
+
     def _build_run_state(self, o: TrainOptions, B: int, T: int) -> None:
         """The run state, gradients, optimizer state and stack for options `o`: all of it, or
         (MemoryError) none of it."""
@@ -122,8 +137,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                 self.rs = RunState(cfg, o, B, T, self.alloc)
                 opt_specs = self.weights.specs
                 if self.comm is None:
-                    with self.alloc.context("Gradients"):
-                        self.grads = {n: self.alloc.allocate(self.dtype, f"d.{n}", s) for n, s, _ in self.weights.specs}
+                    self._grads_flat, self.grads = self._allocate_grads()
                 else:
                     if o.zero_stage and getattr(o, "optimizer", "adamw") != "adamw":
                         raise ValueError(f"allocate_run_state: zero_stage {o.zero_stage} shards AdamW's moments; "
@@ -145,7 +159,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                 recording = Blocks(cfg, o, self.weights, self.rs, block_grads, RECORDING)
                 self.rs.size_stack(lambda: self._step_temporaries(recording))
         except BaseException:
-            self.rs = self.grads = self.opt_state = self._blocks = None
+            self.rs = self.grads = self._grads_flat = self.opt_state = self._blocks = None
             raise
 
     def _step_temporaries(self, blocks: Blocks) -> None:
@@ -325,8 +339,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         L, res = cfg.num_layers, rs.residuals
         if micro_step == 0:
             if dp is None:
-                for g in G.values():
-                    g.fill_zero()
+                self._grads_flat.fill_zero()
             rs.losses.fill_zero()
         if dp is not None:
             dp.begin_backward(micro_step, grad_accum_steps, rs.d_loss)
