@@ -4,6 +4,7 @@ import functools
 import math
 
 import attention_emulator as emu
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TOL, finite_difference, rng
@@ -409,6 +410,49 @@ def test_gpu_cudnn_matches_twin_and_raw(case):
         _compare(raw[k], got[k], "bf16", f"raw vs cudnn {k}", factor=2.0)
 
 
+def _needs_sm90():
+    cc = ce.device("cuda").compute_capability
+    if cc != (9, 0):
+        pytest.skip(f"the wgmma kernels (sm_90a) need compute capability 9.0, not {cc}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", A.SM90_FORWARD_VARIANTS, ids=lambda v: f"wg{v[0]}x{v[1]}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_raw_sm90_forward_matches_twin(case, variant, monkeypatch):
+    """The wgmma forward (each tiling) against the twin, and the mma.sync backward on its lse."""
+    _needs_sm90()
+    monkeypatch.setattr(A, "SM90_FORWARD", {case[4]: variant})
+    _check_against_twin(case, "bf16", "raw")
+
+
+def test_sm90_forward_switch(monkeypatch):
+    """SM90_FORWARD picks the wgmma forward per head size, only on compute capability 9.0."""
+
+    class Dev:
+        compute_capability = (9, 0)
+
+    monkeypatch.setattr(A, "SM90_FORWARD", {128: (2, 128)})
+    assert A._sm90_forward(Dev(), 128) == (2, 128)
+    assert A._sm90_forward(Dev(), 64) is None
+    Dev.compute_capability = (10, 0)  # no wgmma on Blackwell: the mma.sync kernels run
+    assert A._sm90_forward(Dev(), 128) is None
+    Dev.compute_capability = (9, 0)
+    monkeypatch.setattr(A, "SM90_FORWARD", {128: (4, 32)})
+    with pytest.raises(ValueError, match=r"SM90_FORWARD\[128\] = \(4, 32\) is not one of"):
+        A._sm90_forward(Dev(), 128)
+
+
+def test_sm90_module_compiles_for_sm90a():
+    """attention_sm90.cu through the loader's own NVRTC path for its architecture (MODULE_ARCH); the
+    plain sm_90 build of tests/test_compile.py only sees its __trap() stand-ins."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is part of the [cuda] extra")
+    from cuengine.kernels._build import MODULE_ARCH, compile_cubin, kernel_dir
+
+    assert MODULE_ARCH["attention_sm90"] == "sm_90a"
+    assert len(compile_cubin(kernel_dir() / "attention_sm90.cu", "sm_90a")) > 0
+
+
 # The warp-per-row kernels: fp32, and bf16 head sizes without flash kernels (hs 80: lanes partly idle).
 SIMT_CASES = [(2, 1, 4, 1, 64), (2, 17, 4, 2, 32), (1, 300, 14, 2, 128), (1, 129, 2, 1, 80), (1, 70, 3, 1, 256)]
 
@@ -423,9 +467,13 @@ def test_gpu_raw_simt_matches_twin(case, dtype_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["raw", pytest.param("cudnn", marks=needs_cudnn)])
-def test_gpu_batch_shards_deterministic_stream_and_graph(backend):
+@pytest.mark.parametrize("backend", ["raw", "raw-sm90", pytest.param("cudnn", marks=needs_cudnn)])
+def test_gpu_batch_shards_deterministic_stream_and_graph(backend, monkeypatch):
     """Chunked backward (the seed's AttBwdChunks), repeatability, a side stream and graph capture."""
+    if backend == "raw-sm90":  # the wgmma forward
+        _needs_sm90()
+        monkeypatch.setattr(A, "SM90_FORWARD", {128: A.SM90_FORWARD_VARIANTS[0]})
+        backend = "raw"
     case = (4, 200, 4, 2, 128)
     B, T, Hq, Hkv, hs = case
     qkv, datt = _reference(case, "bf16")[:2]
@@ -482,16 +530,81 @@ EMU_CASES = [  # (B, T, Hq, Hkv, hs, dtype, eager): flash with tails, GQA and th
 ]  # fmt: skip
 
 
+# The wgmma forward (attention_sm90.cu) under each tiling it is instantiated with: causal tails, a
+# warpgroup whose rows end before a key block (skipped), GQA, 3 warpgroups with a ragged tile copy.
+EMU_SM90_CASES = [  # (B, T, Hq, Hkv, hs, variant, eager)
+    (2, 17, 4, 1, 128, (2, 128), 0), (1, 200, 2, 1, 128, (2, 64), 1), (1, 130, 6, 2, 64, (2, 128), 1),
+    (1, 260, 2, 1, 64, (3, 64), 0), (1, 100, 2, 2, 128, (3, 64), 1), (1, 70, 2, 1, 64, (2, 64), 0),
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    return or_skip(emu.build(tmp_path_factory.mktemp("attention_emu")))
+    """The emulated library of each attention family, for emu.launch."""
+    return {f: or_skip(emu.build(tmp_path_factory.mktemp(f), f)) for f in ("attention", "attention_sm90")}
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=str)
+def _probe_inputs(hs, bc, seed=0):
+    r = rng(seed)
+    return [r.standard_normal((rows, hs)).astype(ml_dtypes.bfloat16) for rows in (64, bc, bc)]
+
+
+def _check_probe(s, o, q, k, v):
+    """The probe's Q K^T against NumPy, and its P V against NumPy from the probe's own S rounded to
+    bf16 (so that a wrong P V shows even where S is right)."""
+    f32 = [x.astype(np.float32) for x in (q, k, v)]
+    np.testing.assert_allclose(s, f32[0] @ f32[1].T, rtol=1e-5, atol=1e-4, err_msg="S = Q K^T")
+    want = s.astype(ml_dtypes.bfloat16).astype(np.float32) @ f32[2]
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-3, err_msg="O = P V")
+
+
+def _run_probe(launch_fn, dev, hs, bc, tensor):
+    """The probe kernel through launch_fn on dev; tensor(array, name) puts an array on dev."""
+    q, k, v = _probe_inputs(hs, bc, seed=hs + bc)
+    t = [tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    s_out = tensor(np.full((64, bc), np.nan, np.float32), "s_out")
+    o_out = tensor(np.full((64, hs), np.nan, np.float32), "o_out")
+    launch_fn("attention_sm90", f"wgmma_probe_hs{hs}_bc{bc}", 1, 128, (s_out, o_out, *t), dev,
+              shared_mem=(64 + 2 * bc) * hs * 2 + 1024)  # fmt: skip
+    _check_probe(s_out.numpy(), o_out.numpy(), q, k, v)
+
+
+def _host_tensor(values, name, dev=None):
+    """A tensor on the emulated device whose storage is a host array."""
+    a = np.ascontiguousarray(values)
+    dt = ce.BF16 if a.dtype == ml_dtypes.bfloat16 else ce.FP32
+    return ce.Tensor(dt, a.shape, dev or emu.EmulatedCuda(), a.reshape(-1).view(np.uint8).copy(), 0, name)
+
+
+PROBES = [(64, 64), (64, 128), (128, 64), (128, 128)]  # (hs, key block): m64n64k16 and m64n128k16, both forms
+
+
+@pytest.mark.parametrize("hs,bc", PROBES)
+def test_emulated_wgmma_probe(emulator, hs, bc):
+    """The emulator's wgmma (descriptors, swizzle, fragments) on the probe kernel against NumPy."""
+    dev = emu.EmulatedCuda()
+    _run_probe(functools.partial(emu.launch, emulator), dev, hs, bc, functools.partial(_host_tensor, dev=dev))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hs,bc", PROBES)
+def test_gpu_wgmma_probe(hs, bc):
+    """The same probe on the GPU: a layout mistake made twice (kernel and emulator) shows here."""
+    from cuengine.kernels._build import launch
+
+    dev = ce.device("cuda")
+    _run_probe(launch, dev, hs, bc, lambda x, name: ce.Tensor.from_numpy(x, dev, name=name))
+
+
+@pytest.mark.parametrize("case", EMU_CASES + EMU_SM90_CASES, ids=str)
 def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     B, T, Hq, Hkv, hs, dtype_name, eager = case
+    if isinstance(dtype_name, tuple):  # a wgmma forward case: its variant in place of the dtype
+        monkeypatch.setattr(A, "SM90_FORWARD", {hs: dtype_name})
+        dtype_name = "bf16"
     monkeypatch.setattr(A, "launch", functools.partial(emu.launch, emulator))
-    emulator.emu_set_eager(eager)
+    for lib in emulator.values():
+        lib.emu_set_eager(eager)
     dt = ce.dtype(dtype_name)
     qkv, datt = _inputs(B, T, Hq, Hkv, hs, seed=sum(case[:5]))
     qkv, datt = qkv.astype(dt.np), datt.astype(dt.np)

@@ -7,8 +7,14 @@ counts the forward's recomputation of P but not the raw backend's extra dq pass)
 the measured BF16 matmul rate (CEILINGS["bf16"] in cuengine.benchmark); the target is raw >= 60%
 of cuDNN on the same shapes.
 
+--sm90 adds one raw column per wgmma forward tiling of raw_kernels/attention_sm90.cu (WxBC:
+W warpgroups of 64 query rows, key blocks of BC rows; attention.SM90_FORWARD_VARIANTS), on a
+compute capability 9.0 GPU; the plain "raw" column runs whatever attention.SM90_FORWARD selects.
+The backward is the same kernels in every raw column.
+
     python tools/bench_attention.py
     python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
+    python tools/bench_attention.py --head-sizes 128 --sm90 2x128 2x64 3x64
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["raw", "cudnn"], choices=["raw", "cudnn"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    variants = [f"{w}x{bc}" for w, bc in A.SM90_FORWARD_VARIANTS]
+    ap.add_argument(
+        "--sm90", nargs="*", default=[], choices=variants, help="wgmma forward tilings to add as raw columns"
+    )
     args = ap.parse_args()
     if not ce.cuda_available():
         print("bench_attention: no CUDA device")
@@ -52,6 +62,14 @@ def main() -> int:
         print(f"backend {b!r} is not installed here; skipping it")
     Hq, Hkv = (int(x) for x in args.heads.split(":"))
     dev = ce.device("cuda")
+    # column label -> (backend, SM90_FORWARD while it runs, or None to leave the module's choice)
+    columns = {b: (b, None) for b in backends}
+    if args.sm90 and dev.compute_capability != (9, 0):
+        print(f"--sm90: the wgmma kernels need compute capability 9.0, not {dev.compute_capability}; skipping them")
+    elif "raw" in backends:
+        for v in args.sm90:
+            w, bc = (int(x) for x in v.split("x"))
+            columns[f"wg{v}"] = ("raw", (w, bc))
     print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
           f"median of {args.iters} after {args.warmup} warm-up; ceiling {CEILINGS['bf16'] / 1e12:.0f} TFLOP/s "
           f"(BF16 matmul)")  # fmt: skip
@@ -79,35 +97,42 @@ def main() -> int:
             fwd_flops = 4 * B * Hq * T * T * hs / 2
             result = {"T": T, "B": B, "hs": hs}
             outputs = {}
-            for b in backends:
-                fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
-                bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
-                                        workspace=ws)  # fmt: skip
-                fwd()
-                bwd()
-                outputs[b] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
-                ms_f = time_ms(dev, fwd, args.warmup, args.iters)
-                ms_b = time_ms(dev, bwd, args.warmup, args.iters)
-                result[b] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
-            if len(outputs) == 2:
-                (a1, d1), (a2, d2) = outputs.values()
-                result["diff"] = (float(np.abs(a1 - a2).max()), float(np.abs(d1 - d2).max()))
+            saved = dict(A.SM90_FORWARD)
+            for col, (b, sm90) in columns.items():
+                if sm90 is not None:
+                    A.SM90_FORWARD = {**saved, hs: sm90}
+                try:
+                    fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
+                    bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
+                                            workspace=ws)  # fmt: skip
+                    fwd()
+                    bwd()
+                    outputs[col] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
+                    ms_f = time_ms(dev, fwd, args.warmup, args.iters)
+                    ms_b = time_ms(dev, bwd, args.warmup, args.iters)
+                finally:
+                    A.SM90_FORWARD = saved
+                result[col] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
+            if "cudnn" in outputs:
+                a2, d2 = outputs["cudnn"]
+                result["diff"] = {c: (float(np.abs(a1 - a2).max()), float(np.abs(d1 - d2).max()))
+                                  for c, (a1, d1) in outputs.items() if c != "cudnn"}  # fmt: skip
             rows.append(result)
             line = f"T={T:5d} B={B:3d} hs={hs:3d}"
-            for b in backends:
-                tf_f, tf_b, ms_f, ms_b = result[b]
-                line += f" | {b}: fwd {tf_f:6.1f} TF ({ms_f:.3f} ms) bwd {tf_b:6.1f} TF ({ms_b:.3f} ms)"
-            if "diff" in result:
-                line += f" | max|raw-cudnn| att {result['diff'][0]:.2e} dqkv {result['diff'][1]:.2e}"
+            for c in columns:
+                tf_f, tf_b, ms_f, ms_b = result[c]
+                line += f" | {c}: fwd {tf_f:6.1f} TF ({ms_f:.3f} ms) bwd {tf_b:6.1f} TF ({ms_b:.3f} ms)"
+            for c, (da, dd) in result.get("diff", {}).items():
+                line += f" | max|{c}-cudnn| att {da:.2e} dqkv {dd:.2e}"
             print(line, flush=True)
 
-    print(f"\n{'T':>5} {'B':>3} {'hs':>3} | " + " | ".join(f"{b + ' fwd':>9} {b + ' bwd':>9}" for b in backends)
-          + (" | fwd raw/cudnn  bwd raw/cudnn" if len(backends) == 2 else ""))  # fmt: skip
+    raws = [c for c in columns if c != "cudnn"] if "cudnn" in columns else []
+    print(f"\n{'T':>5} {'B':>3} {'hs':>3} | " + " | ".join(f"{c + ' fwd':>9} {c + ' bwd':>9}" for c in columns)
+          + "".join(f" | fwd {c}/cudnn  bwd {c}/cudnn" for c in raws))  # fmt: skip
     for r in rows:
-        cells = " | ".join(f"{r[b][0]:9.1f} {r[b][1]:9.1f}" for b in backends)
-        ratio = ""
-        if len(backends) == 2:
-            ratio = f" | {r['raw'][0] / r['cudnn'][0]:13.0%} {r['raw'][1] / r['cudnn'][1]:14.0%}"
+        cells = " | ".join(f"{r[c][0]:9.1f} {r[c][1]:9.1f}" for c in columns)
+        ratio = "".join(f" | {r[c][0] / r['cudnn'][0]:>{10 + len(c)}.0%} {r[c][1] / r['cudnn'][1]:>{10 + len(c)}.0%}"
+                        for c in raws)  # fmt: skip
         print(f"{r['T']:>5} {r['B']:>3} {r['hs']:>3} | {cells}{ratio}")
     print(f"(TFLOP/s; target raw/cudnn >= 60%; {time.time() - t_start:.0f} s)")
     return 0

@@ -19,6 +19,11 @@ from ..dtypes import DType
 from ..tensor import Tensor
 
 COMPILE_OPTIONS = ("-std=c++17", "-DNDEBUG")
+# Families compiled for one architecture-specific target instead of the device's sm_XX: wgmma
+# exists only in sm_90a. CuPy appends its own -arch after the options (and NVRTC takes the last
+# one), so these are compiled here with cuda.bindings.nvrtc and loaded as cubins; the launcher
+# must run them only on that architecture (attention.py checks the compute capability).
+MODULE_ARCH = {"attention_sm90": "sm_90a"}
 # The suffix each raw_kernels/*.cu kernel carries per element type it is instantiated for.
 _SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
 
@@ -66,6 +71,11 @@ def module(family: str, device_index: int, template: str | None = None):
     import cupy
 
     path = kernel_dir() / f"{family}.cu"
+    if family in MODULE_ARCH:
+        cubin = _cubin_dir() / f"{family}.{MODULE_ARCH[family]}.cubin"
+        cubin.write_bytes(compile_cubin(path, MODULE_ARCH[family]))
+        with cupy.cuda.Device(device_index):
+            return cupy.RawModule(path=str(cubin))
     source = path.read_text()
     names = (template,) if template else ()
     with cupy.cuda.Device(device_index):
@@ -73,6 +83,35 @@ def module(family: str, device_index: int, template: str | None = None):
                              name_expressions=names)  # fmt: skip
         mod.compile()
     return mod
+
+
+def compile_cubin(path: Path, arch: str) -> bytes:
+    """raw_kernels/<family>.cu compiled by NVRTC to a cubin for `arch` (e.g. "sm_90a"), with
+    COMPILE_OPTIONS, the include paths and the -ftz=true that CuPy adds to the other modules."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], [])
+    opts = [o.encode() for o in (f"-arch={arch}", *COMPILE_OPTIONS, *include_options(), "-ftz=true")]
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"{path.name} ({arch}) failed to compile:\n{log.decode(errors='replace')}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@functools.cache
+def _cubin_dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="cuengine-cubin-"))
 
 
 @functools.cache

@@ -8,7 +8,9 @@ seed's attention_forward_cudnn / attention_backward_cudnn, with our own kernels 
 
 Backends:
 - "raw" (raw_kernels/attention.cu): bf16 with hs 64 or 128 runs the flash kernels (tensor cores,
-  online softmax in registers, no T x T buffer); fp32, and bf16 with other head sizes up to 256,
+  online softmax in registers, no T x T buffer); on compute capability 9.0 the forward may run the
+  wgmma kernels of raw_kernels/attention_sm90.cu instead (SM90_FORWARD says which head sizes, and
+  with which tiling; their lse feeds the same backward); fp32, and bf16 with other head sizes up to 256,
   run a simple warp-per-row kernel (correct, slow: meant for tests and small models). Backward is
   deterministic (dq in its own pass, GQA reduction in registers) and needs a workspace for
   D = rowsum(dO * O).
@@ -39,6 +41,11 @@ BACKENDS = ("auto", "raw", "cudnn")
 FLASH_HEAD_SIZES = (64, 128)  # bf16 head sizes with tensor-core kernels in the raw backend
 RAW_MAX_HEAD_SIZE = 256  # the warp-per-row kernels keep 8 elements per lane
 _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD in attention.cu)
+# The wgmma forward (attention_sm90.cu, sm_90a) by head size: (warpgroups of 64 query rows, key block
+# rows), one of SM90_FORWARD_VARIANTS; a head size not listed runs the mma.sync kernel. This is the
+# switch: the wgmma kernels run only on compute capability 9.0 (elsewhere the mma.sync ones do).
+SM90_FORWARD: dict[int, tuple[int, int]] = {}
+SM90_FORWARD_VARIANTS = ((2, 128), (2, 64), (3, 64))  # the instantiations in attention_sm90.cu
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
@@ -289,7 +296,14 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
         return
     scale = np.float32(1.0 / math.sqrt(hs))
     sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads))
-    if flash:
+    sm90 = _sm90_forward(dev, hs) if flash else None
+    if sm90 is not None:
+        nwg, bc = sm90
+        smem = (64 * nwg + 4 * bc) * hs * 2 + 1024  # Q, double-buffered K and V, room to align to 1024
+        launch("attention_sm90", kernel_name(f"attention_forward_sm90_hs{hs}_w{nwg}_bc{bc}", qkv),
+               (ceil_div(T, 64 * nwg), n_q_heads, B), 128 * nwg, (att, lse, qkv, *sizes, scale), dev, stream,
+               shared_mem=smem)  # fmt: skip
+    elif flash:
         rows = 16 * _FWD_WARPS
         smem = (rows + 4 * _BLOCK) * hs * 2  # Q tile, double-buffered K and V tiles
         _launch(f"attention_forward_flash_hs{hs}", qkv, (ceil_div(T, rows), n_q_heads, B), 32 * _FWD_WARPS,
@@ -363,6 +377,16 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         args = (*args, np.int32(B), np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs), scale)
         _launch("attention_backward_dq_simt", qkv, _simt_blocks(B * n_q_heads * T), _SIMT_THREADS, args, dev, stream)
         _launch("attention_backward_dkdv_simt", qkv, _simt_blocks(B * n_kv_heads * T), _SIMT_THREADS, args, dev, stream)
+
+
+def _sm90_forward(dev, hs: int):
+    """(warpgroups, key block) of the wgmma forward for this call, or None for the mma.sync one."""
+    variant = SM90_FORWARD.get(hs)
+    if variant is None or getattr(dev, "compute_capability", None) != (9, 0):
+        return None
+    if variant not in SM90_FORWARD_VARIANTS:
+        raise ValueError(f"SM90_FORWARD[{hs}] = {variant!r} is not one of {SM90_FORWARD_VARIANTS}")
+    return variant
 
 
 def _launch(kernel: str, qkv, grid, block: int, args, dev, stream, shared_mem: int = 0) -> None:
