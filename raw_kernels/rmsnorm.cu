@@ -9,17 +9,15 @@
 // inp2 (or each other): a lane handles the same elements in both passes of a row and reads each one
 // before it writes it, and no other thread touches them.
 // dweight is deterministic: block b's warps accumulate fixed rows (row = (k * blocks + b) * warps + warp)
-// into per-warp shared partials, added in warp order into scratch[b]; a second kernel adds scratch's
+// into per-warp partials, added in warp order into scratch[b]; a second kernel adds scratch's
 // rows in order into dweight. The block count is the scratch's first dimension, a function of (N, C)
 // only (rmsnorm_scratch_shape), so results do not depend on the GPU. C: a multiple of the 16-byte
 // vector width.
-// Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) run both passes of a row from
-// registers, and keep memory busy across a warp's rows: the next row's x, dout and dresidual are
-// copied (cp.async) into a per-warp shared-memory stage while this row computes and stores. The block
-// count is capped low (264) so that blocks live for many rows: with a warp's rows one after another
-// and nothing in flight between them, each row paid the full memory latency (43% of copy bandwidth).
-// `rmsnorm_backward_*` (any C) reads the row from global memory in both passes. Both do the same
-// arithmetic in the same order: the same bits.
+// Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) keep what a lane re-uses across rows
+// in registers (its weight vectors, its dweight partials) and copy each row's x, dout and dresidual
+// (cp.async) into one of a few per-warp shared-memory buffers, rows ahead of the one being computed. The
+// block count is capped low (264) so that blocks live for many rows. `rmsnorm_backward_*` (any C) reads
+// the row from global memory in both passes. Both do the same arithmetic in the same order: the same bits.
 #include "common.cuh"
 #include "cp_async.cuh"
 
@@ -70,124 +68,167 @@ __device__ void rmsnorm_forward_impl(T* out, float* rstd, T* residual, const T* 
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
-// Block partials of dweight into scratch[blockIdx.x, :]; dynamic shared memory: warps * C floats.
-// V > 0: lane vector i of a row is channel (lane + 32 i) * VN, i < V, held in registers (C <= 32 V VN).
-// A warp's partials are stored element-major, channel j * VN + k at k * C / VN + j (`dw_slot`): the lanes
-// of a warp touch 32 consecutive words for each k. Channel-major, lane l's k-th element sat VN words
-// from lane l-1's, an 8-way (bf16) bank conflict on each of the row's read-modify-writes, which held
-// the kernel to ~45% of copy bandwidth.
+// A warp's dweight partials in shared memory are stored element-major, channel j * VN + k at k * C / VN + j
+// (`dw_slot`): the lanes of a warp touch 32 consecutive words for each k (the looping kernel adds into
+// them for every row). Channel-major, lane l's k-th element sat VN words from lane l-1's, an 8-way (bf16)
+// bank conflict on each read-modify-write, which held the kernel to ~45% of copy bandwidth.
 __device__ __forceinline__ int dw_slot(int c, int vn, int C) { return (c % vn) * (C / vn) + c / vn; }
 
-template <typename T, int V>
-__device__ void rmsnorm_backward_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
-                                      const T* weight, const float* rstd, float* abs_max, int N, int C) {
+// The block's per-warp partials (warps, C), each in dw_slot order, added in warp order into scratch[blockIdx.x].
+__device__ __forceinline__ void block_partials_to_scratch(float* scratch, const float* s_partials, int vn, int C) {
+    const int warps = blockDim.x / 32;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const int slot = dw_slot(c, vn, C);
+        float acc = s_partials[slot];
+        for (int w = 1; w < warps; ++w) acc += s_partials[(size_t)w * C + slot];
+        scratch[(size_t)blockIdx.x * C + c] = acc;
+    }
+}
+
+// Any C: the row is read from global memory in both passes, the partials kept in shared memory
+// (dynamic: warps * C floats).
+template <typename T>
+__device__ void rmsnorm_backward_loop_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
+                                           const T* weight, const float* rstd, float* abs_max, int N, int C) {
     extern __shared__ float s_dweight[];  // (warps, C); lane-owned entries, so no barrier until the end
     constexpr int VN = Pack16<T>::N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int stride = C / VN;  // words between the k-th elements of consecutive vectors' slots
     float* my_dweight = s_dweight + (size_t)warp * C;  // vector j's element k at k * stride + j
-    const int row0 = blockIdx.x * warps + warp, step = gridDim.x * warps;
-    // V > 0: the warp's next row (x, dout, dresidual: (3, C) after the partials) is copied into shared
-    // memory while this one computes from registers. A lane copies and reads back only its own vectors,
-    // so its own wait is all the synchronisation; it reads the staged row into registers before it
-    // stages the next one over it (the asm's memory clobber keeps that order), and a row is staged
-    // before the warp stores it, so dinp may still alias dresidual.
-    T* stage = reinterpret_cast<T*>(s_dweight + (size_t)warps * C) + (size_t)warp * 3 * C;
-    auto stage_row = [&](int row) {
-        const size_t base = (size_t)row * C;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const int c = (lane + 32 * i) * VN;
-            if (c < C) {
-                cp_async16(smem_u32(stage + c), inp + base + c);
-                cp_async16(smem_u32(stage + C + c), dout + base + c);
-                cp_async16(smem_u32(stage + 2 * C + c), dresidual + base + c);
-            }
-        }
-        cp_async_commit();
-    };
-    float r_next = 0.f;
-    if constexpr (V > 0) {
-        if (row0 < N) {  // in flight while the partials are zeroed
-            stage_row(row0);
-            r_next = rstd[row0];
-        }
-    }
     for (int c = lane; c < C; c += 32) my_dweight[c] = 0.f;
     unsigned amax = 0;
-    for (int row = row0; row < N; row += step) {
+    for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
         const size_t base = (size_t)row * C;
+        const float r = rstd[row];
         float dot = 0.f;  // sum(weight * dout * x)
-        if constexpr (V > 0) {
-            const float r = r_next;
-            Pack16<T> xs[V], gs[V], drs[V];
-            cp_async_wait<0>();
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                            w = Pack16<T>::load(weight + c);
+            for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
+        }
+        dot = warp_sum(dot);
+        const float coef = dot * r / C;
+        for (int c = lane * VN; c < C; c += 32 * VN) {
+            const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
+                            w = Pack16<T>::load(weight + c), dr = Pack16<T>::load(dresidual + base + c);
+            Pack16<T> d;
+            for (int k = 0; k < VN; ++k) {
+                const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
+                d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
+                my_dweight[k * stride + c / VN] += gk * xh;
+                amax = max(amax, abs_bits(to_float(d.v[k])));
+            }
+            d.store(dinp + base + c);
+        }
+    }
+    __syncthreads();
+    block_partials_to_scratch(scratch, s_dweight, VN, C);
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+// C <= 32 V VN: lane vector i of a row is channel (lane + 32 i) * VN, i < V. What a lane re-uses across
+// rows lives in its registers: its V weight vectors (loaded once) and its dweight partials (V * VN floats:
+// the lane owns these channels in every row); the rstd of 32 rows at a time sits one per lane and is
+// shuffled out. A warp has `stages` shared-memory buffers of a row's x, dout and dresidual: while it
+// computes row j from buffer j % stages (both passes read it there), rows j + 1 .. j + stages - 1 are
+// being copied (cp.async) into the others. So a row's loop waits on nothing but its own row's copy.
+// (With the weight re-read from L1 and the partials read-modify-written in shared memory for every row,
+// in dependent chains, a warp took ~4 us per C = 1536 row: 72% of copy bandwidth.)
+// A lane copies and reads back only its own vectors, so its own wait is all the synchronisation; it has
+// read a buffer (the previous row's) before it stages a later row into it (the asm's memory clobber keeps
+// that order), and a row is staged before the warp stores it, so dinp may still alias dresidual.
+template <typename T, int V>
+__device__ void rmsnorm_backward_rows_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
+                                           const T* weight, const float* rstd, float* abs_max, int N, int C,
+                                           int stages) {
+    extern __shared__ float s_dweight[];  // (warps, stages, 3, C) of T; at the end the (warps, C) partials
+    constexpr int VN = Pack16<T>::N;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int row0 = blockIdx.x * warps + warp, step = gridDim.x * warps;  // the warp's j-th row: row0 + j step
+    T* stage = reinterpret_cast<T*>(s_dweight) + (size_t)warp * stages * 3 * C;
+    auto stage_row = [&](int j) {  // into buffer j % stages; past the warp's last row an empty group
+        const int row = row0 + j * step;
+        if (row < N) {
+            T* buf = stage + (size_t)(j % stages) * 3 * C;
+            const size_t base = (size_t)row * C;
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const int c = (lane + 32 * i) * VN;
                 if (c < C) {
-                    xs[i] = Pack16<T>::load(stage + c);
-                    gs[i] = Pack16<T>::load(stage + C + c);
-                    drs[i] = Pack16<T>::load(stage + 2 * C + c);
+                    cp_async16(smem_u32(buf + c), inp + base + c);
+                    cp_async16(smem_u32(buf + C + c), dout + base + c);
+                    cp_async16(smem_u32(buf + 2 * C + c), dresidual + base + c);
                 }
-            }
-            if (row + step < N) {
-                stage_row(row + step);
-                r_next = rstd[row + step];
-            }
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const int c = (lane + 32 * i) * VN;
-                if (c >= C) continue;
-                const Pack16<T> w = Pack16<T>::load(weight + c);
-                for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(gs[i].v[k]) * to_float(xs[i].v[k]);
-            }
-            dot = warp_sum(dot);
-            const float coef = dot * r / C;
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const int c = (lane + 32 * i) * VN;
-                if (c >= C) continue;
-                const Pack16<T> w = Pack16<T>::load(weight + c);
-                Pack16<T> d;
-                for (int k = 0; k < VN; ++k) {
-                    const float xh = to_float(xs[i].v[k]) * r, gk = to_float(gs[i].v[k]);
-                    d.v[k] = from_float<T>(to_float(drs[i].v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
-                    my_dweight[k * stride + c / VN] += gk * xh;
-                    amax = max(amax, abs_bits(to_float(d.v[k])));
-                }
-                d.store(dinp + base + c);
-            }
-        } else {
-            const float r = rstd[row];
-            for (int c = lane * VN; c < C; c += 32 * VN) {
-                const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
-                                w = Pack16<T>::load(weight + c);
-                for (int k = 0; k < VN; ++k) dot += to_float(w.v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
-            }
-            dot = warp_sum(dot);
-            const float coef = dot * r / C;
-            for (int c = lane * VN; c < C; c += 32 * VN) {
-                const Pack16<T> x = Pack16<T>::load(inp + base + c), g = Pack16<T>::load(dout + base + c),
-                                w = Pack16<T>::load(weight + c), dr = Pack16<T>::load(dresidual + base + c);
-                Pack16<T> d;
-                for (int k = 0; k < VN; ++k) {
-                    const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
-                    d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w.v[k]) * gk - xh * coef));
-                    my_dweight[k * stride + c / VN] += gk * xh;
-                    amax = max(amax, abs_bits(to_float(d.v[k])));
-                }
-                d.store(dinp + base + c);
             }
         }
+        cp_async_commit();
+    };
+    for (int j = 0; j + 1 < stages; ++j) stage_row(j);
+    auto rstd_of = [&](int j) {  // lane l: the rstd of the warp's row j + l
+        const int row = row0 + (j + lane) * step;
+        return row < N ? rstd[row] : 0.f;
+    };
+    float r_lanes = rstd_of(0), r_later = rstd_of(32);
+    Pack16<T> w[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int c = (lane + 32 * i) * VN;
+        if (c < C) w[i] = Pack16<T>::load(weight + c);
+    }
+    float dw[V][VN];
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+        for (int k = 0; k < VN; ++k) dw[i][k] = 0.f;
+    unsigned amax = 0;
+    int j = 0;
+    for (int row = row0; row < N; row += step, ++j) {
+        stage_row(j + stages - 1);  // into the buffer the previous row was computed from
+        if (j % 32 == 0 && j > 0) {
+            r_lanes = r_later;
+            r_later = rstd_of(j + 32);
+        }
+        const float r = __shfl_sync(0xffffffffu, r_lanes, j % 32);
+        if (stages > 2) cp_async_wait<2>();  // this row's copy: all but the (at most) two newest
+        else cp_async_wait<1>();
+        const T* buf = stage + (size_t)(j % stages) * 3 * C;
+        float dot = 0.f;  // sum(weight * dout * x)
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int c = (lane + 32 * i) * VN;
+            if (c >= C) continue;
+            const Pack16<T> x = Pack16<T>::load(buf + c), g = Pack16<T>::load(buf + C + c);
+            for (int k = 0; k < VN; ++k) dot += to_float(w[i].v[k]) * to_float(g.v[k]) * to_float(x.v[k]);
+        }
+        dot = warp_sum(dot);
+        const float coef = dot * r / C;
+        const size_t base = (size_t)row * C;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int c = (lane + 32 * i) * VN;
+            if (c >= C) continue;
+            const Pack16<T> x = Pack16<T>::load(buf + c), g = Pack16<T>::load(buf + C + c),
+                            dr = Pack16<T>::load(buf + 2 * C + c);
+            Pack16<T> d;
+            for (int k = 0; k < VN; ++k) {
+                const float xh = to_float(x.v[k]) * r, gk = to_float(g.v[k]);
+                d.v[k] = from_float<T>(to_float(dr.v[k]) + r * (to_float(w[i].v[k]) * gk - xh * coef));
+                dw[i][k] += gk * xh;
+                amax = max(amax, abs_bits(to_float(d.v[k])));
+            }
+            d.store(dinp + base + c);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups are left: nothing lands on the partials
+    __syncthreads();     // every warp is done with its buffers, which the partials overwrite
+    float* my_dweight = s_dweight + (size_t)warp * C;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const int c = (lane + 32 * i) * VN;
+        if (c < C)
+            for (int k = 0; k < VN; ++k) my_dweight[dw_slot(c + k, VN, C)] = dw[i][k];
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        const int slot = dw_slot(c, VN, C);
-        float acc = s_dweight[slot];
-        for (int w = 1; w < warps; ++w) acc += s_dweight[(size_t)w * C + slot];
-        scratch[(size_t)blockIdx.x * C + c] = acc;
-    }
+    block_partials_to_scratch(scratch, s_dweight, VN, C);
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
@@ -223,11 +264,12 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
 
 // ---- launchers ----------------------------------------------------------------------------
 
-#define RMSNORM_BACKWARD_KERNEL(SUF, T, V, NAME)                                                            \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                                 \
+#define RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, V)                                                             \
+    extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_v##V##_##SUF(                        \
         T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
-        const float* rstd, float* abs_max, int N, int C) {                                                  \
-        rmsnorm_backward_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);      \
+        const float* rstd, float* abs_max, int N, int C, int stages) {                                      \
+        rmsnorm_backward_rows_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C,  \
+                                         stages);                                                           \
     }
 
 #define RMSNORM_KERNELS(SUF, T)                                                                             \
@@ -240,11 +282,16 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
         float eps, int N, int C) {                                                                          \
         rmsnorm_forward_impl<T, true>(out, rstd, residual, inp1, inp2, weight, abs_max, eps, N, C);         \
     }                                                                                                       \
-    RMSNORM_BACKWARD_KERNEL(SUF, T, 0, rmsnorm_backward_##SUF)                                              \
-    RMSNORM_BACKWARD_KERNEL(SUF, T, 1, rmsnorm_backward_v1_##SUF)                                           \
-    RMSNORM_BACKWARD_KERNEL(SUF, T, 2, rmsnorm_backward_v2_##SUF)                                           \
-    RMSNORM_BACKWARD_KERNEL(SUF, T, 4, rmsnorm_backward_v4_##SUF)                                           \
-    RMSNORM_BACKWARD_KERNEL(SUF, T, 8, rmsnorm_backward_v8_##SUF)                                           \
+    extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_##SUF(                                \
+        T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
+        const float* rstd, float* abs_max, int N, int C) {                                                  \
+        rmsnorm_backward_loop_impl<T>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);    \
+    }                                                                                                       \
+    RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 1)                                                                 \
+    RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 2)                                                                 \
+    RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 4)                                                                 \
+    RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 6)                                                                 \
+    RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 8)                                                                 \
     extern "C" __global__ void __launch_bounds__(DW_WARPS * 32) rmsnorm_backward_dweight_##SUF(             \
         T* dweight, const float* scratch, int P, int C) {                                                   \
         rmsnorm_backward_dweight_impl<T>(dweight, scratch, P, C);                                           \

@@ -47,11 +47,16 @@ inline unsigned __reduce_max_sync(unsigned, unsigned v) {
     WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
     w.u[l] = v; wbar(); unsigned r = 0; for (int i = 0; i < 32; ++i) r = r > w.u[i] ? r : w.u[i]; wbar(); return r;
 }
+inline float __shfl_sync(unsigned, float v, int src) {  // rmsnorm.cu: a row's rstd from the lane holding it
+    WarpX& w = warp_(); int l = lane_();
+    w.f[l] = v; wbar(); float r = w.f[src & 31]; wbar(); return r;
+}
 inline unsigned atomicMax(unsigned* p, unsigned v) { unsigned o = *p; if (v > o) *p = v; return o; }
 typedef _Float16 half;
 inline float __half2float(half h) { return (float)h; }
 inline half __float2half_rn(float f) { return (half)f; }
 inline half __ushort_as_half(unsigned short u) { half h; memcpy(&h, &u, 2); return h; }
+inline unsigned short __half_as_ushort(half h) { unsigned short u; memcpy(&u, &h, 2); return u; }  // rope.cu
 struct half2 { half x, y; };
 inline half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
 // explicitly rounded fp32 intrinsics (adamw.cu, adamw8bit.cu): host IEEE arithmetic, and x86-64 g++ has

@@ -22,7 +22,7 @@ def _library(tmp_path_factory, family, kernels):
 
 @pytest.fixture(scope="module")
 def rms_lib(tmp_path_factory):
-    kinds = ("", "v1_", "v2_", "v4_", "v8_")
+    kinds = ("", "v1_", "v2_", "v4_", "v6_", "v8_")
     names = [f"rmsnorm_backward_{v}{t}" for v in kinds for t in ("bf16", "f32")]
     return _library(
         tmp_path_factory, "rmsnorm", names + ["rmsnorm_backward_dweight_bf16", "rmsnorm_backward_dweight_f32"]
@@ -79,8 +79,8 @@ def _rms_backward(n, c, dtype, seed):
     return {k: t[k].numpy() for k in ("dres", "dw", "amax")}
 
 
-RMS_CASES = [(64, "bf16", "v1"), (264, "bf16", "v2"), (1000, "bf16", "v4"), (1536, "bf16", "v8"), (100, "fp32", "v1"),
-             (1024, "fp32", "v8")]  # fmt: skip
+RMS_CASES = [(64, "bf16", "v1"), (264, "bf16", "v2"), (1000, "bf16", "v4"), (1536, "bf16", "v6"), (2048, "bf16", "v8"),
+             (100, "fp32", "v1"), (1024, "fp32", "v8")]  # fmt: skip
 
 
 @pytest.mark.parametrize("c,dtype,variant", RMS_CASES)
@@ -97,16 +97,22 @@ def test_emulated_rmsnorm_backward_register_rows_equal_the_looping_kernel(rms_li
 
 
 # (rows, C, variant, block cap): the real cap (264 blocks, 1-2 rows a warp, a ragged last round), fewer
-# rows than one block has warps, and a small cap that gives each warp ~18 rows through the staged pipeline
-PIPE_CASES = [(3000, 896, "v4", None), (5, 1536, "v8", None), (1000, 1536, "v8", 7), (301, 64, "v1", 3)]
+# rows than one block has warps, a small cap that gives each warp ~18 rows through the staged pipeline,
+# and one block whose warps take ~88 rows each (the rstd of 32 rows a lane at a time, reloaded twice)
+PIPE_CASES = [(3000, 896, "v4", None), (5, 1536, "v6", None), (1000, 1536, "v6", 7), (301, 64, "v1", 3),
+              (700, 64, "v1", 1)]  # fmt: skip
 
 
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("n,c,variant,cap", PIPE_CASES)
-def test_emulated_rmsnorm_backward_pipelined_rows_equal_the_looping_kernel(rms_lib, monkeypatch, n, c, variant, cap):
-    """A warp stages its next row while it computes this one: over many rows per warp and ragged tails
+def test_emulated_rmsnorm_backward_pipelined_rows_equal_the_looping_kernel(
+    rms_lib, monkeypatch, n, c, variant, cap, stages
+):
+    """A warp stages its next rows while it computes this one: over many rows per warp and ragged tails
     the register variants still give the looping kernel's bits."""
     calls = []
     monkeypatch.setattr(R, "launch", _recording(rms_lib, calls))
+    monkeypatch.setattr(R, "_STAGES", stages)
     if cap is not None:
         monkeypatch.setattr(R, "_MAX_PARTIALS", cap)
     fast = _rms_backward(n, c, "bf16", seed=n)

@@ -211,13 +211,15 @@ def test_cuda_wide_rows(c):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c,dtype", [(896, "bf16"), (1000, "bf16"), (1536, "bf16"), (2048, "bf16"), (264, "bf16"),
-                                     (64, "bf16"), (1024, "fp32"), (100, "fp32")])  # fmt: skip
-@pytest.mark.parametrize("rows", [37, 8192])
-def test_cuda_register_rows_bitwise_equal_to_the_looping_kernel(c, dtype, rows, monkeypatch):
-    """rmsnorm_backward_v<V> (the row in registers) gives the bits of the kernel that reads rows twice
-    (rmsnorm_backward_*, used for wide rows), and dweight is the partials added in order."""
+                                     (64, "bf16"), (1024, "fp32"), (768, "fp32"), (100, "fp32")])  # fmt: skip
+@pytest.mark.parametrize("rows,stages", [(37, 2), (8192, 2), (8192, 3)])
+def test_cuda_register_rows_bitwise_equal_to_the_looping_kernel(c, dtype, rows, stages, monkeypatch):
+    """rmsnorm_backward_v<V> (staged rows, weights and partials in registers) gives the bits of the kernel
+    that reads rows from global memory twice (rmsnorm_backward_*, used for wide rows), and dweight is
+    the partials added in order."""
     import cuengine.kernels.rmsnorm as R
 
+    monkeypatch.setattr(R, "_STAGES", stages)
     x, w, g, dres = make(rows, c, dtype, seed=c)
     _, rstd = rmsnorm_forward_np(x, w, EPS)
     dw0 = rng(1).standard_normal(c).astype(ce.dtype(dtype).np)

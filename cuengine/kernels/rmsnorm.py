@@ -18,11 +18,12 @@ FAMILY = "rmsnorm"
 FLOATS = (FP32, BF16, FP16)
 
 _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
-_BWD_SMEM = 96 * 1024  # per-warp dweight partials in shared memory: warps * C * 4 bytes at most
-# (the register variants add 8 warps' staged rows, 3 * C * itemsize bytes each: 160 KB in all at most)
+_BWD_SMEM = 96 * 1024  # the looping backward's per-warp dweight partials: warps * C * 4 bytes at most
 _BWD_MAX_WARPS = 8
 _MAX_PARTIALS = 264  # blocks of the backward = rows of the scratch: one or two waves on the H200's 132 SMs
-_REG_VECTORS = (1, 2, 4, 8)  # rmsnorm_backward_v<V>: a row in registers, V 16-byte vectors per lane at most
+_REG_VECTORS = (1, 2, 4, 6, 8)  # rmsnorm_backward_v<V>: V 16-byte vectors per lane at most
+_STAGES = 2  # rows of x, dout, dresidual a warp of rmsnorm_backward_v<V> holds in shared memory
+_STAGE_SMEM = 227 * 1024  # the most dynamic shared memory a block may have (sm_90)
 _DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
 
@@ -70,6 +71,12 @@ def _backward_warps(C: int) -> int:
     if warps < 1:
         raise ValueError(f"rmsnorm_backward: C = {C} is too large (at most {_BWD_SMEM // 4} channels)")
     return warps
+
+
+def _backward_stages(warps: int, row_bytes: int) -> int:
+    """Staged rows per warp of rmsnorm_backward_v<V>: _STAGES, fewer where a block's shared memory
+    cannot hold them, never under 2 (a warp stages its next row while it computes from the other)."""
+    return max(2, min(_STAGES, _STAGE_SMEM // (warps * 3 * row_bytes)))
 
 
 def rmsnorm_scratch_shape(N: int, C: int) -> tuple[int, int]:
@@ -190,8 +197,12 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
     lane_vectors = ceil_div(C * inp.dtype.itemsize, 16 * 32)
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
-    name = kernel_name(f"rmsnorm_backward_v{v}" if v else "rmsnorm_backward", inp)
-    staged = warps * 3 * C * inp.dtype.itemsize if v else 0  # each warp's next row: x, dout, dresidual
-    launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C + staged)
+    if v:
+        stages = _backward_stages(warps, C * inp.dtype.itemsize)
+        smem = max(4 * warps * C, warps * stages * 3 * C * inp.dtype.itemsize)  # the partials reuse the stages
+        launch(FAMILY, kernel_name(f"rmsnorm_backward_v{v}", inp), P, 32 * warps, (*args, np.int32(stages)), dev,
+               stream, shared_mem=smem)  # fmt: skip
+    else:
+        launch(FAMILY, kernel_name("rmsnorm_backward", inp), P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
     args = (dweight, scratch, np.int32(P), np.int32(C))
     launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, _DW_COLS), _DW_THREADS, args, dev, stream)
