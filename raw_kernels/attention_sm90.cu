@@ -41,6 +41,12 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// Named barriers (id 1..15; 0 is __syncthreads) over n threads: bar.sync waits for n arrivals,
+// bar.arrive counts one warp's without waiting.
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 // d (64 x N fp32, the m64nN accumulator layout) = A B (+ d when scale_d): wgmma_ss reads A (64 x 16,
 // K-major) and B (16 x N, K-major) through shared-memory descriptors; wgmma_rs takes A from registers
 // (each warp's 16 rows in the m16k16 fragment layout of mma.sync) and B N-major (transposed).
@@ -129,8 +135,9 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned
            ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
-// s (64 x BC fp32) = Q K^T: Q the 64 rows at shared address q of a tile of QROWS rows (its halves are
-// QROWS * 128 bytes apart), K the BC-row tile at k. A k-step of 16 columns is 32 bytes into a row.
+// Issue s (64 x BC fp32) = Q K^T as one wgmma group: Q the 64 rows at shared address q of a tile of
+// QROWS rows (its halves are QROWS * 128 bytes apart), K the BC-row tile at k. A k-step of 16
+// columns is 32 bytes into a row. s is defined only after wgmma_wait and fence_acc(s).
 template <int HS, int BC, int QROWS>
 __device__ __forceinline__ void scores(float (&s)[BC / 2], unsigned q, unsigned k) {
     wgmma_fence();
@@ -139,11 +146,9 @@ __device__ __forceinline__ void scores(float (&s)[BC / 2], unsigned q, unsigned 
         wgmma_ss<BC>(s, sw128_desc(q + (kk >> 2) * QROWS * 128 + (kk & 3) * 32, 16, 1024),
                      sw128_desc(k + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(s);
 }
 
-// o (64 x HS fp32) += P V: P the 64 x BC accumulator p packed to bf16 in place (8-column groups 2kk
+// Issue o (64 x HS fp32) += P V as one wgmma group: P the 64 x BC accumulator p packed to bf16 in place (8-column groups 2kk
 // and 2kk+1 of each warp's 16 rows are the A fragment of k-step kk), V the BC-row tile at v, read
 // N-major: k-step kk is 16 rows (2048 bytes) down, the second half of the head dim BC * 128 bytes on.
 template <int HS, int BC>
@@ -157,9 +162,25 @@ __device__ __forceinline__ void add_pv(float (&o)[HS / 2], const float (&p)[BC /
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<HS>(o, a[kk], sw128_desc(v + kk * 2048, BC * 128, 1024), 1);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(o);
 }
+
+// The forward's warpgroups take turns at the tensor cores in a ring (FlashAttention-3's ping-pong):
+// warpgroup w waits at barrier 1 + w for its turn, issues its GEMM, and passes the turn on to
+// warpgroup w + 1 before it waits for the result, so one warpgroup's exponentials overlap the
+// next one's GEMMs instead of all of them issuing at once and then all waiting on the exp unit.
+// Each turn is a pair (bar.sync by the owner, bar.arrive by the predecessor): 256 threads.
+template <int NWG, bool ON> struct TurnRing {
+    int wg;
+    __device__ __forceinline__ void start() const {  // the last warpgroup hands warpgroup 0 its first turn
+        if (ON && wg == NWG - 1) named_arrive(1, 256);
+    }
+    __device__ __forceinline__ void wait() const {
+        if (ON) named_sync(1 + wg, 256);
+    }
+    __device__ __forceinline__ void pass(bool final) const {  // final: no turn follows (none may dangle)
+        if (ON && !(final && wg == NWG - 1)) named_arrive(1 + (wg + 1) % NWG, 256);
+    }
+};
 
 // kernels
 // ---- layout probe --------------------------------------------------------------------------
@@ -182,9 +203,13 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
     __syncthreads();
     float s[BC / 2], o[HS / 2];
     scores<HS, BC, 64>(s, smem_u32(sQ), smem_u32(sK));
+    wgmma_wait<0>();
+    fence_acc(s);
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
     add_pv<HS, BC>(o, s, smem_u32(sV));
+    wgmma_wait<0>();
+    fence_acc(o);
     const int row = 16 * warp + g;
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) s_out[(row + 8 * ((i >> 1) & 1)) * BC + 8 * (i >> 2) + 2 * tq + (i & 1)] = s[i];
@@ -194,8 +219,8 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
 
 // ---- forward -------------------------------------------------------------------------------
 // Grid (ceil(T / BR), Hq, B), block 128 * NWG. Shared (from a 1024-byte boundary): Q [BR][HS],
-// K [2][BC][HS], V [2][BC][HS], each in the swizzled layout above.
-template <int HS, int NWG, int BC>
+// K [2][BC][HS], V [2][BC][HS], each in the swizzled layout above. PINGPONG: the TurnRing order.
+template <int HS, int NWG, int BC, bool PINGPONG>
 __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float* __restrict__ lse,
                                                    const bf16* __restrict__ qkv, int T, int Hq, int Hkv, float scale) {
     constexpr int BR = 64 * NWG, NT = 128 * NWG, CH = HS / 8;
@@ -225,6 +250,8 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
     float m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f};
+    const TurnRing<NWG, PINGPONG> turn{wg};
+    turn.start();
 
     for (int j = 0; j < n_kv; ++j) {
         if (j + 1 < n_kv) {
@@ -237,9 +264,15 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
         fence_proxy_async();
         __syncthreads();
         const int kv0 = j * BC;
+        // (The wgmma code sits in one branch: issue and wait under separate conditions make ptxas
+        // serialize every wgmma of the kernel.)
         if (kv0 <= row_g + 63) {  // else every key of the block is in the future of the warpgroup's rows
             float s[BC / 2];
+            turn.wait();
             scores<HS, BC, BR>(s, q_addr, smem_u32(sK + (j & 1) * BC * HS));
+            turn.pass(false);
+            wgmma_wait<0>();
+            fence_acc(s);
             if (kv0 + BC - 1 > row_g) {  // the block reaches past the diagonal of some row
 #pragma unroll
                 for (int i = 0; i < BC / 2; ++i)
@@ -271,7 +304,16 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
                         l[r] += p;  // per-thread partial; the 4 threads of a row are summed at the end
                     }
             }
+            turn.wait();
             add_pv<HS, BC>(o, s, smem_u32(sV + (j & 1) * BC * HS));
+            turn.pass(j == n_kv - 1);
+            wgmma_wait<0>();
+            fence_acc(o);
+        } else {  // still take both turns, so that the ring goes on
+            turn.wait();
+            turn.pass(false);
+            turn.wait();
+            turn.pass(j == n_kv - 1);
         }
         __syncthreads();  // the stage read here is refilled by the next iteration's prefetch
     }
@@ -313,18 +355,22 @@ WGMMA_PROBE(64, 128)
 WGMMA_PROBE(128, 64)
 WGMMA_PROBE(128, 128)
 
-// attention_forward_sm90_hs<HS>_w<NWG>_bc<BC>_bf16: the variants attention.py may pick (SM90_FORWARD)
-#define FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS)                                                                \
+// attention_forward_sm90_hs<HS>_w<NWG>_bc<BC>[_pp]_bf16: the variants attention.py may pick
+// (SM90_FORWARD); _pp takes turns at the tensor cores (TurnRing), the others issue freely.
+#define FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, PP, SUFFIX)                                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MIN_BLOCKS)                                      \
-        attention_forward_sm90_hs##HS##_w##NWG##_bc##BC##_bf16(bf16* att, float* lse, const bf16* qkv, int T, \
-                                                               int Hq, int Hkv, float scale) {               \
-        flash_forward_sm90<HS, NWG, BC>(att, lse, qkv, T, Hq, Hkv, scale);                                   \
+        attention_forward_sm90_hs##HS##_w##NWG##_bc##BC##SUFFIX##_bf16(bf16* att, float* lse, const bf16* qkv, \
+                                                                       int T, int Hq, int Hkv, float scale) { \
+        flash_forward_sm90<HS, NWG, BC, PP>(att, lse, qkv, T, Hq, Hkv, scale);                               \
     }
-FORWARD_SM90(128, 2, 128, 1)
-FORWARD_SM90(128, 2, 64, 1)
-FORWARD_SM90(128, 3, 64, 1)
-FORWARD_SM90(64, 2, 128, 1)
-FORWARD_SM90(64, 2, 64, 2)
-FORWARD_SM90(64, 3, 64, 1)
+#define FORWARD_SM90_BOTH(HS, NWG, BC, MIN_BLOCKS)      \
+    FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, true, _pp)   \
+    FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, false, )
+FORWARD_SM90_BOTH(128, 2, 128, 1)
+FORWARD_SM90_BOTH(128, 2, 64, 1)
+FORWARD_SM90_BOTH(128, 3, 64, 1)
+FORWARD_SM90_BOTH(64, 2, 128, 1)
+FORWARD_SM90_BOTH(64, 2, 64, 2)
+FORWARD_SM90_BOTH(64, 3, 64, 1)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

@@ -8,8 +8,9 @@ swizzle applied to the address bits, K-major or N-major B) and its A operand fro
 registers in the fragment layout, and, like cp.async, delivers its accumulators only at
 wgmma.wait_group: an accumulator read too early, or an operand overwritten before the wait, shows.
 The real launchers drive it (their `launch` is redirected), so grids, shared-memory sizes, tiles,
-swizzles, masks and fragment shuffles are all checked against the twin without a GPU. Races are provoked, not proven absent: copies land either
-at the wait or at issue while warps run at different speeds. Register limits are not checked.
+swizzles, masks and fragment shuffles are all checked against the twin without a GPU. Races are
+provoked, not proven absent: copies land either at the wait or at issue while warps run at
+different speeds. Register limits are not checked.
 """
 
 import ctypes
@@ -171,6 +172,12 @@ inline void __trap() { fail("__trap"); }
 inline WarpGroupX& wg_() { return g_wgs[threadIdx.x >> 7]; }
 template <int R> inline void fence_acc(float (&)[R]) {}
 inline void wgmma_fence() { g_cur->wg_fenced = true; }
+extern Barrier g_named[16];  // bar.sync / bar.arrive with ids 1..15
+inline void named_sync(int id, int n) { barrier_wait(g_named[id], n); }
+inline void named_arrive(int id, int n) {
+    Barrier& b = g_named[id];
+    if (++b.arrived == n) { b.arrived = 0; b.gen++; g_progress++; }
+}
 inline void fence_proxy_async() { g_cur->proxy_dirty = false; }
 inline void wg_issue(float* d, int n, unsigned long long da, const unsigned* a, unsigned long long db, bool trans_b,
                      int scale_d) {
@@ -244,6 +251,7 @@ EMU_MAIN = r"""
 #ifndef HAS_WGMMA
 struct WarpGroupX { Barrier bar; std::vector<unsigned> a; };
 #endif
+Barrier g_named[16];
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -286,6 +294,7 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
         g_block_bar = Barrier();
         for (WarpX& w : g_warps) w.bar = Barrier();
         for (WarpGroupX& w : g_wgs) { w.bar = Barrier(); w.a.clear(); }
+        for (Barrier& b : g_named) b = Barrier();
         std::vector<Fiber> f(block);
         for (unsigned i = 0; i < block; ++i) {
             f[i].stack.resize(128 * 1024); f[i].tid = {i, 0, 0}; f[i].done = false;
@@ -319,6 +328,8 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
             idle = g_progress == before ? idle + 1 : 0;
             if (left && idle > 64) fail("deadlock: threads wait at barriers that never release");
         }
+        for (Barrier& b : g_named)
+            if (b.arrived) fail("a named barrier is left with arrivals that no bar.sync took");
         if (g_error) return -3;
     }
     return 0;
@@ -347,7 +358,12 @@ KERNELS = {
         for k in ("forward_simt", "backward_dot", "backward_dq_simt", "backward_dkdv_simt")
     ],  # fmt: skip
     "attention_sm90": [f"wgmma_probe_hs{hs}_bc{bc}" for hs in (64, 128) for bc in (64, 128)]
-    + [f"attention_forward_sm90_hs{hs}_w{w}_bc{bc}_bf16" for hs in (64, 128) for w, bc in ((2, 128), (2, 64), (3, 64))],
+    + [
+        f"attention_forward_sm90_hs{hs}_w{w}_bc{bc}{pp}_bf16"
+        for hs in (64, 128)
+        for w, bc in ((2, 128), (2, 64), (3, 64))
+        for pp in ("", "_pp")
+    ],
 }
 
 

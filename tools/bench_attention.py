@@ -7,14 +7,15 @@ counts the forward's recomputation of P but not the raw backend's extra dq pass)
 the measured BF16 matmul rate (CEILINGS["bf16"] in cuengine.benchmark); the target is raw >= 60%
 of cuDNN on the same shapes.
 
---sm90 adds one raw column per wgmma forward tiling of raw_kernels/attention_sm90.cu (WxBC:
-W warpgroups of 64 query rows, key blocks of BC rows; attention.SM90_FORWARD_VARIANTS), on a
+--sm90 adds one raw column per wgmma forward tiling of raw_kernels/attention_sm90.cu (WxBC[pp]:
+W warpgroups of 64 query rows, key blocks of BC rows, pp when the warpgroups take turns at the
+tensor cores; attention.SM90_FORWARD_VARIANTS), on a
 compute capability 9.0 GPU; the plain "raw" column runs whatever attention.SM90_FORWARD selects.
-The backward is the same kernels in every raw column.
+Those columns time the forward only (their bwd shows nan): the backward is the raw column's.
 
     python tools/bench_attention.py
     python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
-    python tools/bench_attention.py --head-sizes 128 --sm90 2x128 2x64 3x64
+    python tools/bench_attention.py --head-sizes 128 --sm90 2x128pp 2x128 3x64pp
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["raw", "cudnn"], choices=["raw", "cudnn"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    variants = [f"{w}x{bc}" for w, bc in A.SM90_FORWARD_VARIANTS]
+    variants = {f"{w}x{bc}{'pp' * pp}": (w, bc, pp) for w, bc, pp in A.SM90_FORWARD_VARIANTS}
     ap.add_argument(
         "--sm90", nargs="*", default=[], choices=variants, help="wgmma forward tilings to add as raw columns"
     )
@@ -68,8 +69,7 @@ def main() -> int:
         print(f"--sm90: the wgmma kernels need compute capability 9.0, not {dev.compute_capability}; skipping them")
     elif "raw" in backends:
         for v in args.sm90:
-            w, bc = (int(x) for x in v.split("x"))
-            columns[f"wg{v}"] = ("raw", (w, bc))
+            columns[f"wg{v}"] = ("raw", variants[v])
     print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
           f"median of {args.iters} after {args.warmup} warm-up; ceiling {CEILINGS['bf16'] / 1e12:.0f} TFLOP/s "
           f"(BF16 matmul)")  # fmt: skip
@@ -109,7 +109,8 @@ def main() -> int:
                     bwd()
                     outputs[col] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
                     ms_f = time_ms(dev, fwd, args.warmup, args.iters)
-                    ms_b = time_ms(dev, bwd, args.warmup, args.iters)
+                    # the backward is the same kernels in every raw column: time it once
+                    ms_b = time_ms(dev, bwd, args.warmup, args.iters) if sm90 is None else float("nan")
                 finally:
                     A.SM90_FORWARD = saved
                 result[col] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)

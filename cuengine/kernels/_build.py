@@ -73,7 +73,7 @@ def module(family: str, device_index: int, template: str | None = None):
     path = kernel_dir() / f"{family}.cu"
     if family in MODULE_ARCH:
         cubin = _cubin_dir() / f"{family}.{MODULE_ARCH[family]}.cubin"
-        cubin.write_bytes(compile_cubin(path, MODULE_ARCH[family]))
+        cubin.write_bytes(compile_cubin(path, MODULE_ARCH[family])[0])
         with cupy.cuda.Device(device_index):
             return cupy.RawModule(path=str(cubin))
     source = path.read_text()
@@ -85,24 +85,26 @@ def module(family: str, device_index: int, template: str | None = None):
     return mod
 
 
-def compile_cubin(path: Path, arch: str) -> bytes:
+def compile_cubin(path: Path, arch: str) -> tuple[bytes, str]:
     """raw_kernels/<family>.cu compiled by NVRTC to a cubin for `arch` (e.g. "sm_90a"), with
-    COMPILE_OPTIONS, the include paths and the -ftz=true that CuPy adds to the other modules."""
+    COMPILE_OPTIONS, the include paths and the -ftz=true that CuPy adds to the other modules;
+    returns the cubin and the compile log (ptxas performance warnings land there)."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], [])
     opts = [o.encode() for o in (f"-arch={arch}", *COMPILE_OPTIONS, *include_options(), "-ftz=true")]
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00 \n")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"{path.name} ({arch}) failed to compile:\n{log.decode(errors='replace')}")
+            raise RuntimeError(f"{path.name} ({arch}) failed to compile:\n{log}")
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
         cubin = b" " * size
         nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return cubin
+        return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

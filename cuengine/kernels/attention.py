@@ -42,10 +42,11 @@ FLASH_HEAD_SIZES = (64, 128)  # bf16 head sizes with tensor-core kernels in the 
 RAW_MAX_HEAD_SIZE = 256  # the warp-per-row kernels keep 8 elements per lane
 _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD in attention.cu)
 # The wgmma forward (attention_sm90.cu, sm_90a) by head size: (warpgroups of 64 query rows, key block
-# rows), one of SM90_FORWARD_VARIANTS; a head size not listed runs the mma.sync kernel. This is the
-# switch: the wgmma kernels run only on compute capability 9.0 (elsewhere the mma.sync ones do).
-SM90_FORWARD: dict[int, tuple[int, int]] = {}
-SM90_FORWARD_VARIANTS = ((2, 128), (2, 64), (3, 64))  # the instantiations in attention_sm90.cu
+# rows, ping-pong: the warpgroups take turns at the tensor cores), one of SM90_FORWARD_VARIANTS; a
+# head size not listed runs the mma.sync kernel. This is the switch: the wgmma kernels run only on
+# compute capability 9.0 (elsewhere the mma.sync ones do).
+SM90_FORWARD: dict[int, tuple[int, int, bool]] = {}
+SM90_FORWARD_VARIANTS = tuple((w, bc, pp) for w, bc in ((2, 128), (2, 64), (3, 64)) for pp in (True, False))
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
@@ -298,9 +299,10 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
     sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads))
     sm90 = _sm90_forward(dev, hs) if flash else None
     if sm90 is not None:
-        nwg, bc = sm90
+        nwg, bc, pingpong = sm90
         smem = (64 * nwg + 4 * bc) * hs * 2 + 1024  # Q, double-buffered K and V, room to align to 1024
-        launch("attention_sm90", kernel_name(f"attention_forward_sm90_hs{hs}_w{nwg}_bc{bc}", qkv),
+        name = f"attention_forward_sm90_hs{hs}_w{nwg}_bc{bc}{'_pp' if pingpong else ''}"
+        launch("attention_sm90", kernel_name(name, qkv),
                (ceil_div(T, 64 * nwg), n_q_heads, B), 128 * nwg, (att, lse, qkv, *sizes, scale), dev, stream,
                shared_mem=smem)  # fmt: skip
     elif flash:
@@ -380,7 +382,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
 
 
 def _sm90_forward(dev, hs: int):
-    """(warpgroups, key block) of the wgmma forward for this call, or None for the mma.sync one."""
+    """(warpgroups, key block, ping-pong) of the wgmma forward for this call, or None for the mma.sync one."""
     variant = SM90_FORWARD.get(hs)
     if variant is None or getattr(dev, "compute_capability", None) != (9, 0):
         return None
