@@ -11,33 +11,42 @@
 // vector width).
 #include "common.cuh"
 
-// Heads per thread, and the block: cuengine/kernels/rope.py sizes the grid by them (one wave of
-// ROPE_BLOCKS_PER_SM blocks per SM, which __launch_bounds__ keeps resident: 72 registers).
-constexpr int ROPE_HEADS = 2, ROPE_THREADS = 128, ROPE_BLOCKS_PER_SM = 7;
-
-template <typename T, int P> struct alignas(sizeof(T) * P) Vec {
-    T v[P];
-};
-
+// The shipped variant: heads per thread, grid-stride trips whose loads are all issued before any of their
+// stores, and the block: cuengine/kernels/rope.py sizes the grid by them (one wave of ROPE_BLOCKS_PER_SM
+// blocks per SM, which __launch_bounds__ keeps resident). rope_tuned instantiates the others for the sweep.
+constexpr int ROPE_HEADS = 2, ROPE_TRIPS = 1, ROPE_THREADS = 128, ROPE_BLOCKS_PER_SM = 7;
 
 // ---- kernels ------------------------------------------------------------------------------
 
-// VN consecutive table values as floats: 16-byte (or 8-byte) vector loads when the table is 16-byte
-// aligned (every row then is: hs is a multiple of 2 * VN), scalar loads otherwise (the kernel picks
-// its loop once, by the table's address).
-template <bool VEC, int VN, typename F> __device__ __forceinline__ void load_table(const F* p, float (&out)[VN]) {
-    constexpr int W = VN * (int)sizeof(F) > 16 ? 16 / (int)sizeof(F) : VN;  // elements per access
-    if (VEC) {
+// VN consecutive table values kept as the words that hold them (NW = VN * sizeof(F) / 4), each converted
+// where it is used (tab): 16-byte (or 8-byte) vector loads when the table is 16-byte aligned (every row
+// then is: hs is a multiple of 2 * VN), scalar loads otherwise (the kernel picks its loop once, by the
+// table's address). Converted at the load, a trip's table would hold 2 * VN registers from its load on.
+template <typename F, int VN> constexpr int table_words = VN * (int)sizeof(F) / 4;
+template <bool VEC, int NW, typename F> __device__ __forceinline__ void load_table(const F* p, unsigned (&w)[NW]) {
+    if (VEC && NW >= 4) {
 #pragma unroll
-        for (int j = 0; j < VN; j += W) {
-            const Vec<F, W> w = *reinterpret_cast<const Vec<F, W>*>(p + j);
-#pragma unroll
-            for (int k = 0; k < W; ++k) out[j + k] = to_float(w.v[k]);
+        for (int j = 0; j < NW; j += 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned*>(p) + j);
+            w[j] = v.x, w[j + 1] = v.y, w[j + 2] = v.z, w[j + 3] = v.w;
         }
+    } else if (VEC) {  // fp32 data with an fp16 table: 4 values, 8 bytes
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x, w[1] = v.y;
+    } else if constexpr (sizeof(F) == 4) {
+#pragma unroll
+        for (int k = 0; k < NW; ++k) w[k] = __float_as_uint(p[k]);
     } else {
 #pragma unroll
-        for (int k = 0; k < VN; ++k) out[k] = to_float(p[k]);
+        for (int k = 0; k < NW; ++k)
+            w[k] = (unsigned)__half_as_ushort(p[2 * k]) | (unsigned)__half_as_ushort(p[2 * k + 1]) << 16;
     }
+}
+template <typename F, int NW> __device__ __forceinline__ float tab(const unsigned (&w)[NW], int k) {
+    if constexpr (sizeof(F) == 4)
+        return __uint_as_float(w[k]);
+    else
+        return __half2float(__ushort_as_half((unsigned short)(k % 2 ? w[k / 2] >> 16 : w[k / 2] & 0xffffu)));
 }
 
 // A 16-byte vector of T kept as its four 32-bit words, element k converted where it is used: as a
@@ -80,87 +89,179 @@ template <typename T> __device__ __forceinline__ unsigned abs_max_bits(const uin
     return m;
 }
 
-// One thread per (row, pair of heads h0 = 2p and h0 + 1, VN-vector of the first half): it handles x1
-// and the matching x2 of both heads, which share position t and so the table's cos and sin. Its four
-// data loads and the table loads are all issued before anything waits on them: 64 bytes of data in
-// flight per thread (one head per thread had 32). In place, the loads alias the stores, but they read
-// only this thread's own elements. In place without abs_max, the pairs of v heads are not visited:
-// HP counts the pairs up to the last rotated head. The grid-stride index i = (row * HP + p) * hv + jv
-// is kept as its digits (row, p, jv) and t = row % T_len, advanced by the stride's digits with
-// carries: no integer division per item.
-template <typename T, typename F, bool VEC_TABLE>
-__device__ void rope_impl(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,
-                          int Hq, int Hkv, int hs, bool inverse, bool copy_v) {
-    constexpr int VN = Pack16<T>::N, U = ROPE_HEADS;
-    const bool read_v = copy_v || abs_max;
-    const int half = hs / 2, hv = half / VN, H = Hq + 2 * Hkv, R = Hq + Hkv, HP = ((read_v ? H : R) + U - 1) / U;
-    const float sign = inverse ? -1.f : 1.f;  // the inverse rotation is the rotation by -angle
-    const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long q = start / hv, row = q / HP;
-    const long long sq = stride / hv, srow = sq / HP;
-    int jv = (int)(start - q * hv), p = (int)(q - row * HP), t = (int)(row % T_len);
-    const int sj = (int)(stride - sq * hv), sp = (int)(sq - srow * HP), st = (int)(srow % T_len);
-    unsigned amax = 0;
-    while (row < rows) {
-        const int h0 = p * U, j = jv * VN;
-        const size_t base = ((size_t)row * H + h0) * hs + j;
+// The grid-stride index i = (row * HP + p) * hv + jv of an item, kept as its digits (row, p, jv) and
+// t = row % T_len, and advanced by the stride's digits with carries: no integer division per item.
+struct RopeWalk {
+    long long row;
+    int p, jv, t;
+};
+
+// The shape, the pointers and the stride's digits, shared by every trip of a thread.
+template <typename T, typename F, bool VEC_TABLE, int U> struct Rope {
+    static constexpr int VN = Pack16<T>::N, NW = table_words<F, VN>;
+    struct Trip {  // one item's data (x1 and x2 of U heads) and table words, loaded and not yet used
         uint4 x1[U], x2[U];
+        unsigned c[NW], s[NW];
+    };
+    T* out;
+    const T* inp;
+    const F* freqs;
+    int T_len, hs, half, hv, H, R, HP, sj, sp, st;
+    long long srow;
+    float sign;  // the inverse rotation is the rotation by -angle
+    bool read_v, copy_v, amax_on;
+
+    __device__ __forceinline__ void advance(RopeWalk& w) const {  // by the stride, digit by digit
+        w.jv += sj;
+        int carry = w.jv >= hv;
+        w.jv -= carry ? hv : 0;
+        w.p += sp + carry;
+        carry = w.p >= HP;
+        w.p -= carry ? HP : 0;
+        w.row += srow + carry;
+        w.t += st + carry;
+        w.t -= w.t >= T_len ? T_len : 0;
+    }
+    __device__ __forceinline__ size_t base(const RopeWalk& w) const {
+        return ((size_t)w.row * H + w.p * U) * hs + w.jv * VN;
+    }
+    // Issues the item's loads, nothing waits on them: its U heads' x1 and x2, and the table's cos and sin
+    // (read for a group of v heads too: no branch among the loads).
+    __device__ __forceinline__ void load(const RopeWalk& w, Trip& d) const {
+        const int h0 = w.p * U, j = w.jv * VN;
+        const size_t b = base(w);
 #pragma unroll
         for (int u = 0; u < U; ++u) {  // a head past H, or an in-place v head, reads head h0 again: no branch
-            const size_t in = base + (h0 + u < H && (h0 + u < R || read_v) ? (size_t)u * hs : 0);
-            x1[u] = *reinterpret_cast<const uint4*>(inp + in);
-            x2[u] = *reinterpret_cast<const uint4*>(inp + in + half);
+            const size_t in = b + (h0 + u < H && (h0 + u < R || read_v) ? (size_t)u * hs : 0);
+            d.x1[u] = *reinterpret_cast<const uint4*>(inp + in);
+            d.x2[u] = *reinterpret_cast<const uint4*>(inp + in + half);
         }
-        float c[VN], s[VN];  // read for a pair of v heads too: no branch among the loads
-        load_table<VEC_TABLE>(freqs + (size_t)t * hs + j, c);
-        load_table<VEC_TABLE>(freqs + (size_t)t * hs + j + half, s);
+        load_table<VEC_TABLE>(freqs + (size_t)w.t * hs + j, d.c);
+        load_table<VEC_TABLE>(freqs + (size_t)w.t * hs + j + half, d.s);
+    }
+    // Rotates and stores the item loaded into d; returns the max |out| bits of what it covers.
+    __device__ __forceinline__ unsigned store(const RopeWalk& w, const Trip& d) const {
+        const int h0 = w.p * U;
+        const size_t b = base(w);
+        unsigned amax = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            T* o = out + base + (size_t)u * hs;
+            T* o = out + b + (size_t)u * hs;
             if (h0 + u < R) {
                 float y1[VN], y2[VN];
 #pragma unroll
                 for (int k = 0; k < VN; ++k) {
-                    const float a = elem<T>(x1[u], k), bb = elem<T>(x2[u], k), sk = sign * s[k];
-                    y1[k] = a * c[k] - bb * sk;
-                    y2[k] = bb * c[k] + a * sk;
+                    const float a = elem<T>(d.x1[u], k), bb = elem<T>(d.x2[u], k), c = tab<F>(d.c, k);
+                    const float sk = sign * tab<F>(d.s, k);
+                    y1[k] = a * c - bb * sk;
+                    y2[k] = bb * c + a * sk;
                 }
                 const uint4 w1 = to_words<T>(y1), w2 = to_words<T>(y2);
                 *reinterpret_cast<uint4*>(o) = w1;
                 *reinterpret_cast<uint4*>(o + half) = w2;
-                if (abs_max) amax = max(amax, abs_max_bits<T>(w1, w2));
+                if (amax_on) amax = max(amax, abs_max_bits<T>(w1, w2));
             } else if (h0 + u < H && read_v) {  // a v head: copied, and seen by abs_max
                 if (copy_v) {
-                    *reinterpret_cast<uint4*>(o) = x1[u];
-                    *reinterpret_cast<uint4*>(o + half) = x2[u];
+                    *reinterpret_cast<uint4*>(o) = d.x1[u];
+                    *reinterpret_cast<uint4*>(o + half) = d.x2[u];
                 }
-                if (abs_max) amax = max(amax, abs_max_bits<T>(x1[u], x2[u]));
+                if (amax_on) amax = max(amax, abs_max_bits<T>(d.x1[u], d.x2[u]));
             }
         }
-        jv += sj;  // advance by the stride, digit by digit
-        int carry = jv >= hv;
-        jv -= carry ? hv : 0;
-        p += sp + carry;
-        carry = p >= HP;
-        p -= carry ? HP : 0;
-        row += srow + carry;
-        t += st + carry;
-        t -= t >= T_len ? T_len : 0;
+        return amax;
+    }
+};
+
+// One thread per (row, group of U heads h0 = U p .. h0 + U - 1, VN-vector of the first half): it handles
+// x1 and the matching x2 of each head, which share position t and so the table's cos and sin. In place
+// without abs_max, the groups of v heads are not visited: HP counts the groups up to the last rotated
+// head. In place, an item's loads alias its stores, but read only its own elements, and no other item
+// (of this thread or another) touches them.
+// TRIPS = 1: a trip's loads, then its stores, then the next trip's loads (the compiler must keep them
+// behind the stores, which may alias them).
+// TRIPS = 2: two grid-stride trips at a time, all loads of both issued before the first store. Safe in
+// place: two trips are two different items, whose elements are disjoint, so the loads of the second
+// cannot see the stores of the first; the order above is only the compiler's, not the algorithm's. The
+// second trip of the last pass may lie past the end: it then re-reads the first trip's item (issued
+// before the first trip's stores, so it reads the old values) and stores nothing.
+// TRIPS = 3 (pipelined): the next trip's loads are issued before this trip's arithmetic and stores (safe
+// for the same reason), so a thread has one trip's loads in flight while it computes and stores another.
+template <typename T, typename F, bool VEC_TABLE, int U, int TRIPS>
+__device__ void rope_impl(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,
+                          int Hq, int Hkv, int hs, bool inverse, bool copy_v) {
+    using K = Rope<T, F, VEC_TABLE, U>;
+    K k;
+    k.out = out, k.inp = inp, k.freqs = freqs, k.T_len = T_len, k.hs = hs, k.half = hs / 2;
+    k.hv = k.half / K::VN, k.H = Hq + 2 * Hkv, k.R = Hq + Hkv;
+    k.read_v = copy_v || abs_max, k.copy_v = copy_v, k.amax_on = abs_max != nullptr;
+    k.HP = ((k.read_v ? k.H : k.R) + U - 1) / U;
+    k.sign = inverse ? -1.f : 1.f;
+    const long long start = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long q = start / k.hv, sq = stride / k.hv;
+    RopeWalk a;
+    a.row = q / k.HP, a.jv = (int)(start - q * k.hv), a.p = (int)(q - a.row * k.HP), a.t = (int)(a.row % T_len);
+    k.srow = sq / k.HP, k.sj = (int)(stride - sq * k.hv), k.sp = (int)(sq - k.srow * k.HP);
+    k.st = (int)(k.srow % T_len);
+    unsigned amax = 0;
+    typename K::Trip A, B;
+    if constexpr (TRIPS == 1) {
+        while (a.row < rows) {
+            k.load(a, A);
+            amax = max(amax, k.store(a, A));
+            k.advance(a);
+        }
+    } else if constexpr (TRIPS == 2) {
+        while (a.row < rows) {
+            RopeWalk b = a;
+            k.advance(b);
+            const bool second = b.row < rows;
+            k.load(a, A);
+            k.load(second ? b : a, B);
+            amax = max(amax, k.store(a, A));
+            if (second) amax = max(amax, k.store(b, B));
+            a = b;
+            k.advance(a);
+        }
+    } else {
+        if (a.row < rows) k.load(a, A);
+        while (a.row < rows) {
+            RopeWalk b = a;
+            k.advance(b);
+            k.load(b.row < rows ? b : a, B);  // past the end: the current item again, and nothing stored
+            amax = max(amax, k.store(a, A));
+            A = B;
+            a = b;
+        }
     }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
+template <typename T, typename F, int U, int TRIPS>
+__device__ __forceinline__ void rope_dispatch(T* out, const T* inp, const F* freqs, float* abs_max, long long rows,
+                                              int T_len, int Hq, int Hkv, int hs, int inverse, int copy_v) {
+    if (((size_t)freqs & 15) == 0)
+        rope_impl<T, F, true, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
+    else
+        rope_impl<T, F, false, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
+}
+
 // ---- launchers ----------------------------------------------------------------------------
 
-#define ROPE_KERNEL(SUF, T, SUFF, F)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ROPE_THREADS, ROPE_BLOCKS_PER_SM)                        \
-        rope_##SUF##_##SUFF(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len, \
-                            int Hq, int Hkv, int hs, int inverse, int copy_v) {                           \
-        if (((size_t)freqs & 15) == 0)                                                                    \
-            rope_impl<T, F, true>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);   \
-        else                                                                                              \
-            rope_impl<T, F, false>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);  \
+// Any variant, by name expression (rope.py's `_variant`, passed only by .session/rope_sweep.py).
+template <typename T, typename F, int U, int TRIPS, int THREADS, int BLOCKS>
+__global__ void __launch_bounds__(THREADS, BLOCKS)
+    rope_tuned(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len, int Hq, int Hkv,
+               int hs, int inverse, int copy_v) {
+    rope_dispatch<T, F, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
+}
+
+#define ROPE_KERNEL(SUF, T, SUFF, F)                                                                           \
+    extern "C" __global__ void __launch_bounds__(ROPE_THREADS, ROPE_BLOCKS_PER_SM)                             \
+        rope_##SUF##_##SUFF(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,      \
+                            int Hq, int Hkv, int hs, int inverse, int copy_v) {                                \
+        rope_dispatch<T, F, ROPE_HEADS, ROPE_TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, \
+                                                    copy_v);                                                   \
     }
 #define ROPE_KERNELS(SUF, T)        \
     ROPE_KERNEL(SUF, T, f32, float) \
