@@ -22,7 +22,7 @@ _BWD_SMEM = 96 * 1024  # the looping backward's per-warp dweight partials: warps
 _BWD_MAX_WARPS = 8
 _MAX_PARTIALS = 264  # blocks of the backward = rows of the scratch: one or two waves on the H200's 132 SMs
 _REG_VECTORS = (1, 2, 4, 6, 8)  # rmsnorm_backward_v<V>: V 16-byte vectors per lane at most
-_STAGES = 2  # rows of x, dout, dresidual a warp of rmsnorm_backward_v<V> holds in shared memory
+_STAGES = 2  # rows (x, dout, dresidual) a warp of rmsnorm_backward_v<V> holds in shared memory: 2 or 3
 _STAGE_SMEM = 227 * 1024  # the most dynamic shared memory a block may have (sm_90)
 _DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
