@@ -5,38 +5,28 @@
 //             ZeRO-sharded embedding (lo, hi multiples of the 16-byte vector; 0, V * C for the whole table)
 //   backward: dwte[v, :] += sum of dout[n, :] over n with tokens[n] == v    (+=, a parameter gradient)
 //
-// The backward gives the same bits on every run and is graph-capturable (no host sync, no allocation):
-//   1. a stable LSD radix sort of the positions n by token id, 9-bit digits, ceil(bits(V) / 9) passes (keys
-//      are 0..V: 2 passes for V below 2^18, e.g. 151936). Each pass is histogram (per 2048-position tile,
-//      shared-memory integer atomics: counts do not depend on order) -> one exclusive scan over
-//      (digit, tile) -> stable scatter (equal digits ranked by position through __match_any_sync and
-//      per-warp counts, so positions keep their order). Both tile kernels issue all their global loads
-//      first, then work in shared memory. An id outside [0, V) sorts as key V and is skipped by step 2,
-//      so it cannot touch memory.
-//   2. per run of equal tokens and 16-byte vector of channels: partial w sums positions k = w, w+4, ...
-//      of the run in order in fp32, the four partials are added in order, and the result is added once
-//      into dwte (one rounding to dwte's dtype). The NumPy twin sums in this same order. One block per
-//      (4 sorted slots, 128 vectors): a thread per vector for runs of at most 4 positions, the whole
-//      block (a warp per partial and 32 vectors) for the one longer run that can start there.
-// Scratch (int32, see encoder_scratch_shape): positions ping/pong (N each), sorted keys (N), and the
-// (512, tiles) digit histogram. Sizes: C a multiple of the 16-byte vector width of dout / wte.
+// The backward gives the same bits on every run and is graph-capturable (no host sync, no allocation).
+// It does not sort: most ids of a batch occur once, so it counts them and streams dout in position order.
+//   0. (launcher) zero the hash table and the counters at the head of the scratch (one memset).
+//   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
+//      (2N slots, linear probing, claimed by atomicCAS), count it, and keep its first INLINE positions
+//      in arrival order. The INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id
+//      lands in and the arrival order depend on timing; what is read from the table (the count, the
+//      set of positions) does not, and the sums below only use that.
+//   2. encoder_backward_sum, one kernel with two roles:
+//      - the first hot_blocks * ychunks blocks take the hot ids (more than INLINE positions) from the
+//        queue: the whole block scans the tokens in order, compacting the id's positions (a block scan
+//        of per-thread match counts) into shared memory, and sums them over 128 vectors of channels;
+//      - the other blocks stream: a warp per position, over a contiguous slice of positions per warp.
+//        A position whose id occurs once adds its row (the common case: 3 streams, dout read, the dwte
+//        row read and written); the smallest position of an id with 2..INLINE positions sums them all
+//        (sorted by position from the table's set); the other positions of such an id do nothing.
+//   Summation order (the NumPy twin's): the positions of an id in ascending order, rank k to partial
+//   k % 4, each partial summed in order in fp32 from 0.f, the total ((p0 + p1) + p2) + p3 added once
+//   into dwte (one rounding to dwte's dtype). Ids outside [0, V) are skipped and touch no memory.
+// Scratch (int32, see encoder_scratch_shape): 8 counters, the table (2N slots of 8 ints), the hot queue.
+// Sizes: C a multiple of the 16-byte vector width of dout / wte.
 #include "common.cuh"
-
-constexpr int RADIX_BITS = 9;
-constexpr int RADIX = 1 << RADIX_BITS;  // digit values; one thread per digit in histogram and scatter
-constexpr int SORT_THREADS = RADIX;
-constexpr int SORT_WARPS = SORT_THREADS / 32;
-constexpr int SORT_ITEMS = 4;
-constexpr int SORT_TILE = SORT_THREADS * SORT_ITEMS;  // positions per sort block
-constexpr int SCAN_THREADS = 1024;
-constexpr int PARTIALS = 4;    // partial sums per run and vector (the twin's summation order)
-constexpr int SUM_SLOTS = PARTIALS;  // sorted slots per sum block
-constexpr int SUM_VECS = 128;  // 16-byte vectors of channels per sum block
-constexpr int SUM_THREADS = SUM_SLOTS * SUM_VECS;
-constexpr int SUM_UNROLL = 4;  // positions in flight per warp on a long run
-// A long run covers at least PARTIALS + 1 slots, so at most one can start in a sum block's slots.
-static_assert(SUM_SLOTS <= PARTIALS + 1, "a sum block handles at most one long run");
-static_assert(SUM_THREADS / 32 == PARTIALS * (SUM_VECS / 32), "long runs: a warp per (partial, 32 vectors)");
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -70,216 +60,306 @@ __device__ void encoder_forward_impl(T* out, const int* tokens, const T* wte, lo
     }
 }
 
-__device__ __forceinline__ int token_key(const int* tokens, int p, int V) {
-    const int t = tokens[p];
-    return (t >= 0 && t < V) ? t : V;
+constexpr int INLINE = 6;       // positions an id's slot keeps; more make the id "hot"
+constexpr int SLOT_INTS = 8;    // key + 1 (0: empty), count, INLINE positions: one 32-byte sector
+constexpr int HEAD_INTS = 8;    // counters before the table: [0] hot queue length
+constexpr int PARTIALS = 4;     // partial sums per id and vector (the twin's summation order)
+constexpr int SUM_THREADS = 512;
+constexpr int SUM_WARPS = SUM_THREADS / 32;
+constexpr int HOT_VECS = SUM_THREADS / PARTIALS;  // 16-byte vectors per hot block: a thread per (partial, vector)
+constexpr int SCAN_ITEMS = 8;                      // consecutive tokens per thread in the hot scan
+constexpr int SCAN_CHUNK = SUM_THREADS * SCAN_ITEMS;
+constexpr int HOT_UNROLL = 4;   // dout rows in flight per thread in a hot sum
+constexpr int ROW_UNROLL = 4;   // vectors in flight per lane for an id that occurs once
+static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
+static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
+static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
+
+__device__ __forceinline__ int* hash_table(int* scratch) { return scratch + HEAD_INTS; }
+__device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative hash, mapped onto [0, H)
+    return (unsigned)(((unsigned long long)((unsigned)t * 2654435769u) * (unsigned)H) >> 32);
 }
 
-// The keys of one thread's SORT_ITEMS positions of a tile, all loads issued before any is used.
-// `src` null means positions 0..N-1; a slot past N gets position 0 and key -1 ("none").
-__device__ __forceinline__ void load_tile_items(int (&p)[SORT_ITEMS], int (&key)[SORT_ITEMS], const int* tokens,
-                                                const int* src, int N, int V) {
-    const int start = blockIdx.x * SORT_TILE + threadIdx.x;
-#pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k) {
-        const int i = start + k * SORT_THREADS;
-        p[k] = i < N ? (src ? src[i] : i) : 0;
+// Step 1: count the ids and keep their first INLINE positions. H = 2N slots: at most half are used.
+extern "C" __global__ void __launch_bounds__(256)
+    encoder_backward_count(int* scratch, int* hot, const int* tokens, int N, int V, int H) {
+    launch_dependents();
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const int t = tokens[n];
+    if (t < 0 || t >= V) return;
+    int* table = hash_table(scratch);
+    unsigned s = hash_slot(t, H);
+    for (;;) {
+        const int k = atomicCAS(&table[s * SLOT_INTS], 0, t + 1);
+        if (k == 0 || k == t + 1) break;
+        s = s + 1 == (unsigned)H ? 0 : s + 1;
     }
-#pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k) key[k] = start + k * SORT_THREADS < N ? token_key(tokens, p[k], V) : -1;
-}
-
-// Digit histogram of one tile: hist[digit * tiles + tile].
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    encoder_sort_histogram(int* hist, const int* tokens, const int* src, int N, int V, int shift, int tiles) {
-    __shared__ int s_hist[RADIX];
-    s_hist[threadIdx.x] = 0;
-    int p[SORT_ITEMS], key[SORT_ITEMS];
-    load_tile_items(p, key, tokens, src, N, V);
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k)
-        if (key[k] >= 0) atomicAdd(&s_hist[(key[k] >> shift) & (RADIX - 1)], 1);
-    __syncthreads();
-    hist[threadIdx.x * tiles + blockIdx.x] = s_hist[threadIdx.x];
-}
-
-// In-place exclusive scan of hist[0, M) by one block: each thread scans a contiguous chunk.
-extern "C" __global__ void encoder_sort_scan(int* hist, int M) {
-    __shared__ int s_warp[SCAN_THREADS / 32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int per = (M + SCAN_THREADS - 1) / SCAN_THREADS;
-    const int begin = min((int)threadIdx.x * per, M), end = min(begin + per, M);
-    int sum = 0;
-    for (int i = begin; i < end; ++i) sum += hist[i];
-    int incl = sum;  // inclusive scan of the chunk sums within the warp
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
+    const int r = atomicAdd(&table[s * SLOT_INTS + 1], 1);
+    if (r < INLINE) {
+        table[s * SLOT_INTS + 2 + r] = n;
+    } else if (r == INLINE) {
+        hot[atomicAdd(&scratch[0], 1)] = (int)s;
     }
-    if (lane == 31) s_warp[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = s_warp[lane];
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
+}
+
+// VN elements of T kept as loaded (16-byte packs where VN elements fill them): a dwte vector beside
+// dout's VN-element 16-byte vector, converted to fp32 only where it is added to.
+template <typename T, int VN>
+struct alignas(VN * sizeof(T) % 16 == 0 ? 16 : alignof(T)) Elems {
+    T v[VN];
+    __device__ __forceinline__ void load(const T* p) {
+        if constexpr (VN * sizeof(T) % 16 == 0) {
+#pragma unroll
+            for (int q = 0; q < VN * (int)sizeof(T) / 16; ++q)
+                reinterpret_cast<Pack16<T>*>(v)[q] = Pack16<T>::load(p + q * Pack16<T>::N);
+        } else {
+#pragma unroll
+            for (int e = 0; e < VN; ++e) v[e] = p[e];
         }
-        s_warp[lane] = w;
     }
-    __syncthreads();
-    int run = incl - sum + (warp > 0 ? s_warp[warp - 1] : 0);
-    for (int i = begin; i < end; ++i) {
-        const int c = hist[i];
-        hist[i] = run;
-        run += c;
-    }
-}
-
-// Stable scatter of one tile: dst[slot] = position, keys[slot] = its full key. Positions of equal digit
-// keep their order: rank = earlier rounds + earlier warps of this round + earlier lanes of this warp.
-// Every global load of the tile is issued up front; the SORT_ITEMS rounds then touch shared memory only.
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    encoder_sort_scatter(int* dst, int* keys, const int* hist, const int* tokens, const int* src, int N, int V,
-                         int shift, int tiles) {
-    __shared__ int s_base[RADIX];               // next free slot per digit for this tile
-    __shared__ int s_count[SORT_WARPS][RADIX];  // per-warp digit counts of the current round
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const unsigned lanes_below = (1u << lane) - 1u;
-    s_base[tid] = hist[tid * tiles + blockIdx.x];
-    int p[SORT_ITEMS], key[SORT_ITEMS];
-    load_tile_items(p, key, tokens, src, N, V);
+    __device__ __forceinline__ void store(T* p) const {
+        if constexpr (VN * sizeof(T) % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k) {
+            for (int q = 0; q < VN * (int)sizeof(T) / 16; ++q)
+                reinterpret_cast<const Pack16<T>*>(v)[q].store(p + q * Pack16<T>::N);
+        } else {
 #pragma unroll
-        for (int w = 0; w < SORT_WARPS; ++w) s_count[w][tid] = 0;
-        __syncthreads();
-        const int digit = key[k] >= 0 ? (key[k] >> shift) & (RADIX - 1) : RADIX;  // RADIX: "none"
-        const unsigned peers = __match_any_sync(0xffffffffu, digit);
-        const int rank = __popc(peers & lanes_below);
-        if (digit < RADIX && rank == 0) s_count[warp][digit] = __popc(peers);
-        __syncthreads();
-        if (digit < RADIX) {
-            int slot = s_base[digit] + rank;
-            for (int w = 0; w < warp; ++w) slot += s_count[w][digit];
-            dst[slot] = p[k];
-            keys[slot] = key[k];
+            for (int e = 0; e < VN; ++e) p[e] = v[e];
         }
-        __syncthreads();  // every read of s_base and s_count above is done
-        int total = 0;
-#pragma unroll
-        for (int w = 0; w < SORT_WARPS; ++w) total += s_count[w][tid];
-        s_base[tid] += total;
     }
+};
+
+__device__ __forceinline__ void sort2(int& a, int& b) {
+    const int lo = min(a, b);
+    b = max(a, b);
+    a = lo;
 }
 
-// Sum of the runs of equal keys that start in slots [SUM_SLOTS * blockIdx.x, +SUM_SLOTS), over
-// SUM_VECS vectors of VN channels (blockIdx.y). Every partial sum below is the twin's: partial w of a
-// run holds its ranks w, w + 4, ... added in order to 0.f; the run's total is ((p0 + p1) + p2) + p3.
-//  - short runs (at most PARTIALS slots): SUM_VECS threads per slot, each summing all partials of one
-//    vector itself (each partial has at most one term), so every thread of the block has loads in
-//    flight. The keys, positions, dout rows and dwte row of a run are two dependent loads deep.
-//  - a long run (more than PARTIALS slots; at most one can start among SUM_SLOTS = PARTIALS slots):
-//    the whole block, warp (chunk q, partial w) summing ranks w, w + 4, ... of 32 vectors, the partials
-//    then added in order through shared memory.
+// A hot id (slot s of the queue): the whole block, thread (partial w, vector cv), over all N tokens in
+// chunks of SCAN_CHUNK. Each chunk's matching positions are compacted in order into s_list (a block
+// scan of per-thread match counts); partial w then adds the list entries of global rank = w mod 4.
 template <typename TG, typename TD>
-__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* sorted, const int* keys, int N,
-                                          int V, int C) {
+__device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens, const int* table, int slot, int N,
+                                     int C, int y) {
     constexpr int VN = Pack16<TD>::N;
-    __shared__ float s_part[PARTIALS - 1][SUM_VECS / 32][VN][32];
-    __shared__ int s_long[SUM_SLOTS];  // the slot, if it starts a long run, else -1
-    const int tid = threadIdx.x;
-    const int g = tid / SUM_VECS, t = tid % SUM_VECS;
-    const int s = blockIdx.x * SUM_SLOTS + g;
-    int k[PARTIALS + 2];  // keys[s - 1 .. s + PARTIALS]; -1 outside [0, N), which never matches a key
+    __shared__ int s_list[SCAN_CHUNK];
+    __shared__ int s_warp[SUM_WARPS];
+    __shared__ float s_part[PARTIALS - 1][VN][HOT_VECS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int w = tid / HOT_VECS, cvl = tid % HOT_VECS;
+    const int c = (y * HOT_VECS + cvl) * VN;
+    const bool active = c < C;
+    const int key = table[slot * SLOT_INTS] - 1;
+    float acc[VN];
 #pragma unroll
-    for (int r = 0; r < PARTIALS + 2; ++r) {
-        const int j = s - 1 + r;
-        k[r] = (j >= 0 && j < N) ? keys[j] : -1;
+    for (int e = 0; e < VN; ++e) acc[e] = 0.f;
+    int r0 = 0;  // rank of the chunk's first match within the id's positions
+    for (int base = 0; base < N; base += SCAN_CHUNK) {
+        const int first = base + tid * SCAN_ITEMS;
+        unsigned mask = 0;
+#pragma unroll
+        for (int i = 0; i < SCAN_ITEMS; ++i)
+            if (first + i < N && tokens[first + i] == key) mask |= 1u << i;
+        const int cnt = __popc(mask);
+        int incl = cnt;  // inclusive scan within the warp
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        if (lane == 31) s_warp[warp] = incl;
+        __syncthreads();
+        int off = incl - cnt, m = 0;
+#pragma unroll
+        for (int q = 0; q < SUM_WARPS; ++q) {
+            const int x = s_warp[q];
+            off += q < warp ? x : 0;
+            m += x;
+        }
+        for (int i = 0; i < SCAN_ITEMS; ++i)
+            if (mask >> i & 1u) s_list[off++] = first + i;
+        __syncthreads();
+        if (active) {
+            for (int i = ((w - r0) % PARTIALS + PARTIALS) % PARTIALS; i < m; i += PARTIALS * HOT_UNROLL) {
+                Pack16<TD> v[HOT_UNROLL];
+#pragma unroll
+                for (int u = 0; u < HOT_UNROLL; ++u) {
+                    const int j = i + u * PARTIALS;
+                    if (j < m) {
+                        v[u] = Pack16<TD>::load(dout + (size_t)s_list[j] * C + c);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < VN; ++e) v[u].v[e] = from_float<TD>(0.f);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < HOT_UNROLL; ++u)
+                    if (i + u * PARTIALS < m)
+#pragma unroll
+                        for (int e = 0; e < VN; ++e) acc[e] += to_float(v[u].v[e]);
+            }
+        }
+        r0 += m;
+        __syncthreads();  // s_list and s_warp are reused by the next chunk
     }
-    int pos[PARTIALS];
+    if (w > 0 && active)
 #pragma unroll
-    for (int r = 0; r < PARTIALS; ++r) pos[r] = s + r < N ? sorted[s + r] : 0;
-    const int key = k[1];
-    const bool starts = s < N && key < V && k[0] != key;
-    const bool is_long = starts && k[PARTIALS + 1] == key;
-    if (t == 0) s_long[g] = is_long ? s : -1;
-    const int c = (blockIdx.y * SUM_VECS + t) * VN;
-    if (starts && !is_long && c < C) {
+        for (int e = 0; e < VN; ++e) s_part[w - 1][e][cvl] = acc[e];
+    __syncthreads();
+    if (w == 0 && active) {
         TG* row = dwte + (size_t)key * C + c;
-        Pack16<TD> v[PARTIALS];
+        Elems<TG, VN> old;
+        old.load(row);
 #pragma unroll
-        for (int r = 0; r < PARTIALS; ++r)
-            if (k[1 + r] == key) v[r] = Pack16<TD>::load(dout + (size_t)pos[r] * C + c);
-        float old[VN];
+        for (int p = 1; p < PARTIALS; ++p)
 #pragma unroll
-        for (int e = 0; e < VN; ++e) old[e] = to_float(row[e]);
+            for (int e = 0; e < VN; ++e) acc[e] = acc[e] + s_part[p - 1][e][cvl];
+#pragma unroll
+        for (int e = 0; e < VN; ++e) old.v[e] = from_float<TG>(to_float(old.v[e]) + acc[e]);
+        old.store(row);
+    }
+    __syncthreads();  // s_part is reused by the block's next hot id
+}
+
+// An id with k = 2..INLINE positions q[0] < ... < q[k-1] (INT_MAX past k), summed by one warp.
+template <typename TG, typename TD>
+__device__ __forceinline__ void encoder_backward_few(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
+                                                     const int (&q)[INLINE], int k, int C, int lane) {
+    constexpr int VN = Pack16<TD>::N;
+    const int vecs = C / VN;
+    TG* row = dwte + (size_t)key * C;
+    for (int cv = lane; cv < vecs; cv += 32) {
+        const int c = cv * VN;
+        Pack16<TD> d[INLINE];
+#pragma unroll
+        for (int r = 0; r < INLINE; ++r) {
+            if (r < k) {
+                d[r] = Pack16<TD>::load(dout + (size_t)q[r] * C + c);
+            } else {
+#pragma unroll
+                for (int e = 0; e < VN; ++e) d[r].v[e] = from_float<TD>(0.f);
+            }
+        }
+        Elems<TG, VN> old;
+        old.load(row + c);
 #pragma unroll
         for (int e = 0; e < VN; ++e) {
             float total = 0.f;
 #pragma unroll
-            for (int r = 0; r < PARTIALS; ++r) {
-                float part = 0.f;
-                if (k[1 + r] == key) part += to_float(v[r].v[e]);
-                total = r == 0 ? part : total + part;
-            }
-            row[e] = from_float<TG>(old[e] + total);
-        }
-    }
-    __syncthreads();
-    int ls = -1;
+            for (int p = 0; p < PARTIALS; ++p) {
+                float part = 0.f;  // ranks p and p + 4 (INLINE <= 2 * PARTIALS), from 0.f as the twin
 #pragma unroll
-    for (int q = 0; q < SUM_SLOTS; ++q) ls = max(ls, s_long[q]);
-    if (ls < 0) return;  // uniform over the block
+                for (int r = p; r < INLINE; r += PARTIALS)
+                    if (r < k) part += to_float(d[r].v[e]);
+                total = p == 0 ? part : total + part;
+            }
+            old.v[e] = from_float<TG>(to_float(old.v[e]) + total);
+        }
+        old.store(row + c);
+    }
+}
 
-    const int lane = tid % 32, warp = tid / 32;
-    const int w = warp % PARTIALS, q = warp / PARTIALS;
-    const int cl = (blockIdx.y * SUM_VECS + q * 32 + lane) * VN;
-    const bool active = cl < C;
-    const int lkey = keys[ls];
-    constexpr int GROUP = PARTIALS * SUM_UNROLL;  // slots per loop trip
-    int jkey[SUM_UNROLL], jpos[SUM_UNROLL];
+// An id that occurs once, at position n: dwte row += (0.f + dout row); two vectors per lane in flight
+// (dout and dwte for each), the second one zero where it falls past the row.
+template <typename TG, typename TD>
+__device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
+                                                     int n, int C, int lane) {
+    constexpr int VN = Pack16<TD>::N;
+    const int vecs = C / VN;
+    TG* row = dwte + (size_t)key * C;
+    const TD* src = dout + (size_t)n * C;
+    for (int cv = lane; cv < vecs; cv += 64) {
+        const bool second = cv + 32 < vecs;
+        Pack16<TD> d0 = Pack16<TD>::load(src + cv * VN), d1;
+        Elems<TG, VN> o0, o1;
+        o0.load(row + cv * VN);
+        if (second) {
+            d1 = Pack16<TD>::load(src + (cv + 32) * VN);
+            o1.load(row + (cv + 32) * VN);
+        } else {
 #pragma unroll
-    for (int u = 0; u < SUM_UNROLL; ++u) {
-        const int jj = ls + w + u * PARTIALS;
-        jkey[u] = jj < N ? keys[jj] : -1;
-        jpos[u] = jj < N ? sorted[jj] : 0;
-    }
-    TG* row = dwte + (size_t)lkey * C + cl;
-    float old[VN];
-    if (w == 0 && active)
-        for (int e = 0; e < VN; ++e) old[e] = to_float(row[e]);
-    float acc[VN];
-    for (int e = 0; e < VN; ++e) acc[e] = 0.f;
-    for (int j = ls + w;; j += GROUP) {
-        bool in_run[SUM_UNROLL];  // the run is contiguous: once false, false after
-        Pack16<TD> v[SUM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < SUM_UNROLL; ++u) {
-            in_run[u] = jkey[u] == lkey;
-            if (in_run[u] && active) v[u] = Pack16<TD>::load(dout + (size_t)jpos[u] * C + cl);
+            for (int e = 0; e < VN; ++e) d1.v[e] = from_float<TD>(0.f), o1.v[e] = from_float<TG>(0.f);
         }
-        if (in_run[SUM_UNROLL - 1]) {  // the run may go on: fetch the next trip's keys and positions
 #pragma unroll
-            for (int u = 0; u < SUM_UNROLL; ++u) {
-                const int jj = j + GROUP + u * PARTIALS;
-                jkey[u] = jj < N ? keys[jj] : -1;
-                jpos[u] = jj < N ? sorted[jj] : 0;
+        for (int e = 0; e < VN; ++e) {
+            o0.v[e] = from_float<TG>(to_float(o0.v[e]) + (0.f + to_float(d0.v[e])));
+            o1.v[e] = from_float<TG>(to_float(o1.v[e]) + (0.f + to_float(d1.v[e])));
+        }
+        o0.store(row + cv * VN);
+        if (second) o1.store(row + (cv + 32) * VN);
+    }
+}
+
+// Step 2. Blocks [0, hot_blocks * ychunks): hot ids; the rest: per_warp positions per warp, in order.
+template <typename TG, typename TD>
+__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, const int* scratch,
+                                          const int* hot, int N, int V, int C, int H, int hot_blocks, int ychunks,
+                                          int per_warp) {
+    grid_dependency_wait();
+    const int* table = scratch + HEAD_INTS;
+    const int hot_total = hot_blocks * ychunks;
+    if ((int)blockIdx.x < hot_total) {
+        const int hb = blockIdx.x / ychunks, y = blockIdx.x % ychunks;
+        const int queued = scratch[0];
+        for (int i = hb; i < queued; i += hot_blocks)
+            encoder_backward_hot<TG, TD>(dwte, dout, tokens, table, hot[i], N, C, y);
+        return;
+    }
+    const int lane = threadIdx.x % 32;
+    const int gw = (blockIdx.x - hot_total) * SUM_WARPS + threadIdx.x / 32;
+    const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
+    for (int b = begin; b < end; b += 32) {
+        // lane l: position b + l, its id, the id's count and inline positions; act = this lane's
+        // position sums its id (the id occurs once, or 2..INLINE times and this is its first position)
+        const int n = b + lane;
+        const int t = n < end ? tokens[n] : -1;
+        int cnt = 0, p[INLINE];
+        if (t >= 0 && t < V) {
+            unsigned s = hash_slot(t, H);
+            for (;;) {
+                const int4 a = *reinterpret_cast<const int4*>(table + s * SLOT_INTS);
+                const int4 z = *reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4);
+                if (a.x == t + 1) {
+                    cnt = a.y;
+                    p[0] = a.z, p[1] = a.w, p[2] = z.x, p[3] = z.y, p[4] = z.z, p[5] = z.w;
+                    break;
+                }
+                s = s + 1 == (unsigned)H ? 0 : s + 1;
             }
         }
+        bool act = cnt == 1;
+        if (cnt > 1 && cnt <= INLINE) {
+            int first = p[0];
 #pragma unroll
-        for (int u = 0; u < SUM_UNROLL; ++u)
-            if (in_run[u] && active)
-                for (int e = 0; e < VN; ++e) acc[e] += to_float(v[u].v[e]);
-        if (!in_run[SUM_UNROLL - 1]) break;
-    }
-    if (w > 0)
-        for (int e = 0; e < VN; ++e) s_part[w - 1][q][e][lane] = acc[e];
-    __syncthreads();
-    if (w == 0 && active) {
-        for (int p = 1; p < PARTIALS; ++p)
-            for (int e = 0; e < VN; ++e) acc[e] += s_part[p - 1][q][e][lane];
-        for (int e = 0; e < VN; ++e) row[e] = from_float<TG>(old[e] + acc[e]);
+            for (int r = 1; r < INLINE; ++r)
+                if (r < cnt) first = min(first, p[r]);
+            act = first == n;
+        }
+        unsigned todo = __ballot_sync(0xffffffffu, act);
+        while (todo) {
+            const int src = __ffs(todo) - 1;
+            todo &= todo - 1;
+            const int key = __shfl_sync(0xffffffffu, t, src);
+            const int k = __shfl_sync(0xffffffffu, cnt, src);
+            if (k == 1) {
+                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane);
+            } else {
+                int q[INLINE];
+#pragma unroll
+                for (int r = 0; r < INLINE; ++r) {
+                    q[r] = __shfl_sync(0xffffffffu, p[r], src);
+                    if (r >= k) q[r] = 0x7fffffff;
+                }
+                // sorting network for 6 (12 comparators)
+                sort2(q[0], q[5]), sort2(q[1], q[3]), sort2(q[2], q[4]);
+                sort2(q[1], q[2]), sort2(q[3], q[4]);
+                sort2(q[0], q[3]), sort2(q[2], q[5]);
+                sort2(q[0], q[1]), sort2(q[2], q[3]), sort2(q[4], q[5]);
+                sort2(q[1], q[2]), sort2(q[3], q[4]);
+                encoder_backward_few<TG, TD>(dwte, dout, key, q, k, C, lane);
+            }
+        }
     }
 }
 
@@ -294,10 +374,12 @@ ENCODER_FORWARD(f32, float)
 ENCODER_FORWARD(bf16, bf16)
 ENCODER_FORWARD(f16, half)
 
-#define ENCODER_BACKWARD_SUM(SUFG, TG, SUFD, TD)                                                          \
-    extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(    \
-        TG* dwte, const TD* dout, const int* sorted, const int* keys, int N, int V, int C) {              \
-        encoder_backward_sum_impl<TG, TD>(dwte, dout, sorted, keys, N, V, C);                              \
+#define ENCODER_BACKWARD_SUM(SUFG, TG, SUFD, TD)                                                            \
+    extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(      \
+        TG* dwte, const TD* dout, const int* tokens, const int* scratch, const int* hot, int N, int V, int C, \
+        int H, int hot_blocks, int ychunks, int per_warp) {                                                 \
+        encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, N, V, C, H, hot_blocks, ychunks, \
+                                          per_warp);                                                        \
     }
 #define ENCODER_BACKWARD_SUM_ALL(SUFG, TG)          \
     ENCODER_BACKWARD_SUM(SUFG, TG, f32, float)      \

@@ -126,9 +126,10 @@ def test_backward_skips_invalid_ids_without_touching_memory(dev):
 
 
 def test_scratch_shape():
-    assert encoder_scratch_shape(1, 1) == (3 + 512,)
-    assert encoder_scratch_shape(8, 1024, 896) == (3 * 8192 + 512 * 4,)  # C does not matter
-    assert encoder_scratch_shape(1, 2049) == (3 * 2049 + 512 * 2,)
+    """8 counters, 2N hash slots of 8 ints, a queue for the tokens with more than 6 positions."""
+    assert encoder_scratch_shape(1, 1) == (8 + 16 + 0 + 1,)
+    assert encoder_scratch_shape(8, 1024, 896) == (8 + 16 * 8192 + 8192 // 7 + 1,)  # C does not matter
+    assert encoder_scratch_shape(1, 2049) == (8 + 16 * 2049 + 2049 // 7 + 1,)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -153,11 +154,11 @@ I32, BF = np.int32, ce.BF16.np
         (lambda: encoder_forward(_t((2, 3, 8)), _t((2, 3), I32), _t((10, 8)), owned=(40, 36)), "owned must be"),
         (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(7, I32)), "scratch: expected shape"),
         (
-            lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(530)),
+            lambda: encoder_backward(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(105)),
             "scratch: expected dtype int32",
         ),
-        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(530, I32)), "dout: expected shape"),
-        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(530, I32)), "C = 12 must"),
+        (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(105, I32)), "dout: expected shape"),
+        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(105, I32)), "C = 12 must"),
     ],
 )
 def test_errors(call, match):

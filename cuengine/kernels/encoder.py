@@ -1,9 +1,9 @@
 """Token embedding: forward gather and deterministic backward scatter-add (raw_kernels/encoder.cu).
 
 The backward must give the same bits on every run, so it never adds into dwte with float atomics:
-it sorts the positions by token (a stable device radix sort whose scratch the caller provides) and
-sums each token's rows in a fixed order. The NumPy twin sums in exactly that order, so cpu and
-cuda agree bit for bit.
+it counts each token's positions in a hash table (scratch the caller provides) and sums each token's
+rows in a fixed order, by position, without sorting the batch. The NumPy twin sums in exactly that
+order, so cpu and cuda agree bit for bit.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from ._build import ceil_div, grid_size, kernel_name, launch
 FAMILY = "encoder"
 FLOATS = (FP32, BF16, FP16)
 
-_RADIX_BITS = 9  # matches encoder.cu
-_SORT_THREADS = 1 << _RADIX_BITS  # one thread per digit value
-_SORT_TILE = 2048  # SORT_THREADS * SORT_ITEMS
-_SCAN_THREADS = 1024
-_PARTIALS = 4  # partial sums per run and channel (PARTIALS in encoder.cu); the twin mirrors their order
-_SUM_SLOTS = 4  # sorted slots per sum block (SUM_SLOTS)
-_SUM_VECS = 128  # 16-byte vectors of channels per sum block (SUM_VECS)
+_PARTIALS = 4  # partial sums per token and channel (PARTIALS in encoder.cu); the twin mirrors their order
+_INLINE = 6  # positions a hash slot keeps (INLINE); a token with more is "hot", summed by a whole block
+_SLOT_INTS = 8  # key, count, INLINE positions (SLOT_INTS)
+_HEAD_INTS = 8  # counters before the table (HEAD_INTS)
+_SUM_THREADS = 512  # SUM_THREADS: 16 warps
+_HOT_VECS = 128  # 16-byte vectors per hot block (HOT_VECS)
+_RESIDENT = 2  # sum blocks per SM (__launch_bounds__(SUM_THREADS, 2))
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -82,19 +82,23 @@ def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) 
 
 
 # ---- sizes --------------------------------------------------------------------------------
-def _sort_passes(V: int) -> int:
-    return max(1, ceil_div(V.bit_length(), _RADIX_BITS))  # keys are 0..V (V marks an invalid id)
+def _layout(n: int) -> tuple[int, int, int]:
+    """(slots, ints zeroed per call, total ints) for n positions: the counters and a table of 2n
+    slots (at most n tokens: half full at most) are zeroed; the hot queue (at most n // 7 tokens have
+    more than INLINE positions) follows."""
+    slots = 2 * n
+    zeroed = _HEAD_INTS + slots * _SLOT_INTS
+    return slots, zeroed, zeroed + n // (_INLINE + 1) + 1
 
 
 def encoder_scratch_shape(B: int, T: int, C: int | None = None) -> tuple[int]:
     """Shape of the int32 scratch encoder_backward needs for (B, T) tokens.
 
-    Holds the sorted positions (twice, ping-pong), their keys, and a (512, tiles) digit histogram
-    with tiles = ceil(B*T / 2048). It does not depend on C, which is accepted so that callers can
-    size every scratch buffer from (B, T, C).
+    Holds 8 counters, a hash table of 2 * B * T slots of 8 ints (a token, its count and its first 6
+    positions) and the queue of tokens with more positions: about 17 ints per token. It does not
+    depend on C, which is accepted so that callers can size every scratch buffer from (B, T, C).
     """
-    n = B * T
-    return (3 * n + _SORT_THREADS * max(1, ceil_div(n, _SORT_TILE)),)
+    return (_layout(B * T)[2],)
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -142,7 +146,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable: a fixed sequence of 3 * ceil(bits(V) / 9) + 1 kernels, no host sync.
+    Capturable: a memset and 2 kernels, no host sync.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
     expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
@@ -158,23 +162,19 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         return
     if N == 0:
         return
-    check_aligned("encoder_backward", dout)
-    tiles = ceil_div(N, _SORT_TILE)
+    check_aligned("encoder_backward", dout, dwte, scratch)
+    slots, zeroed, _ = _layout(N)
     flat = scratch.flat()
-    bufs = (flat.rows(0, N), flat.rows(N, 2 * N))
-    keys, hist = flat.rows(2 * N, 3 * N), flat.rows(3 * N, 3 * N + _SORT_THREADS * tiles)
-    src = None  # the first pass starts from positions 0..N-1
-    for p in range(_sort_passes(V)):
-        dst, shift = bufs[p % 2], np.int32(_RADIX_BITS * p)
-        args = (hist, tokens, src, np.int32(N), np.int32(V), shift, np.int32(tiles))
-        launch(FAMILY, "encoder_sort_histogram", tiles, _SORT_THREADS, args, dev, stream)
-        args = (hist, np.int32(_SORT_THREADS * tiles))
-        launch(FAMILY, "encoder_sort_scan", 1, _SCAN_THREADS, args, dev, stream)
-        args = (dst, keys, hist, tokens, src, np.int32(N), np.int32(V), shift, np.int32(tiles))
-        launch(FAMILY, "encoder_sort_scatter", tiles, _SORT_THREADS, args, dev, stream)
-        src = dst
-    chunk = _SUM_VECS * (16 // dout.dtype.itemsize)  # channels per block
+    table, hot = flat.rows(0, zeroed), flat.rows(zeroed, flat.nelem)
+    table.fill_zero(stream)
+    args = (flat, hot, tokens, np.int32(N), np.int32(V), np.int32(slots))
+    launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream)
+    warps = _SUM_THREADS // 32
+    per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
+    stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
+    ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
+    hot_blocks = min(N // (_INLINE + 1), dev.num_sms)  # enough to start every queued token at once, usually
     name = kernel_name("encoder_backward_sum", dwte, dout)
-    args = (dwte, dout, src, keys, np.int32(N), np.int32(V), np.int32(C))
-    grid = (ceil_div(N, _SUM_SLOTS), ceil_div(C, chunk))
-    launch(FAMILY, name, grid, _SUM_SLOTS * _SUM_VECS, args, dev, stream)
+    args = (dwte, dout, tokens, flat, hot, np.int32(N), np.int32(V), np.int32(C), np.int32(slots),
+            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
+    launch(FAMILY, name, hot_blocks * ychunks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
