@@ -143,6 +143,9 @@ template <typename T, typename F, bool VEC_TABLE, int U> struct Rope {
     __device__ __forceinline__ unsigned store(const RopeWalk& w, const Trip& d) const {
         const int h0 = w.p * U;
         const size_t b = base(w);
+        float c[VN], s[VN];
+#pragma unroll
+        for (int k = 0; k < VN; ++k) c[k] = tab<F>(d.c, k), s[k] = tab<F>(d.s, k);
         unsigned amax = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -151,10 +154,9 @@ template <typename T, typename F, bool VEC_TABLE, int U> struct Rope {
                 float y1[VN], y2[VN];
 #pragma unroll
                 for (int k = 0; k < VN; ++k) {
-                    const float a = elem<T>(d.x1[u], k), bb = elem<T>(d.x2[u], k), c = tab<F>(d.c, k);
-                    const float sk = sign * tab<F>(d.s, k);
-                    y1[k] = a * c - bb * sk;
-                    y2[k] = bb * c + a * sk;
+                    const float a = elem<T>(d.x1[u], k), bb = elem<T>(d.x2[u], k), sk = sign * s[k];
+                    y1[k] = a * c[k] - bb * sk;
+                    y2[k] = bb * c[k] + a * sk;
                 }
                 const uint4 w1 = to_words<T>(y1), w2 = to_words<T>(y2);
                 *reinterpret_cast<uint4*>(o) = w1;
