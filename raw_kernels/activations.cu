@@ -16,6 +16,7 @@
 // abs_max is 0) and scale_inv = 1 / scale, and store fp8(round_T(out) * scale) with SATFINITE RNE, so
 // they equal the plain forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
 #include "common.cuh"
+#include "cp_async.cuh"
 
 enum Act { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU = 2, ACT_RELU_SQ = 3, ACT_SIGMOID = 4, ACT_SWIGLU_OAI = 5 };
 
@@ -79,20 +80,35 @@ __device__ __forceinline__ void gated_grad(int act, float g, float u, float d, f
     du = d * act_value(act, g);
 }
 
-// gate and up values of VN consecutive outputs j..j+VN-1 of one row of x (N, 2H)
+// the two 16-byte packs of x (N, 2H) holding the gate and up values of VN consecutive outputs
+// j..j+VN-1 of one row: split [gate | up] at j and H + j, interleaved (gate, up) pairs at 2j and 2j + VN
 template <typename T, bool INTERLEAVED>
-__device__ __forceinline__ void load_gate_up(const T* row, int j, int H, float* g, float* u) {
+__device__ __forceinline__ void load_gate_up_packs(const T* row, int j, int H, Pack16<T>& a, Pack16<T>& b) {
+    constexpr int VN = Pack16<T>::N;
+    a = Pack16<T>::load(row + (INTERLEAVED ? 2 * j : j));
+    b = Pack16<T>::load(row + (INTERLEAVED ? 2 * j + VN : H + j));
+}
+
+// the gate and up values held by load_gate_up_packs' packs, in fp32
+template <typename T, bool INTERLEAVED>
+__device__ __forceinline__ void unpack_gate_up(const Pack16<T>& a, const Pack16<T>& b, float* g, float* u) {
     constexpr int VN = Pack16<T>::N;
     if (INTERLEAVED) {
-        const Pack16<T> a = Pack16<T>::load(row + 2 * j), b = Pack16<T>::load(row + 2 * j + VN);
         for (int k = 0; k < VN / 2; ++k) {
             g[k] = to_float(a.v[2 * k]), u[k] = to_float(a.v[2 * k + 1]);
             g[VN / 2 + k] = to_float(b.v[2 * k]), u[VN / 2 + k] = to_float(b.v[2 * k + 1]);
         }
     } else {
-        const Pack16<T> a = Pack16<T>::load(row + j), b = Pack16<T>::load(row + H + j);
         for (int k = 0; k < VN; ++k) g[k] = to_float(a.v[k]), u[k] = to_float(b.v[k]);
     }
+}
+
+// gate and up values of VN consecutive outputs j..j+VN-1 of one row of x (N, 2H)
+template <typename T, bool INTERLEAVED>
+__device__ __forceinline__ void load_gate_up(const T* row, int j, int H, float* g, float* u) {
+    Pack16<T> a, b;
+    load_gate_up_packs<T, INTERLEAVED>(row, j, H, a, b);
+    unpack_gate_up<T, INTERLEAVED>(a, b, g, u);
 }
 
 // stores gate and up values (rounded to T) where load_gate_up read them; returns the max |bits|
@@ -233,17 +249,95 @@ __device__ void gated_forward_impl(void* out, const T* inp, float* slot, int act
     store.finish();
 }
 
-template <typename T, bool INTERLEAVED>
-__device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
-                                    int H) {
+// The gated backwards fix the activation at compile time (a run-time switch per element cost two
+// dispatches and two sigmoids per element) and take GATED_THREADS threads per block.
+constexpr int GATED_THREADS = 256;
+
+template <typename T, bool INTERLEAVED, int ACT>
+__device__ __forceinline__ unsigned gated_grad_store(T* dinp, const Pack16<T>& a, const Pack16<T>& b,
+                                                     const Pack16<T>& d, size_t row, int j, int H) {
+    constexpr int VN = Pack16<T>::N;
+    float g[VN], u[VN];
+    unpack_gate_up<T, INTERLEAVED>(a, b, g, u);
+    for (int e = 0; e < VN; ++e) gated_grad(ACT, g[e], u[e], to_float(d.v[e]), g[e], u[e]);
+    return store_gate_up<T, INTERLEAVED>(dinp + row * 2 * H, j, H, g, u);
+}
+
+// Registers: K grid-stride vectors per trip, their loads issued together.
+template <typename T, bool INTERLEAVED, int ACT, int K>
+__device__ void gated_backward_regs(T* dinp, const T* dout, const T* inp, float* abs_max, long long N, int H) {
     constexpr int VN = Pack16<T>::N;
     unsigned amax = 0;
-    for_each_gated<T, INTERLEAVED>(inp, N, H, [&](size_t row, int j, float* g, float* u) {
-        const Pack16<T> d = Pack16<T>::load(dout + row * H + j);
-        for (int k = 0; k < VN; ++k) gated_grad(act, g[k], u[k], to_float(d.v[k]), g[k], u[k]);
-        amax = max(amax, store_gate_up<T, INTERLEAVED>(dinp + row * 2 * H, j, H, g, u));
-    });
+    for (RowColWalk w(N, H / VN); w.row < N;) {
+        Pack16<T> a[K], b[K], d[K];
+        size_t row[K];
+        int j[K];
+        bool live[K];
+        for (int k = 0; k < K; ++k, w.next()) {  // a trip past the end loads row 0 and stores nothing
+            live[k] = w.row < N, row[k] = live[k] ? (size_t)w.row : 0, j[k] = live[k] ? w.col * VN : 0;
+            load_gate_up_packs<T, INTERLEAVED>(inp + row[k] * 2 * H, j[k], H, a[k], b[k]);
+            d[k] = Pack16<T>::load(dout + row[k] * H + j[k]);
+        }
+        for (int k = 0; k < K; ++k)
+            if (live[k]) amax = max(amax, gated_grad_store<T, INTERLEAVED, ACT>(dinp, a[k], b[k], d[k], row[k], j[k], H));
+    }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+// Staged: each thread copies its trips' packs into its own shared-memory slots with cp.async, S trips
+// in flight, so the loads of the next S - 1 trips are out while it computes and stores one (the
+// compiler sinks register prefetches below the arithmetic; a cp.async stays where it is issued). The
+// trip issued at t + S - 1 overwrites the slot of trip t - 1, which this thread has read, computed
+// and stored. In place (dinp == inp) is safe: a thread's trips touch disjoint elements, and no other
+// thread touches them. `slots`: S * 3 * GATED_THREADS packs.
+template <typename T, bool INTERLEAVED, int ACT, int S>
+__device__ void gated_backward_staged(Pack16<T>* slots, T* dinp, const T* dout, const T* inp, float* abs_max,
+                                      long long N, int H) {
+    constexpr int VN = Pack16<T>::N;
+    Pack16<T>* mine = slots + threadIdx.x;  // slot (stage s, pack p) at mine[(3 s + p) * GATED_THREADS]
+    RowColWalk issue(N, H / VN), w(N, H / VN);
+    auto copy = [&](int s) {
+        if (issue.row < N) {
+            const T* row = inp + (size_t)issue.row * 2 * H;
+            const int j = issue.col * VN;
+            cp_async16(smem_u32(mine + (3 * s) * GATED_THREADS), row + (INTERLEAVED ? 2 * j : j));
+            cp_async16(smem_u32(mine + (3 * s + 1) * GATED_THREADS), row + (INTERLEAVED ? 2 * j + VN : H + j));
+            cp_async16(smem_u32(mine + (3 * s + 2) * GATED_THREADS), dout + (size_t)issue.row * H + j);
+        }
+        cp_async_commit();  // empty past the end: the wait below counts groups
+        issue.next();
+    };
+    for (int s = 0; s < S - 1; ++s) copy(s);
+    unsigned amax = 0;
+    for (int s = 0; w.row < N; w.next(), s = s + 1 < S ? s + 1 : 0) {
+        copy(s > 0 ? s - 1 : S - 1);  // trip t + S - 1 into the slot of trip t - 1
+        cp_async_wait<S - 1>();        // trip t has landed
+        const Pack16<T> a = mine[(3 * s) * GATED_THREADS], b = mine[(3 * s + 1) * GATED_THREADS],
+                        d = mine[(3 * s + 2) * GATED_THREADS];
+        amax = max(amax, gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)w.row, w.col * VN, H));
+    }
+    cp_async_wait<0>();
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
+}
+
+// STAGES 0: gated_backward_regs with K vectors per trip; else gated_backward_staged with STAGES.
+template <typename T, bool INTERLEAVED, int STAGES, int K>
+__device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
+                                    int H) {
+    __shared__ Pack16<T> slots[STAGES > 0 ? STAGES * 3 * GATED_THREADS : 1];
+#define GATED_BACKWARD_ACT(ACT)                                                                               \
+    if (STAGES > 0)                                                                                           \
+        return gated_backward_staged<T, INTERLEAVED, ACT, STAGES>(slots, dinp, dout, inp, abs_max, N, H);     \
+    return gated_backward_regs<T, INTERLEAVED, ACT, K>(dinp, dout, inp, abs_max, N, H);
+    switch (act) {
+        case ACT_SILU: GATED_BACKWARD_ACT(ACT_SILU)
+        case ACT_GELU: GATED_BACKWARD_ACT(ACT_GELU)
+        case ACT_RELU: GATED_BACKWARD_ACT(ACT_RELU)
+        case ACT_RELU_SQ: GATED_BACKWARD_ACT(ACT_RELU_SQ)
+        case ACT_SWIGLU_OAI: GATED_BACKWARD_ACT(ACT_SWIGLU_OAI)
+        default: GATED_BACKWARD_ACT(ACT_SIGMOID)
+    }
+#undef GATED_BACKWARD_ACT
 }
 
 // ---- launchers ----------------------------------------------------------------------------
@@ -258,9 +352,9 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
                                                                     int act, long long N, int H) {           \
         gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
     }                                                                                                          \
-    extern "C" __global__ void gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp,          \
+    extern "C" __global__ void __launch_bounds__(GATED_THREADS) gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp,          \
                                                                float* abs_max, int act, long long N, int H) { \
-        gated_backward_impl<T, INTERLEAVED>(dinp, dout, inp, abs_max, act, N, H);                             \
+        gated_backward_impl<T, INTERLEAVED, 2, 1>(dinp, dout, inp, abs_max, act, N, H);                       \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \
@@ -281,3 +375,16 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
 ACTIVATION_KERNELS(f32, float)
 ACTIVATION_KERNELS(bf16, bf16)
 ACTIVATION_KERNELS(f16, half)
+
+// Sweep variants of gated_backward_split_bf16 (STAGES, K as gated_backward_impl; BOUNDS the launch
+// bounds); .session/swiglu_sweep.py.
+#define GATED_BACKWARD_VARIANT(NAME, STAGES, K, BOUNDS)                                                  \
+    extern "C" __global__ void BOUNDS gated_backward_split_bf16_##NAME(                                    \
+        bf16* dinp, const bf16* dout, const bf16* inp, float* abs_max, int act, long long N, int H) {         \
+        gated_backward_impl<bf16, false, STAGES, K>(dinp, dout, inp, abs_max, act, N, H);                  \
+    }
+GATED_BACKWARD_VARIANT(r1, 0, 1, __launch_bounds__(GATED_THREADS))
+GATED_BACKWARD_VARIANT(r2, 0, 2, __launch_bounds__(GATED_THREADS))
+GATED_BACKWARD_VARIANT(s3, 3, 1, __launch_bounds__(GATED_THREADS))
+GATED_BACKWARD_VARIANT(s2m5, 2, 1, __launch_bounds__(GATED_THREADS, 5))
+GATED_BACKWARD_VARIANT(s3m5, 3, 1, __launch_bounds__(GATED_THREADS, 5))

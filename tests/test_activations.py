@@ -280,3 +280,63 @@ def test_cuda_forward_quant_equals_forward_then_quantise(cuda, activation, layou
     np.testing.assert_array_equal(q.fp8_stats(), np.array([a, scale, np.float32(1) / scale], np.float32))
     want = np.clip(y.numpy().astype(np.float32) * scale, -448, 448).astype(ce.FP8_E4M3.np)
     np.testing.assert_array_equal(q.numpy().view(np.uint8), want.view(np.uint8))  # same bits as unfused
+
+
+# ---- the gated backward on the host emulator (tests/kernel_emulator.py): tails, stages, in place -----------
+_SWEEP = [("", "resident"), ("", "cap16"), ("", "all"), ("_s3", "resident"), ("_s2m5", "resident")]
+_SWEEP += [("_r1", "resident"), ("_r2", "resident")]
+
+
+@pytest.fixture(scope="module")
+def act_lib(tmp_path_factory):
+    import kernel_emulator as emu
+
+    names = [f"gated_backward_{lay}_{t}" for lay in ("split", "interleaved") for t in ("f32", "bf16", "f16")]
+    names += [f"gated_backward_split_bf16{s}" for s in {s for s, _ in _SWEEP if s}]
+    return emu.or_skip(emu.build("activations", names, tmp_path_factory.mktemp("activations_emu")))
+
+
+def _emulated_backward(act_lib, monkeypatch, dtype, activation, layout, n, h, in_place, variant=None):
+    """activation_backward through the real launcher on the emulator, 2 resident blocks (several trips per
+    thread, a partial last one); (dinp, abs_max, the twin's dinp, margins untouched)."""
+    import kernel_emulator as emu
+
+    from cuengine.kernels import activations as A
+
+    monkeypatch.setattr(A, "launch", lambda *a, **kw: emu.launch(act_lib, *a, shared_mem=48 * 1024))
+    monkeypatch.setattr(A, "_resident_blocks", lambda *a: 2)
+    r = rng(11)
+    np_dt = ce.dtype(dtype).np
+    x = (r.standard_normal((n, 2 * h)) * 4).astype(np_dt)
+    d = r.standard_normal((n, h)).astype(np_dt)
+    xt, dt, amax = emu.tensor(x, dtype, "x"), emu.tensor(d, dtype, "d"), emu.tensor(np.zeros(1), "fp32", "amax")
+    dx = xt if in_place else emu.tensor(np.zeros_like(x), dtype, "dx")
+    activation_backward(dx, dt, xt, activation, layout, abs_max=amax, _variant=variant)
+    margins = all(emu.margins_ok(t) for t in (xt, dt, dx, amax))
+    return dx.numpy(), amax.numpy()[0], activation_backward_np(d, x, activation, layout), margins
+
+
+@pytest.mark.parametrize("activation", GATED)
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_emulated_gated_backward_equals_the_twin(act_lib, monkeypatch, activation, layout, dtype):
+    """Each activation's compiled-in body, both layouts, every dtype; the twin with the host's exp."""
+    got, amax, want, margins = _emulated_backward(act_lib, monkeypatch, dtype, activation, layout, 37, 48, False)
+    assert margins
+    assert_close(got, want, dtype, "dinp")
+    assert amax == np.abs(got.astype(np.float32)).max()
+
+
+@pytest.mark.parametrize("variant", _SWEEP)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_emulated_backward_variants_same_bits(act_lib, monkeypatch, variant, in_place):
+    """Every sweep variant and grid, in place or not, over 2 x 256 threads of ~5 trips each with a partial
+    last one: the default kernel's bits (the staged kernels' slots, a trip's loads before the previous
+    trip's stores)."""
+    args = (act_lib, monkeypatch, "bf16", "swiglu", "split", 151, 64)
+    ref, ref_amax, want, _ = _emulated_backward(*args, False)
+    got, amax, _, margins = _emulated_backward(*args, in_place, variant)
+    assert margins
+    assert_close(ref, want, "bf16", "dinp")
+    np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+    assert amax == ref_amax
