@@ -124,9 +124,9 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
     # a thread's item: a group of heads' 16-byte vectors of one half; in place without abs_max, the
     # groups of v heads are skipped. `variant` (heads, trips, threads, blocks per SM): rope.cu's
     # rope_tuned, for .session/rope_sweep.py only.
-    heads, _, threads, per_sm = variant or (_HEADS, _TRIPS, _THREADS, _BLOCKS_PER_SM)
+    group, _, threads, per_sm = variant or (_HEADS, _TRIPS, _THREADS, _BLOCKS_PER_SM)
     visited = H if not in_place or abs_max is not None else n_q_heads + n_kv_heads
-    total = B * T * ceil_div(visited, heads) * (hs // 2 // (16 // inp.dtype.itemsize))
+    total = B * T * ceil_div(visited, group) * (hs // 2 // (16 // inp.dtype.itemsize))
     blocks = grid_size(dev, total, threads, per_sm)
     if variant is None:
         name = kernel_name("rope", inp, freqs)
