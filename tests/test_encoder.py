@@ -1,10 +1,13 @@
 """Token embedding: gather forward and the deterministic scatter-add backward, cpu and cuda."""
 
+import kernel_emulator as emu
 import numpy as np
 import pytest
 from conftest import ROWS, assert_bitwise, assert_close, check_op, rng, tensors
 
 import cuengine as ce
+from cuengine.kernels import encoder as E
+from cuengine.kernels._build import kernel_dir
 from cuengine.kernels.encoder import (
     encoder_backward,
     encoder_backward_np,
@@ -130,6 +133,119 @@ def test_scratch_shape():
     assert encoder_scratch_shape(1, 1) == (8 + 16 + 0 + 1,)
     assert encoder_scratch_shape(8, 1024, 896) == (8 + 16 * 8192 + 8192 // 7 + 1,)  # C does not matter
     assert encoder_scratch_shape(1, 2049) == (8 + 16 * 2049 + 2049 // 7 + 1,)
+
+
+# ---- the backward kernels on the host (tests/kernel_emulator.py) ----------------------------------
+# encoder.cu's warp votes and int shuffles, bit counts, integer atomics (the emulator runs blocks one
+# after another: plain read-modify-writes) and the dependent-launch calls (no-ops), after common.cuh.
+_EMU_HELPERS = r"""
+struct alignas(16) int4 { int x, y, z, w; };
+inline void grid_dependency_wait() {}
+inline void launch_dependents() {}
+inline unsigned __ballot_sync(unsigned, int p) {
+    WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
+    w.u[l] = p != 0; wbar(); unsigned r = 0; for (int i = 0; i < 32; ++i) r |= w.u[i] << i; wbar(); return r;
+}
+inline int __shfl_sync(unsigned, int v, int src) {
+    WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
+    w.u[l] = (unsigned)v; wbar(); int r = (int)w.u[src & 31]; wbar(); return r;
+}
+inline int __shfl_up_sync(unsigned, int v, int d) {
+    WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
+    w.u[l] = (unsigned)v; wbar(); int r = l >= d ? (int)w.u[l - d] : v; wbar(); return r;
+}
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int atomicCAS(int* p, int cmp, int v) { int o = *p; if (o == cmp) *p = v; return o; }
+inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+"""
+
+
+@pytest.fixture(scope="module")
+def enc_lib(tmp_path_factory):
+    src_dir = tmp_path_factory.mktemp("encoder_src")
+    inc = '#include "common.cuh"'
+    (src_dir / "encoder.cu").write_text((kernel_dir() / "encoder.cu").read_text().replace(inc, inc + _EMU_HELPERS))
+    names = ["encoder_backward_count"] + [
+        f"encoder_backward_sum_{g}_{d}" for g in ("f32", "bf16") for d in ("f32", "bf16")
+    ]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(emu, "kernel_dir", lambda: src_dir)
+    try:
+        return emu.or_skip(emu.build("encoder", names, tmp_path_factory.mktemp("encoder_emu")))
+    finally:
+        mp.undo()
+
+
+def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
+    """encoder_backward through its launcher with the kernels emulated; dwte after it, and whether
+    nothing was written outside dwte and scratch."""
+    calls = []
+
+    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
+        calls.append(name)
+        emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
+
+    def fill_zero(t, stream=None):
+        t.storage[t.offset : t.offset + t.nbytes] = 0
+
+    monkeypatch.setattr(E, "launch", launch)
+    monkeypatch.setattr(emu.DEV, "fill_zero", fill_zero, raising=False)
+    t = {k: emu.tensor(v, v.dtype, k) for k, v in (("dwte", dwte), ("dout", dout), ("tokens", tokens))}
+    t["scratch"] = emu.tensor(np.full(encoder_scratch_shape(*tokens.shape), fill, np.int32), "int32", "scratch")
+    encoder_backward(t["dwte"], t["dout"], t["tokens"], t["scratch"])
+    assert calls[0] == "encoder_backward_count" and calls[1].startswith("encoder_backward_sum_"), calls
+    return t["dwte"].numpy(), all(emu.margins_ok(x) for x in t.values())
+
+
+@pytest.mark.parametrize(
+    "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 24), ("fp32", "bf16", 8), ("bf16", "fp32", 12)]
+)
+def test_emulated_backward_equals_the_twin(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c):
+    """Tokens with 1..13 positions (inline: 1..6, hot: 7..13, each at several offsets), invalid ids,
+    C over more than one 128-vector hot block (1040 bf16 = 130 vectors) and under one warp: the
+    kernels' bits are the twin's, and nothing outside dwte and scratch is written."""
+    r = rng(31)
+    v = 40
+    tokens = np.concatenate([np.full(n, 3 * n) for n in range(1, 14)] + [[-1, v, 0, 1, 2, v + 9]])
+    tokens = r.permutation(tokens).astype(np.int32)[None]
+    dout = r.standard_normal((1, tokens.size, c)).astype(ce.dtype(dout_dtype).np)
+    dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
+    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
+    np.testing.assert_array_equal(got.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
+    assert clean
+
+
+def test_emulated_backward_spread_ids_and_signed_zeros(enc_lib, monkeypatch):
+    """Ids spread over a large vocabulary (hash probing, several stream blocks), and -0.0 rows: the
+    twin adds 0.f + d, so a -0.0 dwte plus a -0.0 dout gives +0.0."""
+    r = rng(32)
+    n, v, c = 300, 5000, 16
+    tokens = r.integers(0, v - 10, (2, n // 2)).astype(np.int32)
+    tokens[0, :3], tokens[1, 7] = v - 2, v - 1  # 3 positions (the few path), 1 position
+    dout = r.standard_normal((2, n // 2, c)).astype(np.float32)
+    dwte = r.standard_normal((v, c)).astype(np.float32)
+    dout[0, :3], dout[1, 7], dwte[v - 2 :] = -0.0, -0.0, -0.0
+    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
+    want = encoder_backward_np(dwte, dout, tokens)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert clean and not np.signbit(got[v - 2 :]).any()
+
+
+def test_sorting_network_sorts():
+    """The few path sorts a token's inline positions (kept in arrival order, which the emulator's
+    one-block-at-a-time run never scrambles) with encoder.cu's comparators: by the 0-1 principle
+    they sort every input if they sort all 2^6 inputs of zeros and ones."""
+    import re
+
+    src = (kernel_dir() / "encoder.cu").read_text()
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"sort2\(q\[(\d)\], q\[(\d)\]\)", src)]
+    assert len(pairs) == 12, pairs
+    for bits in range(64):
+        q = [bits >> i & 1 for i in range(6)]
+        for a, b in pairs:
+            q[a], q[b] = min(q[a], q[b]), max(q[a], q[b])
+        assert q == sorted(q), (bits, q)
 
 
 # ---- errors --------------------------------------------------------------------------------------
