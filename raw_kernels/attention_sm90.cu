@@ -1,8 +1,11 @@
-// Causal self-attention forward on Hopper (sm_90a): the raw backend's flash forward on wgmma, same
-// contract as attention.cu's (packed qkv (B, T, (Hq + 2*Hkv) * hs), GQA, att (B, T, Hq*hs) bf16 and
-// lse (B, Hq, T) fp32 natural log of the softmax denominator of the scaled scores), so attention.cu's
-// backward takes its lse unchanged. Compiled for sm_90a only (kernels/_build.MODULE_ARCH: wgmma has
-// no sm_90 or later-generation form); on any other GPU the launcher keeps attention.cu's mma.sync kernels.
+// Causal self-attention on Hopper (sm_90a): the raw backend's flash kernels on wgmma, same contract
+// as attention.cu's (packed qkv (B, T, (Hq + 2*Hkv) * hs), GQA, att (B, T, Hq*hs) bf16 and lse
+// (B, Hq, T) fp32 natural log of the softmax denominator of the scaled scores; the backward writes
+// (=) dqkv from attention.cu's D = rowsum(dO * O)), so each pass pairs with either file's other pass.
+// Compiled for sm_90a only (kernels/_build.MODULE_ARCH: wgmma has no sm_90 or later-generation
+// form); on any other GPU the launcher keeps attention.cu's mma.sync kernels.
+// Backward: dq and dk/dv in two deterministic kernels as in attention.cu (dq recomputes S and dP;
+// the dq pass is not fused yet), each GEMM a wgmma with the operands below.
 //
 // Block: NWG warpgroups (128 threads each), 64 query rows per warpgroup, BR = 64*NWG rows per block
 // (heaviest causal blocks first), key blocks of BC rows, K/V double-buffered by cp.async (all threads
@@ -182,6 +185,32 @@ template <int NWG, bool ON> struct TurnRing {
     }
 };
 
+// Put a warpgroup's 64 x HS accumulator, row r times mul[r & 1]... as bf16 into rows r0.. of a
+// [HS/64][ROWS][64] swizzled tile (entries 4n + 2r, 4n + 2r + 1 are row 16 warp + g + 8r, columns
+// 8n + 2tq, + 1).
+template <int HS, int ROWS>
+__device__ __forceinline__ void stage_acc(bf16* tile, int r0, const float (&acc)[HS / 2], const float (&mul)[2]) {
+    const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < HS / 2; i += 2) {
+        const int r = (i >> 1) & 1, rr = r0 + 16 * warp + g + 8 * r;
+        *reinterpret_cast<unsigned*>(tile + sw_off<ROWS>(rr, i >> 2) + 2 * tq) =
+            pack_bf16(acc[i] * mul[r], acc[i + 1] * mul[r]);
+    }
+}
+// Rows 0..ROWS-1 of a swizzled tile to global rows row0 + r < T (row stride ld), 16-byte stores by NT threads.
+template <int HS, int ROWS, int NT>
+__device__ __forceinline__ void store_tile(bf16* out, long ld, int row0, int T, const bf16* tile) {
+    constexpr int CH = HS / 8;
+#pragma unroll
+    for (int i = 0; i < ROWS * CH / NT; ++i) {
+        const int c = threadIdx.x + i * NT, rr = c / CH, ch = c % CH;
+        if (row0 + rr < T)
+            *reinterpret_cast<int4*>(out + (long)(row0 + rr) * ld + ch * 8) =
+                *reinterpret_cast<const int4*>(tile + sw_off<ROWS>(rr, ch));
+    }
+}
+
 // kernels
 // ---- layout probe --------------------------------------------------------------------------
 // One warpgroup runs the forward's two products on one tile: s_out (64 x BC) = Q K^T and o_out
@@ -223,7 +252,7 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
 template <int HS, int NWG, int BC, bool PINGPONG>
 __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float* __restrict__ lse,
                                                    const bf16* __restrict__ qkv, int T, int Hq, int Hkv, float scale) {
-    constexpr int BR = 64 * NWG, NT = 128 * NWG, CH = HS / 8;
+    constexpr int BR = 64 * NWG, NT = 128 * NWG;
     bf16* sQ = smem_base();
     bf16* sK = sQ + BR * HS;
     bf16* sV = sK + 2 * BC * HS;
@@ -328,20 +357,186 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
         if (tq == 0 && row < T) lse[((long)b * Hq + h) * T + row] = m[r] * scale + logf(l[r]);
     }
     // Stage the bf16 output in sQ (its wgmma reads are complete), then 16-byte coalesced stores.
-#pragma unroll
-    for (int i = 0; i < HS / 2; i += 2) {
-        const int rr = 64 * wg + 16 * warp + g + 8 * ((i >> 1) & 1);
-        *reinterpret_cast<unsigned*>(sQ + sw_off<BR>(rr, i >> 2) + 2 * tq) =
-            pack_bf16(o[i] * inv[(i >> 1) & 1], o[i + 1] * inv[(i >> 1) & 1]);
-    }
+    stage_acc<HS, BR>(sQ, 64 * wg, o, inv);
     __syncthreads();
-    bf16* out = att + ((long)b * T + q0) * Hq * HS + (long)h * HS;
+    store_tile<HS, BR, NT>(att + (long)b * T * Hq * HS + (long)h * HS, (long)Hq * HS, q0, T, sQ);
+}
+
+// ---- backward: dq ----------------------------------------------------------------------------
+// Grid (ceil(T / BQ), Hq, B), block 128 * NWG, BQ = 64 * NWG query rows (64 per warpgroup). Over the
+// 64-row key blocks up to the diagonal: S = Q K^T and dP = dO V^T (shared-memory operands),
+// P = exp(S*scale - lse), dS = P (dP - D) in registers, dQ += dS K (dS from registers, K N-major);
+// dq = scale dQ. Shared: Q, dO [BQ][HS], then two stages of K, V [64][HS].
+template <int HS, int NWG>
+__device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
+                                                       const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                                                       const float* __restrict__ dsum, int T, int Hq, int Hkv,
+                                                       float scale) {
+    constexpr int BQ = 64 * NWG, BC = 64, NT = 128 * NWG;
+    bf16* sQ = smem_base();
+    bf16* sdO = sQ + BQ * HS;
+    bf16* sK = sdO + BQ * HS;    // [2][BC][HS]
+    bf16* sV = sK + 2 * BC * HS;  // [2][BC][HS]
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
+    const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
+    const bf16* base = qkv + (long)b * T * ld;
+    const bf16* gK = base + (long)(Hq + kvh) * HS;
+    const bf16* gV = base + (long)(Hq + Hkv + kvh) * HS;
+    const int n_kv = (min(q0 + BQ, T) + BC - 1) / BC;
+    const int row_g = q0 + 64 * wg, row_t = row_g + 16 * warp + g;
+    const float sl2 = scale * LOG2E;
+    const unsigned q_addr = smem_u32(sQ + 64 * wg * 64), do_addr = smem_u32(sdO + 64 * wg * 64);
+
+    load_tile<BQ, HS, NT>(sQ, base + (long)h * HS, q0, T, ld);
+    load_tile<BQ, HS, NT>(sdO, datt + (long)b * T * ld_o + (long)h * HS, q0, T, ld_o);
+    cp_async_commit();
+    load_tile<BC, HS, NT>(sK, gK, 0, T, ld);
+    load_tile<BC, HS, NT>(sV, gV, 0, T, ld);
+    cp_async_commit();
+
+    float lse_l2[2], d_row[2];
 #pragma unroll
-    for (int i = 0; i < BR * CH / NT; ++i) {
-        const int c = threadIdx.x + i * NT, rr = c / CH, ch = c % CH;
-        if (q0 + rr < T)
-            *reinterpret_cast<int4*>(out + (long)rr * Hq * HS + ch * 8) = *reinterpret_cast<const int4*>(sQ + sw_off<BR>(rr, ch));
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_t + 8 * r;
+        const long idx = ((long)b * Hq + h) * T + row;
+        lse_l2[r] = row < T ? lse[idx] * LOG2E : 0.f;  // rows past T: zero q and dO give dS = 0
+        d_row[r] = row < T ? dsum[idx] : 0.f;
     }
+    float dq[HS / 2];
+#pragma unroll
+    for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
+
+    for (int j = 0; j < n_kv; ++j) {
+        if (j + 1 < n_kv) {
+            const int nb = (j + 1) & 1;
+            load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
+            load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const int kv0 = j * BC;
+        if (kv0 <= row_g + 63) {
+            const unsigned k_s = smem_u32(sK + (j & 1) * BC * HS);
+            float s[BC / 2], dp[BC / 2];
+            scores<HS, BC, BQ>(s, q_addr, k_s);
+            scores<HS, BC, BQ>(dp, do_addr, smem_u32(sV + (j & 1) * BC * HS));
+            wgmma_wait<0>();
+            fence_acc(s);
+            fence_acc(dp);
+            const bool diag = kv0 + BC - 1 > row_g;
+#pragma unroll
+            for (int i = 0; i < BC / 2; ++i) {
+                const int r = (i >> 1) & 1;
+                float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
+                if (diag && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
+                s[i] = p * (dp[i] - d_row[r]);  // dS
+            }
+            add_pv<HS, BC>(dq, s, k_s);
+            wgmma_wait<0>();
+            fence_acc(dq);
+        }
+        __syncthreads();
+    }
+    const float mul[2] = {scale, scale};
+    stage_acc<HS, BQ>(sQ, 64 * wg, dq, mul);  // each warpgroup's own rows of sQ
+    __syncthreads();
+    store_tile<HS, BQ, NT>(dqkv + (long)b * T * ld + (long)h * HS, ld, q0, T, sQ);
+}
+
+// ---- backward: dk, dv ------------------------------------------------------------------------
+// Grid (ceil(T / BK), Hkv, B), block 128 * NWG, BK = 64 * NWG keys (64 per warpgroup; block 0 first:
+// it sees every query). Over each query head of the GQA group and each 64-row query block from the
+// diagonal on: S^T = K Q^T and dP^T = V dO^T (shared-memory operands), P^T = exp(S^T*scale - lse),
+// dS^T = P^T (dP^T - D) in registers, dV += P^T dO and dK += dS^T Q (P^T and dS^T from registers,
+// dO and Q N-major); dk = scale dK. Shared: K, V [BK][HS], then two stages of Q, dO [64][HS],
+// lse*log2(e) [64] (+inf past T, so P = 0 there), D [64].
+template <int HS, int NWG>
+__device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
+                                                         const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                                                         const float* __restrict__ dsum, int T, int Hq, int Hkv,
+                                                         float scale) {
+    constexpr int BK = 64 * NWG, BQ = 64, NT = 128 * NWG;
+    bf16* sK = smem_base();
+    bf16* sV = sK + BK * HS;
+    bf16* sQ = sV + BK * HS;                                   // [2][BQ][HS]
+    bf16* sdO = sQ + 2 * BQ * HS;                              // [2][BQ][HS]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BQ * HS);  // [2][BQ]
+    float* sD = sL + 2 * BQ;                                   // [2][BQ]
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
+    const int k0 = blockIdx.x * BK, kvh = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
+    const bf16* base = qkv + (long)b * T * ld;
+    const bf16* gdO = datt + (long)b * T * ld_o;
+    const int qb0 = k0 / BQ, steps = (T + BQ - 1) / BQ - qb0, total = G * steps;
+    const int row_g = k0 + 64 * wg, key_t = row_g + 16 * warp + g;  // the warpgroup's first key, the thread's
+    const float sl2 = scale * LOG2E;
+    const unsigned k_addr = smem_u32(sK + 64 * wg * 64), v_addr = smem_u32(sV + 64 * wg * 64);
+
+    auto load_stage = [&](int it, int buf) {
+        const int h = kvh * G + it / steps, q0 = (qb0 + it % steps) * BQ;
+        load_tile<BQ, HS, NT>(sQ + buf * BQ * HS, base + (long)h * HS, q0, T, ld);
+        load_tile<BQ, HS, NT>(sdO + buf * BQ * HS, gdO + (long)h * HS, q0, T, ld_o);
+        if (threadIdx.x < BQ) {
+            const int q = q0 + threadIdx.x;
+            const long idx = ((long)b * Hq + h) * T + q;
+            sL[buf * BQ + threadIdx.x] = q < T ? lse[idx] * LOG2E : ATT_INF;
+            sD[buf * BQ + threadIdx.x] = q < T ? dsum[idx] : 0.f;
+        }
+    };
+    load_tile<BK, HS, NT>(sK, base + (long)(Hq + kvh) * HS, k0, T, ld);
+    load_tile<BK, HS, NT>(sV, base + (long)(Hq + Hkv + kvh) * HS, k0, T, ld);
+    load_stage(0, 0);
+    cp_async_commit();
+
+    float dk[HS / 2], dv[HS / 2];
+#pragma unroll
+    for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
+
+    for (int it = 0; it < total; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < total) load_stage(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const int q0 = (qb0 + it % steps) * BQ;
+        if (q0 + BQ - 1 >= row_g) {  // some query of the block sees some key of the warpgroup
+            const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
+            const float* l_s = sL + buf * BQ;
+            const float* d_s = sD + buf * BQ;
+            float s[BQ / 2], dp[BQ / 2];
+            scores<HS, BQ, BK>(s, k_addr, q_s);
+            scores<HS, BQ, BK>(dp, v_addr, do_s);
+            wgmma_wait<0>();
+            fence_acc(s);
+            fence_acc(dp);
+            const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
+#pragma unroll
+            for (int i = 0; i < BQ / 2; ++i) {
+                const int qi = 8 * (i >> 2) + 2 * tq + (i & 1);
+                float p = fast_exp2(fmaf(s[i], sl2, -l_s[qi]));
+                if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
+                s[i] = p;                       // P^T
+                dp[i] = p * (dp[i] - d_s[qi]);  // dS^T
+            }
+            add_pv<HS, BQ>(dv, s, do_s);
+            add_pv<HS, BQ>(dk, dp, q_s);
+            wgmma_wait<0>();
+            fence_acc(dv);
+            fence_acc(dk);
+        }
+        __syncthreads();
+    }
+    const float mul_k[2] = {scale, scale}, mul_v[2] = {1.f, 1.f};
+    stage_acc<HS, BK>(sK, 64 * wg, dk, mul_k);  // each warpgroup's own rows of sK and sV
+    stage_acc<HS, BK>(sV, 64 * wg, dv, mul_v);
+    __syncthreads();
+    store_tile<HS, BK, NT>(dqkv + (long)b * T * ld + (long)(Hq + kvh) * HS, ld, k0, T, sK);
+    store_tile<HS, BK, NT>(dqkv + (long)b * T * ld + (long)(Hq + Hkv + kvh) * HS, ld, k0, T, sV);
 }
 
 // ---- entry points: the names cuengine/kernels/attention.py launches ----------------------------
@@ -372,5 +567,20 @@ FORWARD_SM90_BOTH(128, 3, 64, 1)
 FORWARD_SM90_BOTH(64, 2, 128, 1)
 FORWARD_SM90_BOTH(64, 2, 64, 2)
 FORWARD_SM90_BOTH(64, 3, 64, 1)
+
+// attention_backward_{dq,dkdv}_sm90_hs<HS>_bf16: two warpgroups (128 query rows / 128 keys per block)
+#define BACKWARD_SM90(HS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dq_sm90_hs##HS##_bf16(            \
+        bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
+        int Hkv, float scale) {                                                                               \
+        flash_backward_dq_sm90<HS, 2>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dkdv_sm90_hs##HS##_bf16(          \
+        bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
+        int Hkv, float scale) {                                                                               \
+        flash_backward_dkdv_sm90<HS, 2>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                       \
+    }
+BACKWARD_SM90(64)
+BACKWARD_SM90(128)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

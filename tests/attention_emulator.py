@@ -363,7 +363,8 @@ KERNELS = {
         for hs in (64, 128)
         for w, bc in ((2, 128), (2, 64), (3, 64))
         for pp in ("", "_pp")
-    ],
+    ]
+    + [f"attention_backward_{k}_sm90_hs{hs}_bf16" for hs in (64, 128) for k in ("dq", "dkdv")],
 }
 
 

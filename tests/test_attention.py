@@ -420,9 +420,26 @@ def _needs_sm90():
 @pytest.mark.parametrize("variant", A.SM90_FORWARD_VARIANTS, ids=lambda v: f"wg{v[0]}x{v[1]}{'pp' * v[2]}")
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_raw_sm90_forward_matches_twin(case, variant, monkeypatch):
-    """The wgmma forward (each tiling) against the twin, and the mma.sync backward on its lse."""
+    """The wgmma forward (each tiling) against the twin: att and lse (the backward on its lse runs
+    in test_gpu_batch_shards_deterministic_stream_and_graph[raw-sm90])."""
     _needs_sm90()
     monkeypatch.setattr(A, "SM90_FORWARD", {case[4]: variant})
+    B, T, Hq, Hkv, hs = case
+    qkv, datt, att, lse, _ = _reference(case, "bf16")
+    t = _tensors(ce.device("cuda"), qkv, datt, Hq, Hkv, ce.BF16)
+    attention_forward(t["att"], t["lse"], t["qkv"], Hq, Hkv, backend="raw", workspace=t["ws"])
+    for k, want in (("att", att), ("lse", lse)):
+        got = t[k].numpy()
+        assert np.all(np.isfinite(got.astype(np.float32))), f"{k}: non-finite values (unwritten?)"
+        _compare(got, want, "bf16", k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_raw_sm90_backward_matches_twin(case, monkeypatch):
+    """The wgmma backward (dq, dk/dv) against the twin, after the mma.sync forward."""
+    _needs_sm90()
+    monkeypatch.setattr(A, "SM90_BACKWARD", (case[4],))
     _check_against_twin(case, "bf16", "raw")
 
 
@@ -477,6 +494,7 @@ def test_gpu_batch_shards_deterministic_stream_and_graph(backend, monkeypatch):
     if backend == "raw-sm90":  # the wgmma forward
         _needs_sm90()
         monkeypatch.setattr(A, "SM90_FORWARD", {128: A.SM90_FORWARD_VARIANTS[0]})
+        monkeypatch.setattr(A, "SM90_BACKWARD", (128,))
         backend = "raw"
     case = (4, 200, 4, 2, 128)
     B, T, Hq, Hkv, hs = case
@@ -605,8 +623,9 @@ def test_gpu_wgmma_probe(hs, bc):
 @pytest.mark.parametrize("case", EMU_CASES + EMU_SM90_CASES, ids=str)
 def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     B, T, Hq, Hkv, hs, dtype_name, eager = case
-    if isinstance(dtype_name, tuple):  # a wgmma forward case: its variant in place of the dtype
+    if isinstance(dtype_name, tuple):  # a wgmma case: the forward's variant in place of the dtype
         monkeypatch.setattr(A, "SM90_FORWARD", {hs: dtype_name})
+        monkeypatch.setattr(A, "SM90_BACKWARD", (hs,))
         dtype_name = "bf16"
     monkeypatch.setattr(A, "launch", functools.partial(emu.launch, emulator))
     for lib in emulator.values():

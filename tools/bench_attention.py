@@ -12,6 +12,7 @@ W warpgroups of 64 query rows, key blocks of BC rows, pp when the warpgroups tak
 tensor cores; attention.SM90_FORWARD_VARIANTS), on a
 compute capability 9.0 GPU; the plain "raw" column runs whatever attention.SM90_FORWARD selects.
 Those columns time the forward only (their bwd shows nan): the backward is the raw column's.
+"--sm90 bwd" adds the column wgbwd: the raw backend with attention_sm90.cu's wgmma backward.
 
     python tools/bench_attention.py
     python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
@@ -51,9 +52,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     variants = {f"{w}x{bc}{'pp' * pp}": (w, bc, pp) for w, bc, pp in A.SM90_FORWARD_VARIANTS}
-    ap.add_argument(
-        "--sm90", nargs="*", default=[], choices=variants, help="wgmma forward tilings to add as raw columns"
-    )
+    ap.add_argument("--sm90", nargs="*", default=[], choices=[*variants, "bwd"],
+                    help="wgmma forward tilings (and 'bwd': the wgmma backward) to add as raw columns")  # fmt: skip
     args = ap.parse_args()
     if not ce.cuda_available():
         print("bench_attention: no CUDA device")
@@ -63,13 +63,14 @@ def main() -> int:
         print(f"backend {b!r} is not installed here; skipping it")
     Hq, Hkv = (int(x) for x in args.heads.split(":"))
     dev = ce.device("cuda")
-    # column label -> (backend, SM90_FORWARD while it runs, or None to leave the module's choice)
-    columns = {b: (b, None) for b in backends}
+    # column label -> (backend, the SM90_FORWARD / SM90_BACKWARD entries while it runs, or None to
+    # leave the module's choice)
+    columns = {b: (b, None, None) for b in backends}
     if args.sm90 and dev.compute_capability != (9, 0):
         print(f"--sm90: the wgmma kernels need compute capability 9.0, not {dev.compute_capability}; skipping them")
     elif "raw" in backends:
         for v in args.sm90:
-            columns[f"wg{v}"] = ("raw", variants[v])
+            columns[f"wg{v}"] = ("raw", variants[v], None) if v in variants else ("raw", None, True)
     print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
           f"median of {args.iters} after {args.warmup} warm-up; ceiling {CEILINGS['bf16'] / 1e12:.0f} TFLOP/s "
           f"(BF16 matmul)")  # fmt: skip
@@ -97,26 +98,31 @@ def main() -> int:
             fwd_flops = 4 * B * Hq * T * T * hs / 2
             result = {"T": T, "B": B, "hs": hs}
             outputs = {}
-            saved = dict(A.SM90_FORWARD)
-            for col, (b, sm90) in columns.items():
+            saved = dict(A.SM90_FORWARD), A.SM90_BACKWARD
+            for col, (b, sm90, sm90_bwd) in columns.items():
                 if sm90 is not None:
-                    A.SM90_FORWARD = {**saved, hs: sm90}
+                    A.SM90_FORWARD = {**saved[0], hs: sm90}
+                if sm90_bwd:
+                    A.SM90_BACKWARD = (*saved[1], hs)
                 try:
                     fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
                     bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
                                             workspace=ws)  # fmt: skip
                     fwd()
                     bwd()
-                    outputs[col] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
+                    # (a forward variant's dqkv comes from the raw column's backward: not compared)
+                    dx = dqkv.numpy().astype(np.float32) if sm90 is None else None
+                    outputs[col] = (att.numpy().astype(np.float32), dx)
                     ms_f = time_ms(dev, fwd, args.warmup, args.iters)
-                    # the backward is the same kernels in every raw column: time it once
+                    # a forward variant's column runs the raw column's backward: time that once
                     ms_b = time_ms(dev, bwd, args.warmup, args.iters) if sm90 is None else float("nan")
                 finally:
-                    A.SM90_FORWARD = saved
+                    A.SM90_FORWARD, A.SM90_BACKWARD = saved
                 result[col] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
             if "cudnn" in outputs:
                 a2, d2 = outputs["cudnn"]
-                result["diff"] = {c: (float(np.abs(a1 - a2).max()), float(np.abs(d1 - d2).max()))
+                result["diff"] = {c: (float(np.abs(a1 - a2).max()),
+                                      float(np.abs(d1 - d2).max()) if d1 is not None else float("nan"))
                                   for c, (a1, d1) in outputs.items() if c != "cudnn"}  # fmt: skip
             rows.append(result)
             line = f"T={T:5d} B={B:3d} hs={hs:3d}"

@@ -10,7 +10,8 @@ Backends:
 - "raw" (raw_kernels/attention.cu): bf16 with hs 64 or 128 runs the flash kernels (tensor cores,
   online softmax in registers, no T x T buffer); on compute capability 9.0 the forward may run the
   wgmma kernels of raw_kernels/attention_sm90.cu instead (SM90_FORWARD says which head sizes, and
-  with which tiling; their lse feeds the same backward); fp32, and bf16 with other head sizes up to 256,
+  with which tiling; their lse feeds the same backward), and the backward its wgmma dq and dk/dv
+  kernels (SM90_BACKWARD); fp32, and bf16 with other head sizes up to 256,
   run a simple warp-per-row kernel (correct, slow: meant for tests and small models). Backward is
   deterministic (dq in its own pass, GQA reduction in registers) and needs a workspace for
   D = rowsum(dO * O).
@@ -47,6 +48,9 @@ _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD i
 # compute capability 9.0 (elsewhere the mma.sync ones do).
 SM90_FORWARD: dict[int, tuple[int, int, bool]] = {}
 SM90_FORWARD_VARIANTS = tuple((w, bc, pp) for w, bc in ((2, 128), (2, 64), (3, 64)) for pp in (True, False))
+# Head sizes whose backward runs attention_sm90.cu's wgmma dq and dk/dv kernels on compute capability
+# 9.0 (128 query rows / 128 keys per block, two warpgroups); the others run attention.cu's.
+SM90_BACKWARD: tuple[int, ...] = ()
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
@@ -367,7 +371,14 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _launch("attention_backward_dot", qkv, _simt_blocks(B * T * n_q_heads), _SIMT_THREADS, args, dev, stream)
     scale = np.float32(1.0 / math.sqrt(hs))
     args = (dqkv, datt, qkv, lse, dsum)
-    if flash:
+    if flash and hs in SM90_BACKWARD and getattr(dev, "compute_capability", None) == (9, 0):
+        sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
+        smem = (2 * 128 + 4 * 64) * hs * 2 + 1024  # dq: Q, dO [128], 2 x K, V [64]; dkdv: K, V [128], 2 x Q, dO
+        nblk = ceil_div(T, 128)
+        for kernel, heads, extra in (("dq", n_q_heads, 0), ("dkdv", n_kv_heads, 4 * 64 * 4)):  # dkdv: lse, D
+            name = kernel_name(f"attention_backward_{kernel}_sm90_hs{hs}", qkv)
+            launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem + extra)
+    elif flash:
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = 6 * _BLOCK * hs * 2  # dq: Q, dO, 2 x K, 2 x V; dkdv: K, V, 2 x Q, 2 x dO (+ lse, D)
         nblk = ceil_div(T, _BLOCK)
