@@ -1,4 +1,4 @@
-"""raw_kernels/rmsnorm.cu, fp8.cu, classifier.cu, adamw8bit.cu and rope.cu on the host, for
+"""raw_kernels/rmsnorm.cu, fp8.cu, classifier.cu, adamw8bit.cu, rope.cu and activations.cu on the host, for
 tests/test_kernel_emulation.py.
 
 The fiber-per-thread machinery of tests/attention_emulator.py (barriers, warp shuffles, the launch

@@ -266,6 +266,7 @@ def activation_backward(
         inp: (N, H) plain or (N, 2H) gated, the forward's input.
         activation, layout: as for activation_forward.
         abs_max: optional (1,) fp32; max-accumulates |dinp|.
+        _variant: for .session/swiglu_sweep.py only: (kernel name suffix, grid), see _launch.
     NumPy equivalent: activation_backward_np.
     """
     N, H = _shapes("activation_backward", ("dout", dout, None), inp, activation, layout)
