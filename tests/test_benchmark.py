@@ -118,3 +118,18 @@ def test_fp8_loss_curve_gap(tmp_path):
     log.write_text('{"step": 1, "loss": 3.0}\n{"step": 3, "loss": 2.5}\n')
     with pytest.raises(ValueError, match="step 3 follows step 1"):
         f8.read_log(log)
+
+
+def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
+    """tools/bench_kernels.py on the cpu device (a smoke run of the script, not a measurement): every
+    case gets its bandwidth against the 1 GiB copy and against a copy of the same bytes."""
+    bench = _tool("bench_kernels")
+    assert bench.main(["--device", "cpu", "--shrink", "2048", "--family", "rope", "--iters", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("rope ")]
+    assert len(rows) == 2 and "% same-size copy" in out
+    for row in rows:
+        pct, same = (float(x.rstrip("%")) for x in row.split()[-2:])
+        assert pct > 0 and same > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--family", "nope"])
