@@ -15,13 +15,15 @@
 // vector width.
 // Backward variants: `rmsnorm_backward_v<V>_*` (C <= 32 * V vectors) keep what a lane re-uses across rows
 // in registers (its weight vectors, its dweight partials) and copy each row's x, dout and dresidual
-// (cp.async) into one of a few per-warp shared-memory buffers, rows ahead of the one being computed. The
-// block count is capped low (264) so that blocks live for many rows. `rmsnorm_backward_*` (any C) reads
-// the row from global memory in both passes. Both do the same arithmetic in the same order: the same bits.
+// (cp.async) into one of two per-warp shared-memory buffers, a row ahead of the one being computed. The
+// block count is capped at 132 (one block per SM of the H200) so that blocks live for many rows.
+// `rmsnorm_backward_*` (any C) reads the row from global memory in both passes. Both do the same
+// arithmetic in the same order: the same bits.
 #include "common.cuh"
 #include "cp_async.cuh"
 
 constexpr int FWD_WARPS = 8;  // rows per forward block
+constexpr int BWD_STAGES = 2;  // row buffers per warp of rmsnorm_backward_v<V>: the one computed from, the next one
 
 
 // ---- kernels ------------------------------------------------------------------------------
@@ -129,27 +131,27 @@ __device__ void rmsnorm_backward_loop_impl(T* dinp, float* scratch, const T* dre
 // C <= 32 V VN: lane vector i of a row is channel (lane + 32 i) * VN, i < V. What a lane re-uses across
 // rows lives in its registers: its V weight vectors (loaded once) and its dweight partials (V * VN floats:
 // the lane owns these channels in every row); the rstd of 32 rows at a time sits one per lane and is
-// shuffled out. A warp has `stages` shared-memory buffers of a row's x, dout and dresidual: while it
-// computes row j from buffer j % stages (both passes read it there), rows j + 1 .. j + stages - 1 are
-// being copied (cp.async) into the others. So a row's loop waits on nothing but its own row's copy.
-// (With the weight re-read from L1 and the partials read-modify-written in shared memory for every row,
-// in dependent chains, a warp took ~4 us per C = 1536 row: 72% of copy bandwidth.)
+// shuffled out. A warp has BWD_STAGES (2) shared-memory buffers of a row's x, dout and dresidual: while it
+// computes row j from buffer j % 2 (both passes read it there), row j + 1 is being copied (cp.async) into
+// the other. So a row's loop waits on nothing but its own row's copy. (With the weight re-read from L1
+// and the partials read-modify-written in shared memory for every row, in dependent chains, a warp took
+// ~4 us per C = 1536 row: 72% of copy bandwidth. A third buffer, or 4 warps a block, measured no faster
+// on the H200.)
 // A lane copies and reads back only its own vectors, so its own wait is all the synchronisation; it has
 // read a buffer (the previous row's) before it stages a later row into it (the asm's memory clobber keeps
 // that order), and a row is staged before the warp stores it, so dinp may still alias dresidual.
 template <typename T, int V>
 __device__ void rmsnorm_backward_rows_impl(T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp,
-                                           const T* weight, const float* rstd, float* abs_max, int N, int C,
-                                           int stages) {
-    extern __shared__ float s_dweight[];  // (warps, stages, 3, C) of T; at the end the (warps, C) partials
+                                           const T* weight, const float* rstd, float* abs_max, int N, int C) {
+    extern __shared__ float s_dweight[];  // (warps, BWD_STAGES, 3, C) of T; at the end the (warps, C) partials
     constexpr int VN = Pack16<T>::N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int row0 = blockIdx.x * warps + warp, step = gridDim.x * warps;  // the warp's j-th row: row0 + j step
-    T* stage = reinterpret_cast<T*>(s_dweight) + (size_t)warp * stages * 3 * C;
-    auto stage_row = [&](int j) {  // into buffer j % stages; past the warp's last row an empty group
+    T* stage = reinterpret_cast<T*>(s_dweight) + (size_t)warp * BWD_STAGES * 3 * C;
+    auto stage_row = [&](int j) {  // into buffer j % BWD_STAGES; past the warp's last row an empty group
         const int row = row0 + j * step;
         if (row < N) {
-            T* buf = stage + (size_t)(j % stages) * 3 * C;
+            T* buf = stage + (size_t)(j % BWD_STAGES) * 3 * C;
             const size_t base = (size_t)row * C;
 #pragma unroll
             for (int i = 0; i < V; ++i) {
@@ -163,7 +165,7 @@ __device__ void rmsnorm_backward_rows_impl(T* dinp, float* scratch, const T* dre
         }
         cp_async_commit();
     };
-    for (int j = 0; j + 1 < stages; ++j) stage_row(j);
+    for (int j = 0; j + 1 < BWD_STAGES; ++j) stage_row(j);
     auto rstd_of = [&](int j) {  // lane l: the rstd of the warp's row j + l
         const int row = row0 + (j + lane) * step;
         return row < N ? rstd[row] : 0.f;
@@ -182,15 +184,14 @@ __device__ void rmsnorm_backward_rows_impl(T* dinp, float* scratch, const T* dre
     unsigned amax = 0;
     int j = 0;
     for (int row = row0; row < N; row += step, ++j) {
-        stage_row(j + stages - 1);  // into the buffer the previous row was computed from
+        stage_row(j + BWD_STAGES - 1);  // into the buffer the previous row was computed from
         if (j % 32 == 0 && j > 0) {
             r_lanes = r_later;
             r_later = rstd_of(j + 32);
         }
         const float r = __shfl_sync(0xffffffffu, r_lanes, j % 32);
-        if (stages > 2) cp_async_wait<2>();  // this row's copy: all but the (at most) two newest
-        else cp_async_wait<1>();
-        const T* buf = stage + (size_t)(j % stages) * 3 * C;
+        cp_async_wait<BWD_STAGES - 1>();  // this row's copy: every group but the newest (the next row's)
+        const T* buf = stage + (size_t)(j % BWD_STAGES) * 3 * C;
         float dot = 0.f;  // sum(weight * dout * x)
 #pragma unroll
         for (int i = 0; i < V; ++i) {
@@ -267,9 +268,8 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
 #define RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, V)                                                             \
     extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_v##V##_##SUF(                        \
         T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
-        const float* rstd, float* abs_max, int N, int C, int stages) {                                      \
-        rmsnorm_backward_rows_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C,  \
-                                         stages);                                                           \
+        const float* rstd, float* abs_max, int N, int C) {                                                  \
+        rmsnorm_backward_rows_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C); \
     }
 
 #define RMSNORM_KERNELS(SUF, T)                                                                             \

@@ -2,7 +2,8 @@
 by the real launchers: variant choice, tails, unaligned data and index arithmetic are checked on cpu.
 
 The bitwise claims of the issue-13 kernels: the register-row backward (rmsnorm_backward_v<V>) gives
-the looping kernel's bits, the dweight reduce adds the partials in row order, and quantize_dual
+the looping kernel's bits, both leave the partials of rmsnorm_backward_partials_np (dweight's grouping),
+the dweight reduce adds the partials in row order, and quantize_dual
 equals quantize then transpose. adamw8bit's multi-tensor launch, and quantize_dual_multi's, give the bits of
 their per-tensor launches."""
 
@@ -64,6 +65,8 @@ def _rms_backward(n, c, dtype, seed):
                        abs_max=t["amax"])  # in place on dresidual, as the model runs it  # fmt: skip
     for k, v in t.items():
         assert emu.margins_ok(v), f"{k}: written out of bounds"
+    partials = R.rmsnorm_backward_partials_np(t["dout"].numpy(), t["x"].numpy(), rstd)  # rows grouped as the kernels do
+    np.testing.assert_array_equal(t["scratch"].numpy().view(np.uint32), partials.view(np.uint32), err_msg="partials")
     acc = np.zeros(c, np.float32)
     for p in t["scratch"].numpy():  # dweight = the partials added in row order, rounded once
         acc += p
@@ -96,23 +99,19 @@ def test_emulated_rmsnorm_backward_register_rows_equal_the_looping_kernel(rms_li
         np.testing.assert_array_equal(fast[k].view(np.uint8), loop[k].view(np.uint8), err_msg=k)
 
 
-# (rows, C, variant, block cap): the real cap (264 blocks, 1-2 rows a warp, a ragged last round), fewer
+# (rows, C, variant, block cap): the real cap (132 blocks, 2-3 rows a warp, a ragged last round), fewer
 # rows than one block has warps, a small cap that gives each warp ~18 rows through the staged pipeline,
 # and one block whose warps take ~88 rows each (the rstd of 32 rows a lane at a time, reloaded twice)
 PIPE_CASES = [(3000, 896, "v4", None), (5, 1536, "v6", None), (1000, 1536, "v6", 7), (301, 64, "v1", 3),
               (700, 64, "v1", 1)]  # fmt: skip
 
 
-@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("n,c,variant,cap", PIPE_CASES)
-def test_emulated_rmsnorm_backward_pipelined_rows_equal_the_looping_kernel(
-    rms_lib, monkeypatch, n, c, variant, cap, stages
-):
-    """A warp stages its next rows while it computes this one: over many rows per warp and ragged tails
-    the register variants still give the looping kernel's bits."""
+def test_emulated_rmsnorm_backward_pipelined_rows_equal_the_looping_kernel(rms_lib, monkeypatch, n, c, variant, cap):
+    """A warp stages its next row while it computes this one: over many rows per warp and ragged tails
+    the register variants still give the looping kernel's bits, and the partials' grouping."""
     calls = []
     monkeypatch.setattr(R, "launch", _recording(rms_lib, calls))
-    monkeypatch.setattr(R, "_STAGES", stages)
     if cap is not None:
         monkeypatch.setattr(R, "_MAX_PARTIALS", cap)
     fast = _rms_backward(n, c, "bf16", seed=n)
@@ -125,8 +124,10 @@ def test_emulated_rmsnorm_backward_pipelined_rows_equal_the_looping_kernel(
 
 
 def test_emulated_rmsnorm_dweight_reduce_over_two_chunks(rms_lib, monkeypatch):
-    """P = 264 partial rows: the reduce stages them through shared memory in two chunks (256, then 8)."""
+    """P = 264 partial rows (a cap above the launcher's 132): the reduce, written for any P, stages them
+    through shared memory in two chunks (256, then 8)."""
     monkeypatch.setattr(R, "launch", _recording(rms_lib, []))
+    monkeypatch.setattr(R, "_MAX_PARTIALS", 264)
     assert R.rmsnorm_scratch_shape(4100, 8)[0] == 264
     _rms_backward(4100, 8, "bf16", seed=3)
 

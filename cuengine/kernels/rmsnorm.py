@@ -19,11 +19,10 @@ FLOATS = (FP32, BF16, FP16)
 
 _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
 _BWD_SMEM = 96 * 1024  # the looping backward's per-warp dweight partials: warps * C * 4 bytes at most
-_BWD_MAX_WARPS = 8
-_MAX_PARTIALS = 264  # blocks of the backward = rows of the scratch: one or two waves on the H200's 132 SMs
+_BWD_WARPS = 8  # the backward's warps per block at most (__launch_bounds__(256) in .cu)
+_MAX_PARTIALS = 132  # blocks of the backward = rows of the scratch: one per SM of the H200, a fixed number
 _REG_VECTORS = (1, 2, 4, 6, 8)  # rmsnorm_backward_v<V>: V 16-byte vectors per lane at most
-_STAGES = 2  # rows (x, dout, dresidual) a warp of rmsnorm_backward_v<V> holds in shared memory: 2 or 3
-_STAGE_SMEM = 227 * 1024  # the most dynamic shared memory a block may have (sm_90)
+_BWD_STAGES = 2  # rows (x, dout, dresidual) a warp of rmsnorm_backward_v<V> holds in shared memory (BWD_STAGES)
 _DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
 
@@ -65,26 +64,47 @@ def rmsnorm_backward_np(dresidual, dout, inp, weight, rstd) -> tuple[np.ndarray,
     return dinp, dweight
 
 
+def rmsnorm_backward_partials_np(dout, inp, rstd) -> np.ndarray:
+    """The scratch rmsnorm_backward leaves, (P, C) fp32 (rmsnorm_scratch_shape): how dweight's sum is grouped.
+
+    Row (k * P + b) * warps + w belongs to warp w of block b; a warp adds dout * (x * rstd) over its rows
+    in order of k, and block b's partial is its warps' sums added in warp order. dweight is then
+    dweight + the partials added in order of b, rounded once. fp32 without fused multiply-adds: the host
+    emulation's bits; the GPU may fuse a product into its add, an ulp apart. Shapes: (..., C), rstd (...).
+    """
+    C = inp.shape[-1]
+    x, g = inp.reshape(-1, C).astype(np.float32), dout.reshape(-1, C).astype(np.float32)
+    N, warps = x.shape[0], _backward_warps(C)
+    P = rmsnorm_scratch_shape(N, C)[0]
+    terms = g * (x * rstd.reshape(-1, 1).astype(np.float32))
+    rounds = ceil_div(N, P * warps)
+    terms = np.concatenate(
+        [terms, np.zeros((rounds * P * warps - N, C), np.float32)]
+    )  # no row: +0, which keeps a sum's bits
+    per_warp = np.zeros((P, warps, C), np.float32)
+    for k in range(rounds):
+        per_warp += terms[k * P * warps : (k + 1) * P * warps].reshape(P, warps, C)
+    partials = per_warp[:, 0].copy()
+    for w in range(1, warps):
+        partials += per_warp[:, w]
+    return partials
+
+
 # ---- sizes --------------------------------------------------------------------------------
 def _backward_warps(C: int) -> int:
-    warps = min(_BWD_MAX_WARPS, _BWD_SMEM // (4 * C)) if C > 0 else _BWD_MAX_WARPS
+    warps = min(_BWD_WARPS, _BWD_SMEM // (4 * C)) if C > 0 else _BWD_WARPS
     if warps < 1:
         raise ValueError(f"rmsnorm_backward: C = {C} is too large (at most {_BWD_SMEM // 4} channels)")
     return warps
 
 
-def _backward_stages(warps: int, row_bytes: int) -> int:
-    """Staged rows per warp of rmsnorm_backward_v<V>: _STAGES, fewer where a block's shared memory
-    cannot hold them, never under 2 (a warp stages its next row while it computes from the other)."""
-    return max(2, min(_STAGES, _STAGE_SMEM // (warps * 3 * row_bytes)))
-
-
 def rmsnorm_scratch_shape(N: int, C: int) -> tuple[int, int]:
     """Shape (P, C) of the fp32 scratch rmsnorm_backward needs for N rows of C channels.
 
-    P = min(264, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
-    rows a block works on at once; both depend only on (N, C), which keeps dweight's bits fixed.
-    Few blocks, each living for many rows: a warp's next row loads while its current one computes.
+    P = min(132, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
+    rows a block works on at once; both depend only on (N, C), not on the GPU, which keeps dweight's
+    bits fixed. One block per SM of the H200, each living for many rows: a warp's next row loads while
+    its current one computes (with 264 blocks, two a SM, the H200 ran it 1-14% slower).
     """
     return (max(1, min(_MAX_PARTIALS, ceil_div(N, _backward_warps(C)))), C)
 
@@ -197,11 +217,9 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
     lane_vectors = ceil_div(C * inp.dtype.itemsize, 16 * 32)
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
-    if v:
-        stages = _backward_stages(warps, C * inp.dtype.itemsize)
-        smem = max(4 * warps * C, warps * stages * 3 * C * inp.dtype.itemsize)  # the partials reuse the stages
-        launch(FAMILY, kernel_name(f"rmsnorm_backward_v{v}", inp), P, 32 * warps, (*args, np.int32(stages)), dev,
-               stream, shared_mem=smem)  # fmt: skip
+    if v:  # at most 8 * 2 * 3 * 2048 * 2 bytes (v8, bf16) = 192 KiB of staged rows; the partials reuse them
+        smem = max(4 * warps * C, warps * _BWD_STAGES * 3 * C * inp.dtype.itemsize)
+        launch(FAMILY, kernel_name(f"rmsnorm_backward_v{v}", inp), P, 32 * warps, args, dev, stream, shared_mem=smem)
     else:
         launch(FAMILY, kernel_name("rmsnorm_backward", inp), P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
     args = (dweight, scratch, np.int32(P), np.int32(C))
