@@ -7,7 +7,8 @@
 //
 // The backward gives the same bits on every run and is graph-capturable (no host sync, no allocation).
 // It does not sort: most ids of a batch occur once, so it counts them and streams dout in position order.
-//   0. (launcher) zero the hash table and the counters at the head of the scratch (one memset).
+//   0. encoder_backward_clear: zero the counters and the hash table at the head of the scratch. Steps 1
+//      and 2 are dependent launches (programmatic, sm_90): each starts while the one before finishes.
 //   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
 //      (2N slots, linear probing, claimed by atomicCAS), count it, and keep its first INLINE positions
 //      in arrival order. The INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id
@@ -70,7 +71,6 @@ constexpr int HOT_VECS = SUM_THREADS / PARTIALS;  // 16-byte vectors per hot blo
 constexpr int SCAN_ITEMS = 8;                      // consecutive tokens per thread in the hot scan
 constexpr int SCAN_CHUNK = SUM_THREADS * SCAN_ITEMS;
 constexpr int HOT_UNROLL = 4;   // dout rows in flight per thread in a hot sum
-constexpr int ROW_UNROLL = 4;   // vectors in flight per lane for an id that occurs once
 static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
@@ -80,13 +80,21 @@ __device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative
     return (unsigned)(((unsigned long long)((unsigned)t * 2654435769u) * (unsigned)H) >> 32);
 }
 
+// Step 0: zero the counters and the table, n4 16-byte vectors (grid-stride).
+extern "C" __global__ void __launch_bounds__(256) encoder_backward_clear(int4* head, long long n4) {
+    launch_dependents();
+    const int4 zero = make_int4(0, 0, 0, 0);
+    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n4; i += gridDim.x * 256LL) head[i] = zero;
+}
+
 // Step 1: count the ids and keep their first INLINE positions. H = 2N slots: at most half are used.
+// The token is read before the wait: it was written before step 0 started (an ordinary launch).
 extern "C" __global__ void __launch_bounds__(256)
     encoder_backward_count(int* scratch, int* hot, const int* tokens, int N, int V, int H) {
-    launch_dependents();
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    const int t = tokens[n];
+    const int t = n < N ? tokens[n] : -1;
+    grid_dependency_wait();
+    launch_dependents();
     if (t < 0 || t >= V) return;
     int* table = hash_table(scratch);
     unsigned s = hash_slot(t, H);

@@ -140,6 +140,7 @@ def test_scratch_shape():
 # after another: plain read-modify-writes) and the dependent-launch calls (no-ops), after common.cuh.
 _EMU_HELPERS = r"""
 struct alignas(16) int4 { int x, y, z, w; };
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline void grid_dependency_wait() {}
 inline void launch_dependents() {}
 inline unsigned __ballot_sync(unsigned, int p) {
@@ -166,7 +167,7 @@ def enc_lib(tmp_path_factory):
     src_dir = tmp_path_factory.mktemp("encoder_src")
     inc = '#include "common.cuh"'
     (src_dir / "encoder.cu").write_text((kernel_dir() / "encoder.cu").read_text().replace(inc, inc + _EMU_HELPERS))
-    names = ["encoder_backward_count"] + [
+    names = ["encoder_backward_clear", "encoder_backward_count"] + [
         f"encoder_backward_sum_{g}_{d}" for g in ("f32", "bf16") for d in ("f32", "bf16")
     ]
     mp = pytest.MonkeyPatch()
@@ -186,15 +187,12 @@ def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
         calls.append(name)
         emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
 
-    def fill_zero(t, stream=None):
-        t.storage[t.offset : t.offset + t.nbytes] = 0
-
     monkeypatch.setattr(E, "launch", launch)
-    monkeypatch.setattr(emu.DEV, "fill_zero", fill_zero, raising=False)
     t = {k: emu.tensor(v, v.dtype, k) for k, v in (("dwte", dwte), ("dout", dout), ("tokens", tokens))}
     t["scratch"] = emu.tensor(np.full(encoder_scratch_shape(*tokens.shape), fill, np.int32), "int32", "scratch")
     encoder_backward(t["dwte"], t["dout"], t["tokens"], t["scratch"])
-    assert calls[0] == "encoder_backward_count" and calls[1].startswith("encoder_backward_sum_"), calls
+    assert calls[:2] == ["encoder_backward_clear", "encoder_backward_count"], calls
+    assert len(calls) == 3 and calls[2].startswith("encoder_backward_sum_"), calls
     return t["dwte"].numpy(), all(emu.margins_ok(x) for x in t.values())
 
 

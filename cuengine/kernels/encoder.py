@@ -146,7 +146,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable: a memset and 2 kernels, no host sync.
+    Capturable: 3 kernels (the last two programmatic dependent launches), no host sync.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
     expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
@@ -165,10 +165,12 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     check_aligned("encoder_backward", dout, dwte, scratch)
     slots, zeroed, _ = _layout(N)
     flat = scratch.flat()
-    table, hot = flat.rows(0, zeroed), flat.rows(zeroed, flat.nelem)
-    table.fill_zero(stream)
+    hot = flat.rows(zeroed, flat.nelem)
+    n4 = zeroed // 4  # _HEAD_INTS and _SLOT_INTS are multiples of 4
+    args = (flat, np.int64(n4))
+    launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     args = (flat, hot, tokens, np.int32(N), np.int32(V), np.int32(slots))
-    launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream)
+    launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
     stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
