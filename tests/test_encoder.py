@@ -294,7 +294,7 @@ def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [200, 50257, 151936, 262144])  # 1, 2, 2 and 3 radix passes of 9 bits
+@pytest.mark.parametrize("v", [200, 50257, 151936, 262144])
 @pytest.mark.parametrize("skew", ["one_token", "few_tokens", "spread"])
 def test_cuda_deterministic(v, skew):
     """Bitwise-equal dwte across runs, with scratch garbage in between, on heavily repeated tokens."""
@@ -330,9 +330,10 @@ def test_cuda_backward_captures_into_a_graph(cuda):
     "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 520), ("fp32", "bf16", 8)]
 )
 def test_cuda_every_run_length_and_offset(dwte_dtype, dout_dtype, c):
-    """Runs of 1..13 positions, so that runs of at most 4 (a thread per vector) and longer ones (the
-    whole block) start at every offset of a 4-slot sum block; C spans more than one 128-vector block
-    with a partial last one (1040 bf16 = 130 vectors, 520 fp32 = 130) and less than one warp (8)."""
+    """Tokens with 1..13 positions: one (the position's warp), 2..6 (summed by the first one's warp
+    from the hash slot's positions) and 7..13 (hot: a whole block scans the tokens); C spans more than
+    one 128-vector hot block with a partial last one (1040 bf16 = 130 vectors, 520 fp32 = 130) and
+    less than one warp (8)."""
     r = rng(21)
     v = 40
     tokens = np.concatenate([np.full(n, 2 * n + 1) for n in range(1, 14)] + [[-1, v, 0, 0]])
