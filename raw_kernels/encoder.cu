@@ -148,8 +148,8 @@ __device__ __forceinline__ void sort2(int& a, int& b) {
 // chunks of SCAN_CHUNK. Each chunk's matching positions are compacted in order into s_list (a block
 // scan of per-thread match counts); partial w then adds the list entries of global rank = w mod 4.
 template <typename TG, typename TD>
-__device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens, const int* table, int slot, int N,
-                                     int C, int y) {
+__device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens,
+                                     const int* table, int slot, int N, int C, int y) {
     constexpr int VN = Pack16<TD>::N;
     __shared__ int s_list[SCAN_CHUNK];
     __shared__ int s_warp[SUM_WARPS];
@@ -304,10 +304,10 @@ template <typename TG, typename TD>
 __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, const int* scratch,
                                           const int* hot, int N, int V, int C, int H, int hot_blocks, int ychunks,
                                           int per_warp) {
-    grid_dependency_wait();
     const int* table = scratch + HEAD_INTS;
     const int hot_total = hot_blocks * ychunks;
     if ((int)blockIdx.x < hot_total) {
+        grid_dependency_wait();
         const int hb = blockIdx.x / ychunks, y = blockIdx.x % ychunks;
         const int queued = scratch[0];
         for (int i = hb; i < queued; i += hot_blocks)
@@ -317,11 +317,14 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
     const int lane = threadIdx.x % 32;
     const int gw = (blockIdx.x - hot_total) * SUM_WARPS + threadIdx.x / 32;
     const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
+    // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
+    const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
+    grid_dependency_wait();
     for (int b = begin; b < end; b += 32) {
         // lane l: position b + l, its id, the id's count and inline positions; act = this lane's
         // position sums its id (the id occurs once, or 2..INLINE times and this is its first position)
         const int n = b + lane;
-        const int t = n < end ? tokens[n] : -1;
+        const int t = b == begin ? t0 : n < end ? tokens[n] : -1;
         int cnt = 0, p[INLINE];
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
