@@ -16,7 +16,6 @@
 // abs_max is 0) and scale_inv = 1 / scale, and store fp8(round_T(out) * scale) with SATFINITE RNE, so
 // they equal the plain forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
 #include "common.cuh"
-#include "cp_async.cuh"
 
 enum Act { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU = 2, ACT_RELU_SQ = 3, ACT_SIGMOID = 4, ACT_SWIGLU_OAI = 5 };
 
@@ -263,81 +262,38 @@ __device__ __forceinline__ unsigned gated_grad_store(T* dinp, const Pack16<T>& a
     return store_gate_up<T, INTERLEAVED>(dinp + row * 2 * H, j, H, g, u);
 }
 
-// Registers: K grid-stride vectors per trip, their loads issued together.
-template <typename T, bool INTERLEAVED, int ACT, int K>
-__device__ void gated_backward_regs(T* dinp, const T* dout, const T* inp, float* abs_max, long long N, int H) {
+// One thread per 16-byte vector item i = row * (H / VN) + col of the (N, H) output, the grid covering
+// every item (no stride loop: a loop of resident blocks, or cp.async staging of later trips, measured
+// slower on the H200): its gate, up and dout packs are loaded into registers together, the gradient
+// computed and stored. The activation is fixed at the kernel's entry (one uniform switch, each case a
+// compiled-in body).
+template <typename T, bool INTERLEAVED, int ACT>
+__device__ __forceinline__ unsigned gated_backward_item(T* dinp, const T* dout, const T* inp, long long N, int H) {
     constexpr int VN = Pack16<T>::N;
-    unsigned amax = 0;
-    for (RowColWalk w(N, H / VN); w.row < N;) {
-        Pack16<T> a[K], b[K], d[K];
-        size_t row[K];
-        int j[K];
-        bool live[K];
-        for (int k = 0; k < K; ++k, w.next()) {  // a trip past the end loads row 0 and stores nothing
-            live[k] = w.row < N, row[k] = live[k] ? (size_t)w.row : 0, j[k] = live[k] ? w.col * VN : 0;
-            load_gate_up_packs<T, INTERLEAVED>(inp + row[k] * 2 * H, j[k], H, a[k], b[k]);
-            d[k] = Pack16<T>::load(dout + row[k] * H + j[k]);
-        }
-        for (int k = 0; k < K; ++k)
-            if (live[k]) amax = max(amax, gated_grad_store<T, INTERLEAVED, ACT>(dinp, a[k], b[k], d[k], row[k], j[k], H));
-    }
-    if (abs_max) block_atomic_abs_max(abs_max, amax);
+    const int hv = H / VN;
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= N * hv) return 0;
+    const long long row = i / hv;
+    const int j = (int)(i - row * hv) * VN;
+    Pack16<T> a, b;
+    load_gate_up_packs<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, a, b);
+    const Pack16<T> d = Pack16<T>::load(dout + (size_t)row * H + j);
+    return gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)row, j, H);
 }
 
-// Staged: each thread copies its trips' packs into its own shared-memory slots with cp.async, S trips
-// in flight, so the loads of the next S - 1 trips are out while it computes and stores one (the
-// compiler sinks register prefetches below the arithmetic; a cp.async stays where it is issued). The
-// trip issued at t + S - 1 overwrites the slot of trip t - 1, which this thread has read, computed
-// and stored. In place (dinp == inp) is safe: a thread's trips touch disjoint elements, and no other
-// thread touches them. `slots`: S * 3 * GATED_THREADS packs.
-template <typename T, bool INTERLEAVED, int ACT, int S>
-__device__ void gated_backward_staged(Pack16<T>* slots, T* dinp, const T* dout, const T* inp, float* abs_max,
-                                      long long N, int H) {
-    constexpr int VN = Pack16<T>::N;
-    Pack16<T>* mine = slots + threadIdx.x;  // slot (stage s, pack p) at mine[(3 s + p) * GATED_THREADS]
-    RowColWalk issue(N, H / VN), w(N, H / VN);
-    auto copy = [&](int s) {
-        if (issue.row < N) {
-            const T* row = inp + (size_t)issue.row * 2 * H;
-            const int j = issue.col * VN;
-            cp_async16(smem_u32(mine + (3 * s) * GATED_THREADS), row + (INTERLEAVED ? 2 * j : j));
-            cp_async16(smem_u32(mine + (3 * s + 1) * GATED_THREADS), row + (INTERLEAVED ? 2 * j + VN : H + j));
-            cp_async16(smem_u32(mine + (3 * s + 2) * GATED_THREADS), dout + (size_t)issue.row * H + j);
-        }
-        cp_async_commit();  // empty past the end: the wait below counts groups
-        issue.next();
-    };
-    for (int s = 0; s < S - 1; ++s) copy(s);
-    unsigned amax = 0;
-    for (int s = 0; w.row < N; w.next(), s = s + 1 < S ? s + 1 : 0) {
-        copy(s > 0 ? s - 1 : S - 1);  // trip t + S - 1 into the slot of trip t - 1
-        cp_async_wait<S - 1>();        // trip t has landed
-        const Pack16<T> a = mine[(3 * s) * GATED_THREADS], b = mine[(3 * s + 1) * GATED_THREADS],
-                        d = mine[(3 * s + 2) * GATED_THREADS];
-        amax = max(amax, gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)w.row, w.col * VN, H));
-    }
-    cp_async_wait<0>();
-    if (abs_max) block_atomic_abs_max(abs_max, amax);
-}
-
-// STAGES 0: gated_backward_regs with K vectors per trip; else gated_backward_staged with STAGES.
-template <typename T, bool INTERLEAVED, int STAGES, int K>
+template <typename T, bool INTERLEAVED>
 __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
                                     int H) {
-    __shared__ Pack16<T> slots[STAGES > 0 ? STAGES * 3 * GATED_THREADS : 1];
-#define GATED_BACKWARD_ACT(ACT)                                                                               \
-    if (STAGES > 0)                                                                                           \
-        return gated_backward_staged<T, INTERLEAVED, ACT, STAGES>(slots, dinp, dout, inp, abs_max, N, H);     \
-    return gated_backward_regs<T, INTERLEAVED, ACT, K>(dinp, dout, inp, abs_max, N, H);
+    unsigned amax;
     switch (act) {
-        case ACT_SILU: GATED_BACKWARD_ACT(ACT_SILU)
-        case ACT_GELU: GATED_BACKWARD_ACT(ACT_GELU)
-        case ACT_RELU: GATED_BACKWARD_ACT(ACT_RELU)
-        case ACT_RELU_SQ: GATED_BACKWARD_ACT(ACT_RELU_SQ)
-        case ACT_SWIGLU_OAI: GATED_BACKWARD_ACT(ACT_SWIGLU_OAI)
-        default: GATED_BACKWARD_ACT(ACT_SIGMOID)
+        case ACT_SILU: amax = gated_backward_item<T, INTERLEAVED, ACT_SILU>(dinp, dout, inp, N, H); break;
+        case ACT_GELU: amax = gated_backward_item<T, INTERLEAVED, ACT_GELU>(dinp, dout, inp, N, H); break;
+        case ACT_RELU: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU>(dinp, dout, inp, N, H); break;
+        case ACT_RELU_SQ: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU_SQ>(dinp, dout, inp, N, H); break;
+        case ACT_SWIGLU_OAI: amax = gated_backward_item<T, INTERLEAVED, ACT_SWIGLU_OAI>(dinp, dout, inp, N, H); break;
+        default: amax = gated_backward_item<T, INTERLEAVED, ACT_SIGMOID>(dinp, dout, inp, N, H);
     }
-#undef GATED_BACKWARD_ACT
+    if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
 // ---- launchers ----------------------------------------------------------------------------
@@ -352,9 +308,10 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
                                                                     int act, long long N, int H) {           \
         gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GATED_THREADS) gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp,          \
-                                                               float* abs_max, int act, long long N, int H) { \
-        gated_backward_impl<T, INTERLEAVED, 2, 1>(dinp, dout, inp, abs_max, act, N, H);                       \
+    extern "C" __global__ void __launch_bounds__(GATED_THREADS)                                                \
+        gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max, int act,        \
+                                        long long N, int H) {                                                 \
+        gated_backward_impl<T, INTERLEAVED>(dinp, dout, inp, abs_max, act, N, H);                              \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \
@@ -375,16 +332,3 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
 ACTIVATION_KERNELS(f32, float)
 ACTIVATION_KERNELS(bf16, bf16)
 ACTIVATION_KERNELS(f16, half)
-
-// Sweep variants of gated_backward_split_bf16 (STAGES, K as gated_backward_impl; BOUNDS the launch
-// bounds); .session/swiglu_sweep.py.
-#define GATED_BACKWARD_VARIANT(NAME, STAGES, K, BOUNDS)                                                  \
-    extern "C" __global__ void BOUNDS gated_backward_split_bf16_##NAME(                                    \
-        bf16* dinp, const bf16* dout, const bf16* inp, float* abs_max, int act, long long N, int H) {         \
-        gated_backward_impl<bf16, false, STAGES, K>(dinp, dout, inp, abs_max, act, N, H);                  \
-    }
-GATED_BACKWARD_VARIANT(r1, 0, 1, __launch_bounds__(GATED_THREADS))
-GATED_BACKWARD_VARIANT(r2, 0, 2, __launch_bounds__(GATED_THREADS))
-GATED_BACKWARD_VARIANT(s3, 3, 1, __launch_bounds__(GATED_THREADS))
-GATED_BACKWARD_VARIANT(s2m5, 2, 1, __launch_bounds__(GATED_THREADS, 5))
-GATED_BACKWARD_VARIANT(s3m5, 3, 1, __launch_bounds__(GATED_THREADS, 5))

@@ -208,12 +208,8 @@ def build(family, kernels, workdir):
     src = src.replace(  # classifier.cu's row cache
         "extern __shared__ __align__(16) unsigned char s_cache_bytes[];", "unsigned char* s_cache_bytes = g_smem;"
     )
-    if family == "activations":  # host exp and division for MUFU's; the staging slots in the emulator's smem
+    if family == "activations":  # host exp and division for MUFU's
         src = src.replace("return __fdividef(1.f, 1.f + __expf(-x));", "return 1.f / (1.f + expf(-x));")
-        src = src.replace(
-            "__shared__ Pack16<T> slots[STAGES > 0 ? STAGES * 3 * GATED_THREADS : 1];",
-            "Pack16<T>* slots = reinterpret_cast<Pack16<T>*>(g_smem);",
-        )
     if family == "classifier":
         a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
         src = src[:a] + _CLASSIFIER_HELPERS + src[b:]
