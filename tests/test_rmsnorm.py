@@ -231,7 +231,8 @@ def test_cuda_wide_rows(c):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c,dtype", [(896, "bf16"), (1000, "bf16"), (1536, "bf16"), (2048, "bf16"), (264, "bf16"),
-                                     (64, "bf16"), (1024, "fp32"), (768, "fp32"), (100, "fp32")])  # fmt: skip
+                                     (64, "bf16"), (1536, "fp16"), (1024, "fp32"), (768, "fp32"),
+                                     (100, "fp32")])  # fmt: skip
 @pytest.mark.parametrize("rows", [37, 8192])
 def test_cuda_register_rows_bitwise_equal_to_the_looping_kernel(c, dtype, rows, monkeypatch):
     """rmsnorm_backward_v<V> (staged rows, weights and partials in registers) gives the bits of the kernel
