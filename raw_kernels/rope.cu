@@ -11,10 +11,10 @@
 // vector width).
 #include "common.cuh"
 
-// The shipped variant: heads per thread, grid-stride trips whose loads are all issued before any of their
-// stores, and the block: cuengine/kernels/rope.py sizes the grid by them (one wave of ROPE_BLOCKS_PER_SM
-// blocks per SM, which __launch_bounds__ keeps resident). rope_tuned instantiates the others for the sweep.
-constexpr int ROPE_HEADS = 2, ROPE_TRIPS = 1, ROPE_THREADS = 128, ROPE_BLOCKS_PER_SM = 7;
+// Heads per thread and the block: cuengine/kernels/rope.py sizes the grid by them (one wave of
+// ROPE_BLOCKS_PER_SM blocks per SM, which __launch_bounds__ keeps resident). An H200 sweep of 2 or 4
+// heads, 1-3 trips' loads issued together and 4-7 blocks per SM found none faster at the train step's shapes.
+constexpr int ROPE_HEADS = 2, ROPE_THREADS = 128, ROPE_BLOCKS_PER_SM = 7;
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -97,8 +97,8 @@ struct RopeWalk {
 };
 
 // The shape, the pointers and the stride's digits, shared by every trip of a thread.
-template <typename T, typename F, bool VEC_TABLE, int U> struct Rope {
-    static constexpr int VN = Pack16<T>::N, NW = table_words<F, VN>;
+template <typename T, typename F, bool VEC_TABLE> struct Rope {
+    static constexpr int U = ROPE_HEADS, VN = Pack16<T>::N, NW = table_words<F, VN>;
     struct Trip {  // one item's data (x1 and x2 of U heads) and table words, loaded and not yet used
         uint4 x1[U], x2[U];
         unsigned c[NW], s[NW];
@@ -179,19 +179,13 @@ template <typename T, typename F, bool VEC_TABLE, int U> struct Rope {
 // without abs_max, the groups of v heads are not visited: HP counts the groups up to the last rotated
 // head. In place, an item's loads alias its stores, but read only its own elements, and no other item
 // (of this thread or another) touches them.
-// TRIPS = 1: a trip's loads, then its stores, then the next trip's loads (the compiler must keep them
-// behind the stores, which may alias them).
-// TRIPS = 2: two grid-stride trips at a time, all loads of both issued before the first store. Safe in
-// place: two trips are two different items, whose elements are disjoint, so the loads of the second
-// cannot see the stores of the first; the order above is only the compiler's, not the algorithm's. The
-// second trip of the last pass may lie past the end: it then re-reads the first trip's item (issued
-// before the first trip's stores, so it reads the old values) and stores nothing.
-// TRIPS = 3 (pipelined): the next trip's loads are issued before this trip's arithmetic and stores (safe
-// for the same reason), so a thread has one trip's loads in flight while it computes and stores another.
-template <typename T, typename F, bool VEC_TABLE, int U, int TRIPS>
+// A trip is one item's loads, then its stores, then the next trip's loads (the compiler keeps them behind
+// the stores, which may alias them).
+template <typename T, typename F, bool VEC_TABLE>
 __device__ void rope_impl(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,
                           int Hq, int Hkv, int hs, bool inverse, bool copy_v) {
-    using K = Rope<T, F, VEC_TABLE, U>;
+    using K = Rope<T, F, VEC_TABLE>;
+    constexpr int U = K::U;
     K k;
     k.out = out, k.inp = inp, k.freqs = freqs, k.T_len = T_len, k.hs = hs, k.half = hs / 2;
     k.hv = k.half / K::VN, k.H = Hq + 2 * Hkv, k.R = Hq + Hkv;
@@ -206,64 +200,31 @@ __device__ void rope_impl(T* out, const T* inp, const F* freqs, float* abs_max, 
     k.srow = sq / k.HP, k.sj = (int)(stride - sq * k.hv), k.sp = (int)(sq - k.srow * k.HP);
     k.st = (int)(k.srow % T_len);
     unsigned amax = 0;
-    typename K::Trip A, B;
-    if constexpr (TRIPS == 1) {
-        while (a.row < rows) {
-            k.load(a, A);
-            amax = max(amax, k.store(a, A));
-            k.advance(a);
-        }
-    } else if constexpr (TRIPS == 2) {
-        while (a.row < rows) {
-            RopeWalk b = a;
-            k.advance(b);
-            const bool second = b.row < rows;
-            k.load(a, A);
-            k.load(second ? b : a, B);
-            amax = max(amax, k.store(a, A));
-            if (second) amax = max(amax, k.store(b, B));
-            a = b;
-            k.advance(a);
-        }
-    } else {
-        if (a.row < rows) k.load(a, A);
-        while (a.row < rows) {
-            RopeWalk b = a;
-            k.advance(b);
-            k.load(b.row < rows ? b : a, B);  // past the end: the current item again, and nothing stored
-            amax = max(amax, k.store(a, A));
-            A = B;
-            a = b;
-        }
+    typename K::Trip d;
+    while (a.row < rows) {
+        k.load(a, d);
+        amax = max(amax, k.store(a, d));
+        k.advance(a);
     }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
-template <typename T, typename F, int U, int TRIPS>
+template <typename T, typename F>
 __device__ __forceinline__ void rope_dispatch(T* out, const T* inp, const F* freqs, float* abs_max, long long rows,
                                               int T_len, int Hq, int Hkv, int hs, int inverse, int copy_v) {
     if (((size_t)freqs & 15) == 0)
-        rope_impl<T, F, true, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
+        rope_impl<T, F, true>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
     else
-        rope_impl<T, F, false, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
+        rope_impl<T, F, false>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
 }
 
 // ---- launchers ----------------------------------------------------------------------------
-
-// Any variant, by name expression (rope.py's `_variant`, passed only by .session/rope_sweep.py).
-template <typename T, typename F, int U, int TRIPS, int THREADS, int BLOCKS>
-__global__ void __launch_bounds__(THREADS, BLOCKS)
-    rope_tuned(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len, int Hq, int Hkv,
-               int hs, int inverse, int copy_v) {
-    rope_dispatch<T, F, U, TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);
-}
 
 #define ROPE_KERNEL(SUF, T, SUFF, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(ROPE_THREADS, ROPE_BLOCKS_PER_SM)                             \
         rope_##SUF##_##SUFF(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,      \
                             int Hq, int Hkv, int hs, int inverse, int copy_v) {                                \
-        rope_dispatch<T, F, ROPE_HEADS, ROPE_TRIPS>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, \
-                                                    copy_v);                                                   \
+        rope_dispatch<T, F>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);             \
     }
 #define ROPE_KERNELS(SUF, T)        \
     ROPE_KERNEL(SUF, T, f32, float) \

@@ -17,11 +17,9 @@ from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 FAMILY = "rope"
 FLOATS = (FP32, BF16, FP16)
 TABLE_DTYPES = (FP32, FP16)
-# rope.cu's ROPE_HEADS, ROPE_TRIPS, ROPE_THREADS and ROPE_BLOCKS_PER_SM: heads per thread, trips loaded
-# together; a grid of one wave of resident blocks, each thread looping over its items (a second, partial
-# wave would leave SMs idle)
-_HEADS, _TRIPS, _THREADS, _BLOCKS_PER_SM = 2, 1, 128, 7
-_CTYPE = {"fp32": "float", "bf16": "bf16", "fp16": "half"}
+# rope.cu's ROPE_HEADS, ROPE_THREADS and ROPE_BLOCKS_PER_SM: heads per thread; a grid of one wave of
+# resident blocks, each thread looping over its items (a second, partial wave would leave SMs idle)
+_HEADS, _THREADS, _BLOCKS_PER_SM = 2, 128, 7
 
 
 def rope_freqs(max_pos: int, head_size: int, theta: float, dtype=np.float32, scaling: dict | None = None) -> np.ndarray:
@@ -88,7 +86,7 @@ def _overlap(a, b) -> bool:
     return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
 
-def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse, stream, variant=None):
+def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse, stream):
     out_name, inp_name = names
     expect(inp, f"{what} {inp_name}", FLOATS)
     expect(freqs, f"{what} freqs", TABLE_DTYPES, (None, None))
@@ -122,22 +120,16 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
         return
     check_aligned(what, out, inp)
     # a thread's item: a group of heads' 16-byte vectors of one half; in place without abs_max, the
-    # groups of v heads are skipped. `variant` (heads, trips, threads, blocks per SM): rope.cu's
-    # rope_tuned, for .session/rope_sweep.py only.
-    group, _, threads, per_sm = variant or (_HEADS, _TRIPS, _THREADS, _BLOCKS_PER_SM)
+    # groups of v heads are skipped
     visited = H if not in_place or abs_max is not None else n_q_heads + n_kv_heads
-    total = B * T * ceil_div(visited, group) * (hs // 2 // (16 // inp.dtype.itemsize))
-    blocks = grid_size(dev, total, threads, per_sm)
-    if variant is None:
-        name = kernel_name("rope", inp, freqs)
-    else:
-        name = f"rope_tuned<{_CTYPE[inp.dtype.name]}, {_CTYPE[freqs.dtype.name]}, {', '.join(map(str, variant))}>"
+    total = B * T * ceil_div(visited, _HEADS) * (hs // 2 // (16 // inp.dtype.itemsize))
+    blocks = grid_size(dev, total, _THREADS, _BLOCKS_PER_SM)
     heads = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs))
     args = (out, inp, freqs, abs_max, np.int64(B * T), *heads, np.int32(inverse), np.int32(not in_place))
-    launch(FAMILY, name, blocks, threads, args, dev, stream)
+    launch(FAMILY, kernel_name("rope", inp, freqs), blocks, _THREADS, args, dev, stream)
 
 
-def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None, _variant=None) -> None:
+def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
     """Apply RoPE to the q and k heads of packed qkv; v heads are copied (or left alone in place).
 
     Args:
@@ -148,10 +140,10 @@ def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None,
         abs_max: optional (1,) fp32; max-accumulates |out| over the whole tensor, v heads included.
     NumPy equivalent: rope_np(inp, freqs, n_q_heads, n_kv_heads).
     """
-    _rope("rope_forward", ("out", "inp"), out, inp, freqs, n_q_heads, n_kv_heads, abs_max, False, stream, _variant)
+    _rope("rope_forward", ("out", "inp"), out, inp, freqs, n_q_heads, n_kv_heads, abs_max, False, stream)
 
 
-def rope_backward(dinp, dout, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None, _variant=None) -> None:
+def rope_backward(dinp, dout, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
     """The gradient of rope_forward: the inverse rotation of dout's q and k heads; v heads pass through.
 
     Args:
@@ -161,4 +153,4 @@ def rope_backward(dinp, dout, freqs, n_q_heads: int, n_kv_heads: int, abs_max=No
         abs_max: optional (1,) fp32; max-accumulates |dinp| over the whole tensor.
     NumPy equivalent: rope_np(dout, freqs, n_q_heads, n_kv_heads, inverse=True).
     """
-    _rope("rope_backward", ("dinp", "dout"), dinp, dout, freqs, n_q_heads, n_kv_heads, abs_max, True, stream, _variant)
+    _rope("rope_backward", ("dinp", "dout"), dinp, dout, freqs, n_q_heads, n_kv_heads, abs_max, True, stream)
