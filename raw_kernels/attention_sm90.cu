@@ -3,11 +3,12 @@
 // (B, Hq, T) fp32 natural log of the softmax denominator of the scaled scores; the backward writes
 // (=) dqkv from attention.cu's D = rowsum(dO * O)), so each pass pairs with either file's other pass.
 // Compiled for sm_90a only (kernels/_build.MODULE_ARCH: wgmma has no sm_90 or later-generation
-// form); on any other GPU the launcher keeps attention.cu's mma.sync kernels.
+// form); on any other GPU the launcher keeps attention.cu's mma.sync kernels. On compute capability
+// 9.0 these kernels are the raw backend's bf16 hs 64/128 path (attention.SM90_FORWARD/SM90_BACKWARD).
 // Backward: dq and dk/dv in two deterministic kernels as in attention.cu (dq recomputes S and dP;
 // the dq pass is not fused yet), each GEMM a wgmma with the operands below.
 //
-// Block: NWG warpgroups (128 threads each), 64 query rows per warpgroup, BR = 64*NWG rows per block
+// Block: NWG = 2 warpgroups (128 threads each), 64 query rows per warpgroup, BR = 128 rows per block
 // (heaviest causal blocks first), key blocks of BC rows, K/V double-buffered by cp.async (all threads
 // copy; no producer warpgroup). Every tile sits in shared memory in wgmma's 128-byte-swizzle layout:
 // per 64-column half of the head dim, rows of 128 bytes whose 16-byte chunk c sits at c ^ (row & 7),
@@ -23,6 +24,7 @@
 
 #define LOG2E 1.4426950408889634f
 #define ATT_INF __int_as_float(0x7f800000)  // NVRTC has no math.h INFINITY
+constexpr int NWG = 2;  // warpgroups per block in every kernel but the probe
 
 // helpers
 // ---- PTX helpers -------------------------------------------------------------------------
@@ -122,7 +124,6 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int row0, int 
 #pragma unroll
     for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
         const int c = threadIdx.x + i * NT;
-        if ((ROWS * CH) % NT && c >= ROWS * CH) break;  // 3 warpgroups: a 64-row tile is not a multiple
         const int r = c / CH, ch = c % CH, row = row0 + r;
         const bool ok = row < T;
         cp_async16(smem_u32(s + sw_off<ROWS>(r, ch)), g + (ok ? (long)row * ld : 0L) + ch * 8, ok ? 16 : 0);
@@ -172,7 +173,7 @@ __device__ __forceinline__ void add_pv(float (&o)[HS / 2], const float (&p)[BC /
 // warpgroup w + 1 before it waits for the result, so one warpgroup's exponentials overlap the
 // next one's GEMMs instead of all of them issuing at once and then all waiting on the exp unit.
 // Each turn is a pair (bar.sync by the owner, bar.arrive by the predecessor): 256 threads.
-template <int NWG, bool ON> struct TurnRing {
+template <bool ON> struct TurnRing {
     int wg;
     __device__ __forceinline__ void start() const {  // the last warpgroup hands warpgroup 0 its first turn
         if (ON && wg == NWG - 1) named_arrive(1, 256);
@@ -249,7 +250,7 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
 // ---- forward -------------------------------------------------------------------------------
 // Grid (ceil(T / BR), Hq, B), block 128 * NWG. Shared (from a 1024-byte boundary): Q [BR][HS],
 // K [2][BC][HS], V [2][BC][HS], each in the swizzled layout above. PINGPONG: the TurnRing order.
-template <int HS, int NWG, int BC, bool PINGPONG>
+template <int HS, int BC, bool PINGPONG>
 __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float* __restrict__ lse,
                                                    const bf16* __restrict__ qkv, int T, int Hq, int Hkv, float scale) {
     constexpr int BR = 64 * NWG, NT = 128 * NWG;
@@ -279,7 +280,7 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
     float m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f};
-    const TurnRing<NWG, PINGPONG> turn{wg};
+    const TurnRing<PINGPONG> turn{wg};
     turn.start();
 
     for (int j = 0; j < n_kv; ++j) {
@@ -367,7 +368,7 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
 // 64-row key blocks up to the diagonal: S = Q K^T and dP = dO V^T (shared-memory operands),
 // P = exp(S*scale - lse), dS = P (dP - D) in registers, dQ += dS K (dS from registers, K N-major);
 // dq = scale dQ. Shared: Q, dO [BQ][HS], then two stages of K, V [64][HS].
-template <int HS, int NWG>
+template <int HS>
 __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
                                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                        const float* __restrict__ dsum, int T, int Hq, int Hkv,
@@ -454,7 +455,7 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
 // dS^T = P^T (dP^T - D) in registers, dV += P^T dO and dK += dS^T Q (P^T and dS^T from registers,
 // dO and Q N-major); dk = scale dK. Shared: K, V [BK][HS], then two stages of Q, dO [64][HS],
 // lse*log2(e) [64] (+inf past T, so P = 0 there), D [64].
-template <int HS, int NWG>
+template <int HS>
 __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
                                                          const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                          const float* __restrict__ dsum, int T, int Hq, int Hkv,
@@ -546,39 +547,33 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
         wgmma_probe<HS, BC>(s_out, o_out, q, k, v);                                                          \
     }
 WGMMA_PROBE(64, 64)
-WGMMA_PROBE(64, 128)
 WGMMA_PROBE(128, 64)
 WGMMA_PROBE(128, 128)
 
-// attention_forward_sm90_hs<HS>_w<NWG>_bc<BC>[_pp]_bf16: the variants attention.py may pick
-// (SM90_FORWARD); _pp takes turns at the tensor cores (TurnRing), the others issue freely.
-#define FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, PP, SUFFIX)                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, MIN_BLOCKS)                                      \
-        attention_forward_sm90_hs##HS##_w##NWG##_bc##BC##SUFFIX##_bf16(bf16* att, float* lse, const bf16* qkv, \
-                                                                       int T, int Hq, int Hkv, float scale) { \
-        flash_forward_sm90<HS, NWG, BC, PP>(att, lse, qkv, T, Hq, Hkv, scale);                               \
+// attention_forward_sm90_hs<HS>_bf16: two warpgroups (128 query rows per block); hs 128 with key
+// blocks of 128 taking turns at the tensor cores (TurnRing), hs 64 with key blocks of 64 issuing
+// freely, two blocks per SM (the H200's fastest of 2-3 warpgroups x 64/128 keys x ping-pong or not
+// at T = 1k-8k; attention.py's _SM90_KEY_BLOCK sizes the shared memory).
+#define FORWARD_SM90(HS, BC, MIN_BLOCKS, PP)                                                                \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                           \
+        attention_forward_sm90_hs##HS##_bf16(bf16* att, float* lse, const bf16* qkv, int T, int Hq, int Hkv, \
+                                             float scale) {                                                  \
+        flash_forward_sm90<HS, BC, PP>(att, lse, qkv, T, Hq, Hkv, scale);                                 \
     }
-#define FORWARD_SM90_BOTH(HS, NWG, BC, MIN_BLOCKS)      \
-    FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, true, _pp)   \
-    FORWARD_SM90(HS, NWG, BC, MIN_BLOCKS, false, )
-FORWARD_SM90_BOTH(128, 2, 128, 1)
-FORWARD_SM90_BOTH(128, 2, 64, 1)
-FORWARD_SM90_BOTH(128, 3, 64, 1)
-FORWARD_SM90_BOTH(64, 2, 128, 1)
-FORWARD_SM90_BOTH(64, 2, 64, 2)
-FORWARD_SM90_BOTH(64, 3, 64, 1)
+FORWARD_SM90(128, 128, 1, true)
+FORWARD_SM90(64, 64, 2, false)
 
 // attention_backward_{dq,dkdv}_sm90_hs<HS>_bf16: two warpgroups (128 query rows / 128 keys per block)
 #define BACKWARD_SM90(HS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dq_sm90_hs##HS##_bf16(            \
         bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
         int Hkv, float scale) {                                                                               \
-        flash_backward_dq_sm90<HS, 2>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                         \
+        flash_backward_dq_sm90<HS>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                         \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dkdv_sm90_hs##HS##_bf16(          \
         bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
         int Hkv, float scale) {                                                                               \
-        flash_backward_dkdv_sm90<HS, 2>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                       \
+        flash_backward_dkdv_sm90<HS>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                       \
     }
 BACKWARD_SM90(64)
 BACKWARD_SM90(128)

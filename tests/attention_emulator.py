@@ -357,13 +357,8 @@ KERNELS = {
         for t in ("f32", "bf16")
         for k in ("forward_simt", "backward_dot", "backward_dq_simt", "backward_dkdv_simt")
     ],  # fmt: skip
-    "attention_sm90": [f"wgmma_probe_hs{hs}_bc{bc}" for hs in (64, 128) for bc in (64, 128)]
-    + [
-        f"attention_forward_sm90_hs{hs}_w{w}_bc{bc}{pp}_bf16"
-        for hs in (64, 128)
-        for w, bc in ((2, 128), (2, 64), (3, 64))
-        for pp in ("", "_pp")
-    ]
+    "attention_sm90": [f"wgmma_probe_hs{hs}_bc{bc}" for hs, bc in ((64, 64), (128, 64), (128, 128))]
+    + [f"attention_forward_sm90_hs{hs}_bf16" for hs in (64, 128)]
     + [f"attention_backward_{k}_sm90_hs{hs}_bf16" for hs in (64, 128) for k in ("dq", "dkdv")],
 }
 

@@ -416,48 +416,42 @@ def _needs_sm90():
         pytest.skip(f"the wgmma kernels (sm_90a) need compute capability 9.0, not {cc}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", A.SM90_FORWARD_VARIANTS, ids=lambda v: f"wg{v[0]}x{v[1]}{'pp' * v[2]}")
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_raw_sm90_forward_matches_twin(case, variant, monkeypatch):
-    """The wgmma forward (each tiling) against the twin: att and lse (the backward on its lse runs
-    in test_gpu_batch_shards_deterministic_stream_and_graph[raw-sm90])."""
-    _needs_sm90()
-    monkeypatch.setattr(A, "SM90_FORWARD", {case[4]: variant})
-    B, T, Hq, Hkv, hs = case
-    qkv, datt, att, lse, _ = _reference(case, "bf16")
-    t = _tensors(ce.device("cuda"), qkv, datt, Hq, Hkv, ce.BF16)
-    attention_forward(t["att"], t["lse"], t["qkv"], Hq, Hkv, backend="raw", workspace=t["ws"])
-    for k, want in (("att", att), ("lse", lse)):
-        got = t[k].numpy()
-        assert np.all(np.isfinite(got.astype(np.float32))), f"{k}: non-finite values (unwritten?)"
-        _compare(got, want, "bf16", k)
+def _mma_sync_only(monkeypatch):
+    """The mma.sync kernels of attention.cu even on compute capability 9.0 (the other GPUs' path)."""
+    monkeypatch.setattr(A, "SM90_FORWARD", ())
+    monkeypatch.setattr(A, "SM90_BACKWARD", ())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_raw_sm90_backward_matches_twin(case, monkeypatch):
-    """The wgmma backward (dq, dk/dv) against the twin, after the mma.sync forward."""
-    _needs_sm90()
-    monkeypatch.setattr(A, "SM90_BACKWARD", (case[4],))
+def test_gpu_raw_mma_sync_matches_twin(case, monkeypatch):
+    """attention.cu's flash kernels, which every GPU but compute capability 9.0 runs (there
+    test_gpu_raw_bf16_matches_twin runs the wgmma ones)."""
+    _mma_sync_only(monkeypatch)
     _check_against_twin(case, "bf16", "raw")
 
 
-def test_sm90_forward_switch(monkeypatch):
-    """SM90_FORWARD picks the wgmma forward per head size, only on compute capability 9.0."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("mix", ["wgmma-fwd", "wgmma-bwd"])
+def test_gpu_raw_sm90_pairs_with_mma_sync(case, mix, monkeypatch):
+    """One pass on wgmma, the other on mma.sync: the lse and D contracts are the same."""
+    _needs_sm90()
+    monkeypatch.setattr(A, "SM90_BACKWARD" if mix == "wgmma-fwd" else "SM90_FORWARD", ())
+    _check_against_twin(case, "bf16", "raw")
+
+
+def test_sm90_switch():
+    """The wgmma kernels are the default for bf16 hs 64 and 128, only on compute capability 9.0."""
 
     class Dev:
         compute_capability = (9, 0)
 
-    monkeypatch.setattr(A, "SM90_FORWARD", {128: (2, 128, True)})
-    assert A._sm90_forward(Dev(), 128) == (2, 128, True)
-    assert A._sm90_forward(Dev(), 64) is None
+    assert A.SM90_FORWARD == A.SM90_BACKWARD == (64, 128) and set(A._SM90_KEY_BLOCK) == {64, 128}
+    assert A._is_sm90(Dev())
     Dev.compute_capability = (10, 0)  # no wgmma on Blackwell: the mma.sync kernels run
-    assert A._sm90_forward(Dev(), 128) is None
-    Dev.compute_capability = (9, 0)
-    monkeypatch.setattr(A, "SM90_FORWARD", {128: (4, 32, True)})
-    with pytest.raises(ValueError, match=r"SM90_FORWARD\[128\] = \(4, 32, True\) is not one of"):
-        A._sm90_forward(Dev(), 128)
+    assert not A._is_sm90(Dev())
+    assert not A._is_sm90(ce.device("cpu"))
 
 
 def test_sm90_module_compiles_for_sm90a():
@@ -488,13 +482,12 @@ def test_gpu_raw_simt_matches_twin(case, dtype_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["raw", "raw-sm90", pytest.param("cudnn", marks=needs_cudnn)])
+@pytest.mark.parametrize("backend", ["raw", "raw-mma", pytest.param("cudnn", marks=needs_cudnn)])
 def test_gpu_batch_shards_deterministic_stream_and_graph(backend, monkeypatch):
-    """Chunked backward (the seed's AttBwdChunks), repeatability, a side stream and graph capture."""
-    if backend == "raw-sm90":  # the wgmma forward
-        _needs_sm90()
-        monkeypatch.setattr(A, "SM90_FORWARD", {128: A.SM90_FORWARD_VARIANTS[0]})
-        monkeypatch.setattr(A, "SM90_BACKWARD", (128,))
+    """Chunked backward (the seed's AttBwdChunks), repeatability, a side stream and graph capture
+    (raw: the wgmma kernels on compute capability 9.0; raw-mma: attention.cu's everywhere)."""
+    if backend == "raw-mma":
+        _mma_sync_only(monkeypatch)
         backend = "raw"
     case = (4, 200, 4, 2, 128)
     B, T, Hq, Hkv, hs = case
@@ -552,13 +545,12 @@ EMU_CASES = [  # (B, T, Hq, Hkv, hs, dtype, eager): flash with tails, GQA and th
 ]  # fmt: skip
 
 
-# The wgmma forward (attention_sm90.cu) under each tiling it is instantiated with: causal tails, a
-# warpgroup whose rows end before a key block (skipped), GQA, 3 warpgroups with a ragged tile copy.
-EMU_SM90_CASES = [  # (B, T, Hq, Hkv, hs, variant, eager)
-    (2, 17, 4, 1, 128, (2, 128, True), 0), (1, 200, 2, 1, 128, (2, 64, True), 1),
-    (1, 130, 6, 2, 64, (2, 128, False), 1), (1, 260, 2, 1, 64, (3, 64, True), 0),
-    (1, 100, 2, 2, 128, (3, 64, False), 1), (1, 70, 2, 1, 64, (2, 64, False), 0),
-    (1, 300, 2, 1, 128, (3, 64, True), 1),
+# attention_sm90.cu's kernels (the emulated device is compute capability 9.0, so bf16 hs 64/128 runs
+# them by default): causal tails, a warpgroup whose rows end before a key block (skipped), GQA, copies
+# landing early and late; hs 128 is the ping-pong forward with 128-key blocks, hs 64 the free one.
+EMU_SM90_CASES = [  # (B, T, Hq, Hkv, hs, "sm90", eager)
+    (2, 17, 4, 1, 128, "sm90", 0), (1, 200, 2, 1, 128, "sm90", 1), (1, 130, 6, 2, 64, "sm90", 1),
+    (1, 70, 2, 1, 64, "sm90", 0), (1, 300, 2, 1, 128, "sm90", 1), (1, 260, 2, 1, 64, "sm90", 0),
 ]  # fmt: skip
 
 
@@ -600,7 +592,7 @@ def _host_tensor(values, name, dev=None):
     return ce.Tensor(dt, a.shape, dev or emu.EmulatedCuda(), a.reshape(-1).view(np.uint8).copy(), 0, name)
 
 
-PROBES = [(64, 64), (64, 128), (128, 64), (128, 128)]  # (hs, key block): m64n64k16 and m64n128k16, both forms
+PROBES = [(64, 64), (128, 64), (128, 128)]  # (hs, key block): m64n64k16 and m64n128k16, both forms
 
 
 @pytest.mark.parametrize("hs,bc", PROBES)
@@ -623,10 +615,10 @@ def test_gpu_wgmma_probe(hs, bc):
 @pytest.mark.parametrize("case", EMU_CASES + EMU_SM90_CASES, ids=str)
 def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     B, T, Hq, Hkv, hs, dtype_name, eager = case
-    if isinstance(dtype_name, tuple):  # a wgmma case: the forward's variant in place of the dtype
-        monkeypatch.setattr(A, "SM90_FORWARD", {hs: dtype_name})
-        monkeypatch.setattr(A, "SM90_BACKWARD", (hs,))
+    if dtype_name == "sm90":  # attention_sm90.cu's kernels (the default here)
         dtype_name = "bf16"
+    else:  # attention.cu's kernels
+        _mma_sync_only(monkeypatch)
     monkeypatch.setattr(A, "launch", functools.partial(emu.launch, emulator))
     for lib in emulator.values():
         lib.emu_set_eager(eager)

@@ -7,16 +7,13 @@ counts the forward's recomputation of P but not the raw backend's extra dq pass)
 the measured BF16 matmul rate (CEILINGS["bf16"] in cuengine.benchmark); the target is raw >= 60%
 of cuDNN on the same shapes.
 
---sm90 adds one raw column per wgmma forward tiling of raw_kernels/attention_sm90.cu (WxBC[pp]:
-W warpgroups of 64 query rows, key blocks of BC rows, pp when the warpgroups take turns at the
-tensor cores; attention.SM90_FORWARD_VARIANTS), on a
-compute capability 9.0 GPU; the plain "raw" column runs whatever attention.SM90_FORWARD selects.
-Those columns time the forward only (their bwd shows nan): the backward is the raw column's.
-"--sm90 bwd" adds the column wgbwd: the raw backend with attention_sm90.cu's wgmma backward.
+On compute capability 9.0 the raw column runs the wgmma kernels of raw_kernels/attention_sm90.cu
+(attention.SM90_FORWARD / SM90_BACKWARD); "--sm90 mma" adds the column mma: the raw backend with
+those switches off, i.e. attention.cu's mma.sync kernels that every other GPU runs.
 
     python tools/bench_attention.py
     python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
-    python tools/bench_attention.py --head-sizes 128 --sm90 2x128pp 2x128 3x64pp
+    python tools/bench_attention.py --head-sizes 128 --sm90 mma
 """
 
 from __future__ import annotations
@@ -36,6 +33,9 @@ import cuengine as ce  # noqa: E402
 from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
 from cuengine.kernels import attention as A  # noqa: E402
 
+# --sm90 columns: the attention module's switches while each runs
+SM90_COLUMNS = {"mma": {"SM90_FORWARD": (), "SM90_BACKWARD": ()}}
+
 
 def random_bf16(dev, shape, seed, name):
     x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -51,9 +51,8 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["raw", "cudnn"], choices=["raw", "cudnn"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    variants = {f"{w}x{bc}{'pp' * pp}": (w, bc, pp) for w, bc, pp in A.SM90_FORWARD_VARIANTS}
-    ap.add_argument("--sm90", nargs="*", default=[], choices=[*variants, "bwd"],
-                    help="wgmma forward tilings (and 'bwd': the wgmma backward) to add as raw columns")  # fmt: skip
+    ap.add_argument("--sm90", nargs="*", default=[], choices=list(SM90_COLUMNS),
+                    help="raw columns with other attention_sm90.cu switches (mma: the mma.sync kernels)")  # fmt: skip
     args = ap.parse_args()
     if not ce.cuda_available():
         print("bench_attention: no CUDA device")
@@ -63,14 +62,12 @@ def main() -> int:
         print(f"backend {b!r} is not installed here; skipping it")
     Hq, Hkv = (int(x) for x in args.heads.split(":"))
     dev = ce.device("cuda")
-    # column label -> (backend, the SM90_FORWARD / SM90_BACKWARD entries while it runs, or None to
-    # leave the module's choice)
-    columns = {b: (b, None, None) for b in backends}
+    # column label -> (backend, attention module switches set while it runs)
+    columns = {b: (b, {}) for b in backends}
     if args.sm90 and dev.compute_capability != (9, 0):
         print(f"--sm90: the wgmma kernels need compute capability 9.0, not {dev.compute_capability}; skipping them")
     elif "raw" in backends:
-        for v in args.sm90:
-            columns[f"wg{v}"] = ("raw", variants[v], None) if v in variants else ("raw", None, True)
+        columns.update({c: ("raw", SM90_COLUMNS[c]) for c in args.sm90})
     print(f"{dev.name}: causal attention, bf16, B*T = {args.tokens}, Hq = {Hq}, Hkv = {Hkv}; "
           f"median of {args.iters} after {args.warmup} warm-up; ceiling {CEILINGS['bf16'] / 1e12:.0f} TFLOP/s "
           f"(BF16 matmul)")  # fmt: skip
@@ -98,31 +95,26 @@ def main() -> int:
             fwd_flops = 4 * B * Hq * T * T * hs / 2
             result = {"T": T, "B": B, "hs": hs}
             outputs = {}
-            saved = dict(A.SM90_FORWARD), A.SM90_BACKWARD
-            for col, (b, sm90, sm90_bwd) in columns.items():
-                if sm90 is not None:
-                    A.SM90_FORWARD = {**saved[0], hs: sm90}
-                if sm90_bwd:
-                    A.SM90_BACKWARD = (*saved[1], hs)
+            for col, (b, switches) in columns.items():
+                saved = {k: getattr(A, k) for k in switches}
+                for k, v in switches.items():
+                    setattr(A, k, v)
                 try:
                     fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
                     bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
                                             workspace=ws)  # fmt: skip
                     fwd()
                     bwd()
-                    # (a forward variant's dqkv comes from the raw column's backward: not compared)
-                    dx = dqkv.numpy().astype(np.float32) if sm90 is None else None
-                    outputs[col] = (att.numpy().astype(np.float32), dx)
+                    outputs[col] = (att.numpy().astype(np.float32), dqkv.numpy().astype(np.float32))
                     ms_f = time_ms(dev, fwd, args.warmup, args.iters)
-                    # a forward variant's column runs the raw column's backward: time that once
-                    ms_b = time_ms(dev, bwd, args.warmup, args.iters) if sm90 is None else float("nan")
+                    ms_b = time_ms(dev, bwd, args.warmup, args.iters)
                 finally:
-                    A.SM90_FORWARD, A.SM90_BACKWARD = saved
+                    for k, v in saved.items():
+                        setattr(A, k, v)
                 result[col] = (fwd_flops / ms_f / 1e9, 2.5 * fwd_flops / ms_b / 1e9, ms_f, ms_b)
             if "cudnn" in outputs:
                 a2, d2 = outputs["cudnn"]
-                result["diff"] = {c: (float(np.abs(a1 - a2).max()),
-                                      float(np.abs(d1 - d2).max()) if d1 is not None else float("nan"))
+                result["diff"] = {c: (float(np.abs(a1 - a2).max()), float(np.abs(d1 - d2).max()))
                                   for c, (a1, d1) in outputs.items() if c != "cudnn"}  # fmt: skip
             rows.append(result)
             line = f"T={T:5d} B={B:3d} hs={hs:3d}"

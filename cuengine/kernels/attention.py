@@ -8,10 +8,9 @@ seed's attention_forward_cudnn / attention_backward_cudnn, with our own kernels 
 
 Backends:
 - "raw" (raw_kernels/attention.cu): bf16 with hs 64 or 128 runs the flash kernels (tensor cores,
-  online softmax in registers, no T x T buffer); on compute capability 9.0 the forward may run the
-  wgmma kernels of raw_kernels/attention_sm90.cu instead (SM90_FORWARD says which head sizes, and
-  with which tiling; their lse feeds the same backward), and the backward its wgmma dq and dk/dv
-  kernels (SM90_BACKWARD); fp32, and bf16 with other head sizes up to 256,
+  online softmax in registers, no T x T buffer): on compute capability 9.0 the wgmma kernels of
+  raw_kernels/attention_sm90.cu (forward, and the backward's dq and dk/dv; SM90_FORWARD and
+  SM90_BACKWARD list the head sizes), elsewhere mma.sync ones; fp32, and bf16 with other head sizes up to 256,
   run a simple warp-per-row kernel (correct, slow: meant for tests and small models). Backward is
   deterministic (dq in its own pass, GQA reduction in registers) and needs a workspace for
   D = rowsum(dO * O).
@@ -42,15 +41,14 @@ BACKENDS = ("auto", "raw", "cudnn")
 FLASH_HEAD_SIZES = (64, 128)  # bf16 head sizes with tensor-core kernels in the raw backend
 RAW_MAX_HEAD_SIZE = 256  # the warp-per-row kernels keep 8 elements per lane
 _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD in attention.cu)
-# The wgmma forward (attention_sm90.cu, sm_90a) by head size: (warpgroups of 64 query rows, key block
-# rows, ping-pong: the warpgroups take turns at the tensor cores), one of SM90_FORWARD_VARIANTS; a
-# head size not listed runs the mma.sync kernel. This is the switch: the wgmma kernels run only on
-# compute capability 9.0 (elsewhere the mma.sync ones do).
-SM90_FORWARD: dict[int, tuple[int, int, bool]] = {}
-SM90_FORWARD_VARIANTS = tuple((w, bc, pp) for w, bc in ((2, 128), (2, 64), (3, 64)) for pp in (True, False))
-# Head sizes whose backward runs attention_sm90.cu's wgmma dq and dk/dv kernels on compute capability
-# 9.0 (128 query rows / 128 keys per block, two warpgroups); the others run attention.cu's.
-SM90_BACKWARD: tuple[int, ...] = ()
+# Head sizes whose bf16 forward and backward run attention_sm90.cu's wgmma kernels on compute
+# capability 9.0 (elsewhere, and for head sizes not listed, attention.cu's mma.sync ones): the
+# switches (tests and tools/bench_attention.py turn them off to run the mma.sync kernels on an H200).
+# The forward's key block per head size is compiled into its kernel; _SM90_KEY_BLOCK sizes its
+# shared memory. The backward runs 128 query rows / 128 keys per block (two warpgroups).
+SM90_FORWARD: tuple[int, ...] = (64, 128)
+SM90_BACKWARD: tuple[int, ...] = (64, 128)
+_SM90_KEY_BLOCK = {64: 64, 128: 128}
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
@@ -301,14 +299,11 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
         return
     scale = np.float32(1.0 / math.sqrt(hs))
     sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads))
-    sm90 = _sm90_forward(dev, hs) if flash else None
-    if sm90 is not None:
-        nwg, bc, pingpong = sm90
-        smem = (64 * nwg + 4 * bc) * hs * 2 + 1024  # Q, double-buffered K and V, room to align to 1024
-        name = f"attention_forward_sm90_hs{hs}_w{nwg}_bc{bc}{'_pp' if pingpong else ''}"
-        launch("attention_sm90", kernel_name(name, qkv),
-               (ceil_div(T, 64 * nwg), n_q_heads, B), 128 * nwg, (att, lse, qkv, *sizes, scale), dev, stream,
-               shared_mem=smem)  # fmt: skip
+    if flash and hs in SM90_FORWARD and _is_sm90(dev):
+        bc = _SM90_KEY_BLOCK[hs]
+        smem = (128 + 4 * bc) * hs * 2 + 1024  # Q, double-buffered K and V, room to align to 1024
+        launch("attention_sm90", kernel_name(f"attention_forward_sm90_hs{hs}", qkv), (ceil_div(T, 128), n_q_heads, B),
+               256, (att, lse, qkv, *sizes, scale), dev, stream, shared_mem=smem)  # fmt: skip
     elif flash:
         rows = 16 * _FWD_WARPS
         smem = (rows + 4 * _BLOCK) * hs * 2  # Q tile, double-buffered K and V tiles
@@ -371,7 +366,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _launch("attention_backward_dot", qkv, _simt_blocks(B * T * n_q_heads), _SIMT_THREADS, args, dev, stream)
     scale = np.float32(1.0 / math.sqrt(hs))
     args = (dqkv, datt, qkv, lse, dsum)
-    if flash and hs in SM90_BACKWARD and getattr(dev, "compute_capability", None) == (9, 0):
+    if flash and hs in SM90_BACKWARD and _is_sm90(dev):
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = (2 * 128 + 4 * 64) * hs * 2 + 1024  # dq: Q, dO [128], 2 x K, V [64]; dkdv: K, V [128], 2 x Q, dO
         nblk = ceil_div(T, 128)
@@ -392,14 +387,9 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         _launch("attention_backward_dkdv_simt", qkv, _simt_blocks(B * n_kv_heads * T), _SIMT_THREADS, args, dev, stream)
 
 
-def _sm90_forward(dev, hs: int):
-    """(warpgroups, key block, ping-pong) of the wgmma forward for this call, or None for the mma.sync one."""
-    variant = SM90_FORWARD.get(hs)
-    if variant is None or getattr(dev, "compute_capability", None) != (9, 0):
-        return None
-    if variant not in SM90_FORWARD_VARIANTS:
-        raise ValueError(f"SM90_FORWARD[{hs}] = {variant!r} is not one of {SM90_FORWARD_VARIANTS}")
-    return variant
+def _is_sm90(dev) -> bool:
+    """Whether attention_sm90.cu's kernels (sm_90a) run on dev: compute capability 9.0 only."""
+    return getattr(dev, "compute_capability", None) == (9, 0)
 
 
 def _launch(kernel: str, qkv, grid, block: int, args, dev, stream, shared_mem: int = 0) -> None:
