@@ -10,8 +10,8 @@
 //   0. encoder_backward_clear: zero the counters and the hash table at the head of the scratch. Steps 1
 //      and 2 are dependent launches (programmatic, sm_90): each starts while the one before finishes.
 //   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
-//      (2N slots, linear probing, claimed by atomicCAS), count it, and keep its first INLINE positions
-//      in arrival order. The INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id
+//      (2N slots, linear probing, claimed by a 64-bit atomicCAS of key and count; a warp's lanes with
+//      one id as one atomic), count it, and keep its first INLINE positions in arrival order. The INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id
 //      lands in and the arrival order depend on timing; what is read from the table (the count, the
 //      set of positions) does not, and the sums below only use that.
 //   2. encoder_backward_sum, one kernel with two roles:
@@ -89,21 +89,41 @@ extern "C" __global__ void __launch_bounds__(256) encoder_backward_clear(int4* h
 
 // Step 1: count the ids and keep their first INLINE positions. H = 2N slots: at most half are used.
 // The token is read before the wait: it was written before step 0 started (an ordinary launch).
+// A slot's key + 1 and count are one 64-bit word (key low: the sum reads them as two ints). The lanes
+// of a warp with the same id act as one: the lowest one probes, claiming an empty slot with the group's
+// count by one compare-and-swap or adding the group's count to the id's slot, and each lane takes the
+// rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
 extern "C" __global__ void __launch_bounds__(256)
     encoder_backward_count(int* scratch, int* hot, const int* tokens, int N, int V, int H) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x % 32;
     const int t = n < N ? tokens[n] : -1;
     grid_dependency_wait();
     launch_dependents();
-    if (t < 0 || t >= V) return;
+    const bool valid = t >= 0 && t < V;
+    const unsigned group = __match_any_sync(0xffffffffu, valid ? t : -1);
+    const int leader = __ffs(group) - 1;
     int* table = hash_table(scratch);
-    unsigned s = hash_slot(t, H);
-    for (;;) {
-        const int k = atomicCAS(&table[s * SLOT_INTS], 0, t + 1);
-        if (k == 0 || k == t + 1) break;
-        s = s + 1 == (unsigned)H ? 0 : s + 1;
+    unsigned s = 0;
+    int base = 0;
+    if (valid && lane == leader) {
+        const unsigned long long key = (unsigned)(t + 1), add = (unsigned long long)__popc(group) << 32;
+        s = hash_slot(t, H);
+        for (;;) {
+            auto* word = reinterpret_cast<unsigned long long*>(&table[s * SLOT_INTS]);
+            const unsigned long long k = atomicCAS(word, 0ull, add | key);
+            if (k == 0) break;
+            if ((k & 0xffffffffull) == key) {
+                base = (int)(atomicAdd(word, add) >> 32);
+                break;
+            }
+            s = s + 1 == (unsigned)H ? 0 : s + 1;
+        }
     }
-    const int r = atomicAdd(&table[s * SLOT_INTS + 1], 1);
+    s = (unsigned)__shfl_sync(0xffffffffu, (int)s, leader);
+    base = __shfl_sync(0xffffffffu, base, leader);
+    if (!valid) return;
+    const int r = base + __popc(group & ((1u << lane) - 1u));
     if (r < INLINE) {
         table[s * SLOT_INTS + 2 + r] = n;
     } else if (r == INLINE) {

@@ -136,8 +136,9 @@ def test_scratch_shape():
 
 
 # ---- the backward kernels on the host (tests/kernel_emulator.py) ----------------------------------
-# encoder.cu's warp votes and int shuffles, bit counts, integer atomics (the emulator runs blocks one
-# after another: plain read-modify-writes) and the dependent-launch calls (no-ops), after common.cuh.
+# encoder.cu's warp votes, matches and int shuffles, bit counts, 32- and 64-bit integer atomics (the
+# emulator runs blocks one after another: plain read-modify-writes) and the dependent-launch calls
+# (no-ops), after common.cuh.
 _EMU_HELPERS = r"""
 struct alignas(16) int4 { int x, y, z, w; };
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
@@ -159,6 +160,15 @@ inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int atomicCAS(int* p, int cmp, int v) { int o = *p; if (o == cmp) *p = v; return o; }
 inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+using u64 = unsigned long long;
+inline u64 atomicCAS(u64* p, u64 cmp, u64 v) { u64 o = *p; if (o == cmp) *p = v; return o; }
+inline u64 atomicAdd(u64* p, u64 v) { u64 o = *p; *p = o + v; return o; }
+inline unsigned __match_any_sync(unsigned, int v) {
+    WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
+    w.u[l] = (unsigned)v; wbar(); unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= (unsigned)(w.u[i] == (unsigned)v) << i;
+    wbar(); return r;
+}
 """
 
 
@@ -228,6 +238,22 @@ def test_emulated_backward_spread_ids_and_signed_zeros(enc_lib, monkeypatch):
     want = encoder_backward_np(dwte, dout, tokens)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     assert clean and not np.signbit(got[v - 2 :]).any()
+
+
+def test_emulated_backward_warp_groups(enc_lib, monkeypatch):
+    """Ids repeated within a warp (the count kernel's lanes with one id take one atomic and ranks by
+    lane): a run of 100 of one id over whole warps, an id on every other lane, an id in two lanes of
+    many warps (5 inline positions spread, then hot), and singletons between them."""
+    r = rng(33)
+    run = np.full(100, 5)
+    alt = np.where(np.arange(64) % 2 == 0, 9, 100 + np.arange(64))
+    pairs = np.where(np.arange(96) % 16 < 2, 7, 300 + np.arange(96))
+    tokens = np.concatenate([[1, 2, 3], run, alt, pairs, [5, 9, 7]]).astype(np.int32)[None]
+    dout = r.standard_normal((1, tokens.size, 24)).astype(np.float32)
+    dwte = r.standard_normal((400, 24)).astype(np.float32)
+    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
+    np.testing.assert_array_equal(got.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
+    assert clean
 
 
 def test_sorting_network_sorts():
