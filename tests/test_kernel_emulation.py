@@ -58,7 +58,7 @@ def _rms_backward(n, c, dtype, seed):
     t = {k: emu.tensor(v, dtype, k) for k, v in (("x", x), ("w", w), ("dout", dout), ("dres", dres))}
     t["dw"] = emu.tensor(g.standard_normal(c), dtype, "dw")
     t["rstd"] = emu.tensor(rstd, "fp32", "rstd")
-    t["scratch"] = emu.tensor(np.full(R.rmsnorm_scratch_shape(n, c), np.nan), "fp32", "scratch")
+    t["scratch"] = emu.tensor(np.full(R.rmsnorm_scratch_shape(n, c, dtype), np.nan), "fp32", "scratch")
     t["amax"] = emu.tensor(np.zeros(1), "fp32", "amax")
     dw0 = t["dw"].numpy().astype(np.float32)
     R.rmsnorm_backward(t["dres"], t["dw"], t["scratch"], t["dres"], t["dout"], t["x"], t["w"], t["rstd"],
@@ -128,7 +128,7 @@ def test_emulated_rmsnorm_dweight_reduce_over_two_chunks(rms_lib, monkeypatch):
     through shared memory in two chunks (256, then 8)."""
     monkeypatch.setattr(R, "launch", _recording(rms_lib, []))
     monkeypatch.setattr(R, "_MAX_PARTIALS", 264)
-    assert R.rmsnorm_scratch_shape(4100, 8)[0] == 264
+    assert R.rmsnorm_scratch_shape(4100, 8, "bf16")[0] == 264
     _rms_backward(4100, 8, "bf16", seed=3)
 
 

@@ -122,9 +122,35 @@ def test_scratch_shape():
     assert rmsnorm_scratch_shape(37, 896) == (5, 896)  # 8 rows per block
     assert rmsnorm_scratch_shape(1048, 1536) == (131, 1536)
     assert rmsnorm_scratch_shape(8192, 896) == (132, 896)  # capped at one block per H200 SM: long-lived blocks
-    assert rmsnorm_scratch_shape(32768, 1536) == (132, 1536)
+    assert rmsnorm_scratch_shape(32768, 1536, "bf16") == (132, 1536)
     assert rmsnorm_scratch_shape(37, 8192) == (13, 8192)  # 3 warps: 96 KiB of shared partials
     assert rmsnorm_scratch_shape(37, 24576) == (37, 24576)  # 1 warp
+
+
+def test_scratch_shape_caps_the_looping_kernel_at_264_blocks():
+    """Rows of at most 4096 bytes (the register variants) take 132 blocks, wider rows (the looping kernel,
+    which reads rows twice and needs two blocks a SM) 264; without a dtype, enough for any dtype."""
+    cases = [(1536, "bf16", 132), (2048, "bf16", 132), (2056, "bf16", 264), (3584, "bf16", 264),
+             (1024, "fp32", 132), (1032, "fp32", 264), (1536, "fp32", 264), (2048, "fp16", 132)]  # fmt: skip
+    for c, dtype, p in cases:
+        assert rmsnorm_scratch_shape(8192, c, dtype) == (p, c), (c, dtype)
+    assert rmsnorm_scratch_shape(32768, 3584, "bf16") == (264, 3584)
+    assert rmsnorm_scratch_shape(8192, 1536) == (264, 1536)  # fp32's rows are the widest
+    assert rmsnorm_scratch_shape(8192, 896) == (132, 896)
+    assert rmsnorm_scratch_shape(37, 8192, "bf16") == (13, 8192)  # fewer rows than the cap
+
+
+def test_backward_takes_a_larger_scratch_and_refuses_a_smaller_one(dev):
+    n, c = 8192, 1536  # bf16: 132 blocks; the dtype-free scratch has 264 rows
+    x, w, g, dres = make(n, c, "bf16", seed=6)
+    _, rstd = rmsnorm_forward_np(x, w, EPS)
+    for rows in (rmsnorm_scratch_shape(n, c)[0], rmsnorm_scratch_shape(n, c, "bf16")[0]):
+        t = tensors(dev, x=x, w=w, g=g, d=dres, rstd=rstd, dw=np.zeros(c, x.dtype),
+                    scratch=np.zeros((rows, c), np.float32))  # fmt: skip
+        rmsnorm_backward(t["d"], t["dw"], t["scratch"], t["d"], t["g"], t["x"], t["w"], t["rstd"])
+    t["scratch"] = tensors(dev, s=np.zeros((131, c), np.float32))["s"]
+    with pytest.raises(ValueError, match="fewer than 132 rows"):
+        rmsnorm_backward(t["d"], t["dw"], t["scratch"], t["d"], t["g"], t["x"], t["w"], t["rstd"])
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -150,7 +176,7 @@ BWD = {"dinp": (4, 8), "dweight": (8,), "scratch": (1, 8), "dresidual": (4, 8), 
         (rmsnorm_forward, FWD, {"abs_max": ((3,), F32)}, r"abs_max: expected shape \(1\)"),
         (fused_residual_rmsnorm_forward, FUSED, {"inp2": ((3, 8), F32)}, r"inp2: expected shape \(4, 8\)"),
         (fused_residual_rmsnorm_forward, FUSED, {"residual": ((4, 16), F32)}, r"residual: expected shape \(4, 8\)"),
-        (rmsnorm_backward, BWD, {"scratch": ((2, 8), F32)}, r"scratch: expected shape \(1, 8\)"),
+        (rmsnorm_backward, BWD, {"scratch": ((1, 16), F32)}, r"scratch: expected shape \(\*, 8\)"),
         (rmsnorm_backward, BWD, {"scratch": ((1, 8), BF)}, "scratch: expected dtype fp32"),
         (rmsnorm_backward, BWD, {"dweight": ((9,), F32)}, r"dweight: expected shape \(8\)"),
         (rmsnorm_backward, BWD, {"dout": ((4, 9), F32)}, r"dout: expected shape \(4, 8\)"),
@@ -165,7 +191,7 @@ def test_errors(fn, spec, over, match):
         fn(**args, **eps)
 
 
-@pytest.mark.parametrize("n,c", [(5, 64), (37, 96), (3000, 64), (2000, 4096)])
+@pytest.mark.parametrize("n,c", [(5, 64), (37, 96), (3000, 64), (2000, 4096)])  # (2000, 4096): 264 blocks
 def test_partials_twin_groups_every_row_once(n, c):
     """rmsnorm_backward_partials_np (the scratch's bits in the host emulation) adds up to dweight: each row
     in exactly one block's partial; row (k * P + b) * warps + w in block b's."""
@@ -173,7 +199,7 @@ def test_partials_twin_groups_every_row_once(n, c):
     _, rstd = rmsnorm_forward_np(x, w, EPS)
     partials = rmsnorm_backward_partials_np(g, x, rstd)
     P, warps = partials.shape[0], min(8, 24576 // c)
-    assert partials.shape == rmsnorm_scratch_shape(n, c)
+    assert partials.shape == rmsnorm_scratch_shape(n, c, "fp32")
     np.testing.assert_allclose(partials.sum(0, dtype=np.float64), rmsnorm_backward_np(x, g, x, w, rstd)[1],
                                rtol=1e-4, atol=1e-4 * np.sqrt(n))  # fmt: skip
     terms = g.astype(np.float64) * x * rstd[:, None]
@@ -247,7 +273,7 @@ def test_cuda_register_rows_bitwise_equal_to_the_looping_kernel(c, dtype, rows, 
     got = {}
     for regs in (R._REG_VECTORS, ()):
         monkeypatch.setattr(R, "_REG_VECTORS", regs)
-        scratch = np.zeros(rmsnorm_scratch_shape(rows, c), np.float32)
+        scratch = np.zeros(rmsnorm_scratch_shape(rows, c, dtype), np.float32)
         t = tensors(ce.device("cuda"), dinp=dres, dweight=dw0, dout=g, inp=x, weight=w, rstd=rstd,
                     abs_max=np.zeros(1, np.float32), scratch=scratch)  # fmt: skip
         rmsnorm_backward(t["dinp"], t["dweight"], t["scratch"], t["dinp"], t["dout"], t["inp"], t["weight"],

@@ -2,8 +2,8 @@
 
 Rows are normalised independently (any leading dims flatten to N rows of C channels). rstd is kept
 in fp32 for the backward. The weight gradient accumulates deterministically through per-block
-partial sums in a caller-provided fp32 scratch; the number of blocks depends only on (N, C), so
-results do not depend on which GPU runs them.
+partial sums in a caller-provided fp32 scratch; the number of blocks depends only on (N, C, dtype),
+so results do not depend on which GPU runs them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32
+from ..dtypes import dtype as _dtype
 from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 
 FAMILY = "rmsnorm"
@@ -20,8 +21,10 @@ FLOATS = (FP32, BF16, FP16)
 _FWD_WARPS = 8  # rows per forward block, matches rmsnorm.cu
 _BWD_SMEM = 96 * 1024  # the looping backward's per-warp dweight partials: warps * C * 4 bytes at most
 _BWD_WARPS = 8  # the backward's warps per block at most (__launch_bounds__(256) in .cu)
-_MAX_PARTIALS = 132  # blocks of the backward = rows of the scratch: one per SM of the H200, a fixed number
+_MAX_PARTIALS = 132  # blocks of the register backward (rows up to _REG_ROW_BYTES): one per SM of the H200
+_MAX_PARTIALS_LOOPING = 264  # blocks of the looping backward (wider rows): two per SM of the H200
 _REG_VECTORS = (1, 2, 4, 6, 8)  # rmsnorm_backward_v<V>: V 16-byte vectors per lane at most
+_REG_ROW_BYTES = 16 * 32 * _REG_VECTORS[-1]  # widest row of the register variants; fixed, sets the block cap
 _BWD_STAGES = 2  # rows (x, dout, dresidual) a warp of rmsnorm_backward_v<V> holds in shared memory (BWD_STAGES)
 _DW_COLS, _DW_THREADS = 32, 1024  # rmsnorm_backward_dweight: columns and threads per block (DW_WARPS in .cu)
 
@@ -75,7 +78,7 @@ def rmsnorm_backward_partials_np(dout, inp, rstd) -> np.ndarray:
     C = inp.shape[-1]
     x, g = inp.reshape(-1, C).astype(np.float32), dout.reshape(-1, C).astype(np.float32)
     N, warps = x.shape[0], _backward_warps(C)
-    P = rmsnorm_scratch_shape(N, C)[0]
+    P = _backward_blocks(N, C, inp.dtype.itemsize)
     terms = g * (x * rstd.reshape(-1, 1).astype(np.float32))
     rounds = ceil_div(N, P * warps)
     terms = np.concatenate(
@@ -98,15 +101,29 @@ def _backward_warps(C: int) -> int:
     return warps
 
 
-def rmsnorm_scratch_shape(N: int, C: int) -> tuple[int, int]:
-    """Shape (P, C) of the fp32 scratch rmsnorm_backward needs for N rows of C channels.
+def _backward_blocks(N: int, C: int, itemsize: int) -> int:
+    """P = min(cap, ceil(N / warps)), the backward's block count = the scratch rows it writes.
 
-    P = min(132, ceil(N / warps)) is the backward's block count, warps = min(8, 24576 // C) the
-    rows a block works on at once; both depend only on (N, C), not on the GPU, which keeps dweight's
-    bits fixed. One block per SM of the H200, each living for many rows: a warp's next row loads while
-    its current one computes (with 264 blocks, two a SM, the H200 ran it 1-14% slower).
+    warps = min(8, 24576 // C) rows a block works on at once; cap = 132 for rows of at most 4096 bytes
+    (the register variants: one block per SM of the H200, each living for many rows, a warp's next row
+    loading while its current one computes; with 264 the H200 ran them 1-14% slower), 264 for wider rows
+    (the looping kernel, which reads each row twice from global memory and needs two blocks per SM to
+    hide that: with 132 it ran 45-75% slower). A function of (N, C, itemsize) only, not of the GPU
+    (nor of which variants are compiled), which keeps dweight's bits fixed.
     """
-    return (max(1, min(_MAX_PARTIALS, ceil_div(N, _backward_warps(C)))), C)
+    cap = _MAX_PARTIALS if C * itemsize <= _REG_ROW_BYTES else _MAX_PARTIALS_LOOPING
+    return max(1, min(cap, ceil_div(N, _backward_warps(C))))
+
+
+def rmsnorm_scratch_shape(N: int, C: int, dtype=None) -> tuple[int, int]:
+    """Shape (P, C) of the fp32 scratch rmsnorm_backward needs for N rows of C channels of `dtype`.
+
+    P is the backward's block count (_backward_blocks); without a dtype, the most any dtype needs
+    (fp32's, the widest rows), enough for every call of that (N, C). rmsnorm_backward accepts a scratch
+    of at least its P rows and writes only those.
+    """
+    itemsize = max(d.itemsize for d in FLOATS) if dtype is None else _dtype(dtype).itemsize
+    return (_backward_blocks(N, C, itemsize), C)
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -191,7 +208,8 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     Args:
         dinp: (N, C) (any leading dims), inp's dtype; written (=). May alias dresidual (in place).
         dweight: (C,) inp's dtype; accumulated (+=), deterministically, rounded once.
-        scratch: fp32 of shape rmsnorm_scratch_shape(N, C); overwritten.
+        scratch: fp32 (P', C), P' at least rmsnorm_scratch_shape(N, C, inp.dtype)[0] (without the dtype:
+            enough for any); its first P rows are overwritten.
         dresidual: (N, C), the gradient already flowing through the residual stream.
         dout: (N, C) gradient of out; inp: (N, C) the forward's input; weight: (C,).
         rstd: (N,) fp32 from the forward.
@@ -203,7 +221,10 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
         expect(t, f"rmsnorm_backward {name}", inp.dtype, inp.shape)
     expect(dweight, "rmsnorm_backward dweight", inp.dtype, (C,))
     expect(rstd, "rmsnorm_backward rstd", FP32, inp.shape[:-1])
-    expect(scratch, "rmsnorm_backward scratch", FP32, rmsnorm_scratch_shape(N, C))
+    P = rmsnorm_scratch_shape(N, C, inp.dtype)[0]
+    expect(scratch, "rmsnorm_backward scratch", FP32, (None, C))
+    if scratch.shape[0] < P:
+        raise ValueError(f"rmsnorm_backward scratch: tensor {scratch.name!r} {scratch.shape} has fewer than {P} rows")
     dev = same_device(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max)
     if dev.is_cpu:
         dx, dw = rmsnorm_backward_np(dresidual.array(), dout.array(), inp.array(), weight.array(), rstd.array())
@@ -213,7 +234,7 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     if N == 0:
         return
     check_aligned("rmsnorm_backward", dinp, dresidual, dout, inp, weight)
-    warps, P = _backward_warps(C), scratch.shape[0]
+    warps = _backward_warps(C)
     args = (dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, np.int32(N), np.int32(C))
     lane_vectors = ceil_div(C * inp.dtype.itemsize, 16 * 32)
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
