@@ -6,7 +6,6 @@
 // form); on any other GPU the launcher keeps attention.cu's mma.sync kernels. On compute capability
 // 9.0 these kernels are the raw backend's bf16 hs 64/128 path (attention.SM90_FORWARD/SM90_BACKWARD).
 // Backward: dq and dk/dv in two deterministic kernels as in attention.cu (dq recomputes S and dP),
-// or (attention.SM90_FUSED_DQ) one kernel that adds dQ into an fp32 accumulator in a fixed order;
 // each GEMM a wgmma with the operands below.
 //
 // Block: NWG = 2 warpgroups (128 threads each), 64 query rows per warpgroup, BR = 128 rows per block
@@ -60,20 +59,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, int scale_d);
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db, int scale_d);
-// wgmma_tt: both operands from shared memory, both MN-major (transposed): A (64 x 16) stored as 16
-// rows (k) of 64 contiguous m, B as in wgmma_rs. The fused backward's dQ = dS K, dS^T in shared memory.
-template <int N>
-__device__ __forceinline__ void wgmma_tt(float (&d)[N / 2], unsigned long long da, unsigned long long db, int scale_d);
-// A semaphore in global memory: wait (thread 0; the block then syncs) until it holds v, with acquire
-// semantics; post v with release semantics (after the block's writes and a __syncthreads).
-__device__ __forceinline__ void sem_wait(const int* p, int v) {
-    int x;
-    do asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(p) : "memory");
-    while (x != v);
-}
-__device__ __forceinline__ void sem_post(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -107,19 +92,6 @@ template <> __device__ __forceinline__ void wgmma_rs<128>(float (&d)[64], const 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-template <> __device__ __forceinline__ void wgmma_tt<32>(float (&d)[16], unsigned long long da, unsigned long long db, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(da), "l"(db), "r"(scale_d));
-}
-template <> __device__ __forceinline__ void wgmma_tt<64>(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(scale_d));
-}
-
 #else  // tests/test_compile.py builds every file for plain sm_90, where wgmma does not exist
 __device__ __forceinline__ void wgmma_fence() { __trap(); }
 __device__ __forceinline__ void wgmma_commit() { __trap(); }
@@ -129,8 +101,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&)[N / 2], unsigned long long, unsigned long long, int) { __trap(); }
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&)[N / 2], const unsigned (&)[4], unsigned long long, int) { __trap(); }
-template <int N>
-__device__ __forceinline__ void wgmma_tt(float (&)[N / 2], unsigned long long, unsigned long long, int) { __trap(); }
 #endif
 
 extern __shared__ __align__(128) unsigned char att_smem[];
@@ -242,21 +212,6 @@ __device__ __forceinline__ void store_tile(bf16* out, long ld, int row0, int T, 
     }
 }
 
-// Issue dq (64 x HS/2 fp32, columns HS/2 * wg on) = dS K as one wgmma group, the fused backward's dQ
-// of one 64-row query block against the block's 128 keys: dS^T is the [128][64] swizzled tile at ds
-// (keys by rows, so A is read MN-major), K the [HS/64][128][64] tile at k read N-major; warpgroup wg
-// takes half of the head dim (hs 128: tile half wg; hs 64: bytes 64 wg on of each 128-byte row).
-template <int HS>
-__device__ __forceinline__ void add_dq(float (&dq)[HS / 4], unsigned ds, unsigned k, int wg) {
-    const unsigned kw = k + (HS == 128 ? wg * 128 * 128 : wg * 64);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-        wgmma_tt<HS / 2>(dq, sw128_desc(ds + kk * 2048, 128 * 128, 1024), sw128_desc(kw + kk * 2048, 128 * 128, 1024),
-                         kk > 0);
-    wgmma_commit();
-}
-
 // kernels
 // ---- layout probe --------------------------------------------------------------------------
 // One warpgroup runs the forward's two products on one tile: s_out (64 x BC) = Q K^T and o_out
@@ -290,29 +245,6 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
     for (int i = 0; i < BC / 2; ++i) s_out[(row + 8 * ((i >> 1) & 1)) * BC + 8 * (i >> 2) + 2 * tq + (i & 1)] = s[i];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o_out[(row + 8 * ((i >> 1) & 1)) * HS + 8 * (i >> 2) + 2 * tq + (i & 1)] = o[i];
-}
-
-// The fused backward's dQ form (add_dq: transposed A, half the head dim per warpgroup): two
-// warpgroups, dq_out (64 x HS) = dsT^T K from row-major dsT (128 x 64) and K (128 x HS).
-template <int HS>
-__device__ __forceinline__ void wgmma_probe_dq(float* dq_out, const bf16* dsT, const bf16* k) {
-    bf16* sdS = smem_base();
-    bf16* sK = sdS + 128 * 64;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    load_tile<128, 64, 256>(sdS, dsT, 0, 128, 64);
-    load_tile<128, HS, 256>(sK, k, 0, 128, HS);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    float dq[HS / 4];
-    add_dq<HS>(dq, smem_u32(sdS), smem_u32(sK), wg);
-    wgmma_wait<0>();
-    fence_acc(dq);
-    const int row = 16 * warp + g;
-#pragma unroll
-    for (int i = 0; i < HS / 4; ++i)
-        dq_out[(row + 8 * ((i >> 1) & 1)) * HS + HS / 2 * wg + 8 * (i >> 2) + 2 * tq + (i & 1)] = dq[i];
 }
 
 // ---- forward -------------------------------------------------------------------------------
@@ -608,148 +540,6 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
     store_tile<HS, BK, NT>(dqkv + (long)b * T * ld + (long)(Hq + Hkv + kvh) * HS, ld, k0, T, sV);
 }
 
-// ---- backward: dk, dv and dq in one kernel (attention.SM90_FUSED_DQ) ---------------------------
-// The dk/dv kernel's grid and block (128 keys, key block kb = blockIdx.x, block 0 first), visiting
-// the (query block, head) pairs of its GQA group from the last query block down to its diagonal,
-// heads inner: every key block of a (batch, kv head) reaches a given (query block, head) at the
-// same step. Per step, beside dV and dK, dS^T goes to shared memory and dQ = dS K (64 queries x HS,
-// add_dq) to a per-thread fp32 stash; at the next step, while its S^T and dP^T GEMMs run, the
-// stash is added into dq_acc (fp32 (B, Hq, T, HS)) under the (b, h, query block) semaphore of
-// dq_sem (B, Hq, ceil(T / 64) ints, zero at launch), taken in key-block order: key block 0
-// stores, the others add, the last (the one holding the diagonal) writes dq = scale * sum as bf16
-// into dqkv. Same additions in the same order on every run: deterministic. Key block kb waits only
-// for kb - 1, which started earlier (blocks are dispatched in index order), so there is no deadlock.
-// Shared: K, V [128][HS], two stages of Q, dO [64][HS], dS^T [128][64], the stash [HS/4][256]
-// fp32, lse*log2(e) and D [2][64].
-template <int HS>
-__device__ __forceinline__ void flash_backward_fused_sm90(bf16* __restrict__ dqkv, float* __restrict__ dq_acc,
-                                                          int* __restrict__ dq_sem, const bf16* __restrict__ datt,
-                                                          const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                                                          const float* __restrict__ dsum, int T, int Hq, int Hkv,
-                                                          float scale) {
-    constexpr int BK = 128, BQ = 64, NT = 256;
-    bf16* sK = smem_base();
-    bf16* sV = sK + BK * HS;
-    bf16* sQ = sV + BK * HS;                                  // [2][BQ][HS]
-    bf16* sdO = sQ + 2 * BQ * HS;                             // [2][BQ][HS]
-    bf16* sdS = sdO + 2 * BQ * HS;                            // [BK][BQ]
-    float* stash = reinterpret_cast<float*>(sdS + BK * BQ);  // [HS/4][NT]
-    float* sL = stash + HS / 4 * NT;                          // [2][BQ]
-    float* sD = sL + 2 * BQ;                                  // [2][BQ]
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    const int kb = blockIdx.x, k0 = kb * BK, kvh = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
-    const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
-    const bf16* base = qkv + (long)b * T * ld;
-    const bf16* gdO = datt + (long)b * T * ld_o;
-    const int nq = (T + BQ - 1) / BQ, total = G * (nq - k0 / BQ);
-    const int row_g = k0 + 64 * wg, key_t = row_g + 16 * warp + g;
-    const float sl2 = scale * LOG2E;
-    const unsigned k_addr = smem_u32(sK + 64 * wg * 64), v_addr = smem_u32(sV + 64 * wg * 64);
-    const unsigned ds_addr = smem_u32(sdS), kt_addr = smem_u32(sK);
-
-    auto head = [&](int it) { return kvh * G + it % G; };
-    auto qblock = [&](int it) { return nq - 1 - it / G; };
-    auto load_stage = [&](int it, int buf) {
-        const int h = head(it), q0 = qblock(it) * BQ;
-        load_tile<BQ, HS, NT>(sQ + buf * BQ * HS, base + (long)h * HS, q0, T, ld);
-        load_tile<BQ, HS, NT>(sdO + buf * BQ * HS, gdO + (long)h * HS, q0, T, ld_o);
-        if (threadIdx.x < BQ) {
-            const int q = q0 + threadIdx.x;
-            const long idx = ((long)b * Hq + h) * T + q;
-            sL[buf * BQ + threadIdx.x] = q < T ? lse[idx] * LOG2E : ATT_INF;
-            sD[buf * BQ + threadIdx.x] = q < T ? dsum[idx] : 0.f;
-        }
-    };
-    // The stash of step it into dq_acc (or, from the last key block, into dqkv), in key-block order.
-    auto flush = [&](int it) {
-        const int h = head(it), q0 = qblock(it) * BQ, last = (q0 + BQ - 1) / BK;
-        int* sem = dq_sem + ((long)b * Hq + h) * nq + q0 / BQ;
-        if (threadIdx.x == 0) sem_wait(sem, kb);
-        __syncthreads();
-        float* acc = dq_acc + (((long)b * Hq + h) * T + q0) * HS;
-        bf16* out = dqkv + ((long)b * T + q0) * ld + (long)h * HS;
-#pragma unroll
-        for (int i = 0; i < HS / 4; i += 2) {
-            const int r = 16 * warp + g + 8 * ((i >> 1) & 1), c = HS / 2 * wg + 8 * (i >> 2) + 2 * tq;
-            if (q0 + r < T) {
-                float x0 = stash[i * NT + threadIdx.x], x1 = stash[(i + 1) * NT + threadIdx.x];
-                if (kb > 0) {
-                    const float2 a = __ldcg(reinterpret_cast<const float2*>(acc + r * HS + c));  // not L1
-                    x0 += a.x;
-                    x1 += a.y;
-                }
-                if (kb == last)
-                    *reinterpret_cast<unsigned*>(out + r * ld + c) = pack_bf16(x0 * scale, x1 * scale);
-                else
-                    *reinterpret_cast<float2*>(acc + r * HS + c) = make_float2(x0, x1);
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && kb != last) {
-            __threadfence();
-            sem_post(sem, kb + 1);
-        }
-    };
-    load_tile<BK, HS, NT>(sK, base + (long)(Hq + kvh) * HS, k0, T, ld);
-    load_tile<BK, HS, NT>(sV, base + (long)(Hq + Hkv + kvh) * HS, k0, T, ld);
-    load_stage(0, 0);
-    cp_async_commit();
-
-    float dk[HS / 2], dv[HS / 2];
-#pragma unroll
-    for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-
-    for (int it = 0; it < total; ++it) {
-        const int buf = it & 1;
-        if (it + 1 < total) load_stage(it + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();
-        const int q0 = qblock(it) * BQ;
-        const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
-        const float* l_s = sL + buf * BQ;
-        const float* d_s = sD + buf * BQ;
-        float s[BQ / 2], dp[BQ / 2], dq[HS / 4];
-        scores<HS, BQ, BK>(s, k_addr, q_s);
-        scores<HS, BQ, BK>(dp, v_addr, do_s);
-        if (it > 0) flush(it - 1);  // while the tensor cores work
-        wgmma_wait<0>();
-        fence_acc(s);
-        fence_acc(dp);
-        const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
-#pragma unroll
-        for (int i = 0; i < BQ / 2; ++i) {
-            const int qi = 8 * (i >> 2) + 2 * tq + (i & 1);
-            float p = fast_exp2(fmaf(s[i], sl2, -l_s[qi]));
-            if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
-            s[i] = p;                       // P^T
-            dp[i] = p * (dp[i] - d_s[qi]);  // dS^T
-        }
-        const float one[2] = {1.f, 1.f};
-        stage_acc<BQ, BK>(sdS, 64 * wg, dp, one);  // dS^T as bf16, the warpgroup's 64 keys
-        add_pv<HS, BQ>(dv, s, do_s);
-        add_pv<HS, BQ>(dk, dp, q_s);
-        fence_proxy_async();  // the dS^T stores are read by the async proxy
-        __syncthreads();      // both warpgroups' dS^T; the flush's stash reads are done
-        add_dq<HS>(dq, ds_addr, kt_addr, wg);
-        wgmma_wait<0>();
-        fence_acc(dv);
-        fence_acc(dk);
-        fence_acc(dq);
-#pragma unroll
-        for (int i = 0; i < HS / 4; ++i) stash[i * NT + threadIdx.x] = dq[i];
-        __syncthreads();  // the stage read here is refilled next; sdS is rewritten next
-    }
-    flush(total - 1);
-    const float mul_k[2] = {scale, scale}, mul_v[2] = {1.f, 1.f};
-    stage_acc<HS, BK>(sK, 64 * wg, dk, mul_k);  // each warpgroup's own rows of sK and sV
-    stage_acc<HS, BK>(sV, 64 * wg, dv, mul_v);
-    __syncthreads();
-    store_tile<HS, BK, NT>(dqkv + (long)b * T * ld + (long)(Hq + kvh) * HS, ld, k0, T, sK);
-    store_tile<HS, BK, NT>(dqkv + (long)b * T * ld + (long)(Hq + Hkv + kvh) * HS, ld, k0, T, sV);
-}
-
 // ---- entry points: the names cuengine/kernels/attention.py launches ----------------------------
 #define WGMMA_PROBE(HS, BC)                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) wgmma_probe_hs##HS##_bc##BC(                          \
@@ -759,13 +549,6 @@ __device__ __forceinline__ void flash_backward_fused_sm90(bf16* __restrict__ dqk
 WGMMA_PROBE(64, 64)
 WGMMA_PROBE(128, 64)
 WGMMA_PROBE(128, 128)
-#define WGMMA_PROBE_DQ(HS)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) wgmma_probe_dq_hs##HS(float* dq_out, const bf16* dsT,   \
-                                                                            const bf16* k) {                  \
-        wgmma_probe_dq<HS>(dq_out, dsT, k);                                                                   \
-    }
-WGMMA_PROBE_DQ(64)
-WGMMA_PROBE_DQ(128)
 
 // attention_forward_sm90_hs<HS>_bf16: two warpgroups (128 query rows per block); hs 128 with key
 // blocks of 128 taking turns at the tensor cores (TurnRing), hs 64 with key blocks of 64 issuing
@@ -794,15 +577,5 @@ FORWARD_SM90(64, 64, 2, false)
     }
 BACKWARD_SM90(64)
 BACKWARD_SM90(128)
-
-// attention_backward_fused_sm90_hs<HS>_bf16: the dk/dv kernel with dq fused (dq_acc, dq_sem: the workspace)
-#define BACKWARD_FUSED_SM90(HS)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_fused_sm90_hs##HS##_bf16(         \
-        bf16* dqkv, float* dq_acc, int* dq_sem, const bf16* datt, const bf16* qkv, const float* lse,          \
-        const float* dsum, int T, int Hq, int Hkv, float scale) {                                            \
-        flash_backward_fused_sm90<HS>(dqkv, dq_acc, dq_sem, datt, qkv, lse, dsum, T, Hq, Hkv, scale);         \
-    }
-BACKWARD_FUSED_SM90(64)
-BACKWARD_FUSED_SM90(128)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

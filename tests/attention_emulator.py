@@ -39,10 +39,8 @@ EMU_HEADER = r"""
 struct Dim3 { unsigned x, y, z; };
 struct Copy { unsigned dst; const void* src; int n; };
 // one wgmma.mma_async: d (n/2 floats of this thread) = A B (+ d), A from a descriptor or from the
-// warpgroup's register slot `slot` (M-major when trans_a), B from a descriptor (N-major when trans_b)
-struct WgOp {
-    float* d; int n; unsigned long long da, db; bool a_reg; int slot; bool trans_b; int scale_d; bool trans_a;
-};
+// warpgroup's register slot `slot`, B from a descriptor (N-major when trans_b)
+struct WgOp { float* d; int n; unsigned long long da, db; bool a_reg; int slot; bool trans_b; int scale_d; };
 struct Fiber {
     ucontext_t ctx; std::vector<char> stack; Dim3 tid; bool done;
     std::vector<std::vector<Copy>> groups; std::vector<Copy> open;
@@ -182,7 +180,7 @@ inline void named_arrive(int id, int n) {
 }
 inline void fence_proxy_async() { g_cur->proxy_dirty = false; }
 inline void wg_issue(float* d, int n, unsigned long long da, const unsigned* a, unsigned long long db, bool trans_b,
-                     int scale_d, bool trans_a = false) {
+                     int scale_d) {
     if (!g_cur->wg_fenced) fail("wgmma.mma_async without a wgmma.fence since the last wait");
     if (g_cur->proxy_dirty) fail("wgmma reads shared memory that cp.async wrote, without fence.proxy.async");
     WarpGroupX& w = wg_();
@@ -191,7 +189,7 @@ inline void wg_issue(float* d, int n, unsigned long long da, const unsigned* a, 
         if (w.a.size() < (size_t)(slot + 1) * 512) w.a.resize((size_t)(slot + 1) * 512);
         memcpy(&w.a[((size_t)slot * 128 + (threadIdx.x & 127)) * 4], a, 16);
     }
-    g_cur->wg_open.push_back({d, n, da, db, a != nullptr, slot, trans_b, scale_d, trans_a});
+    g_cur->wg_open.push_back({d, n, da, db, a != nullptr, slot, trans_b, scale_d});
     barrier_wait(w.bar, 128);  // .sync.aligned: the warpgroup issues together
 }
 template <int N> inline void wgmma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, int scale_d) {
@@ -201,17 +199,6 @@ template <int N>
 inline void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     wg_issue(d, N, 0, a, db, true, scale_d);
 }
-template <int N> inline void wgmma_tt(float (&d)[N / 2], unsigned long long da, unsigned long long db, int scale_d) {
-    wg_issue(d, N, da, nullptr, db, true, scale_d, true);
-}
-// Blocks run one after another in index order, so a semaphore a block waits for must already hold
-// its value (the fused backward's key-block order); anything else would hang on the GPU too.
-inline void sem_wait(const int* p, int v) { if (*p != v) fail("semaphore wait on a value no earlier block posted"); }
-inline void sem_post(int* p, int v) { *p = v; }
-inline void __threadfence() {}
-struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return {x, y}; }
-inline float2 __ldcg(const float2* p) { return *p; }
 inline void wgmma_commit() { g_cur->wg_groups.push_back(g_cur->wg_open); g_cur->wg_open.clear(); }
 // One bf16 of a 128-byte-swizzled operand: the 16-byte chunk bits 4-6 of the address XOR bits 7-9.
 inline float sw128_at(unsigned addr) {
@@ -237,8 +224,6 @@ inline void wg_run(const WgOp& op) {  // this thread's accumulators of one m64nN
             if (areg) {  // row m, column k of the m64k16 fragment: warp m / 16, the m16k16 layout of mma.sync
                 const int th = (row >> 4) * 32 + (row & 7) * 4 + (k & 7) / 2, r = ((row & 15) >> 3) + 2 * (k >> 3);
                 a = half_(areg[th * 4 + r], k & 1);
-            } else if (op.trans_a) {  // M-major: as B N-major, m in place of n
-                a = sw128_at(A.start + (row >> 6) * A.lbo + (k >> 3) * A.sbo + (k & 7) * 128 + 2 * (row & 63));
             } else {  // K-major: 8-row groups sbo apart, rows 128 bytes apart, k contiguous
                 a = sw128_at(A.start + (row >> 3) * A.sbo + (row & 7) * 128 + 2 * k);
             }
@@ -359,9 +344,6 @@ class EmulatedCuda:
 
     kind, index, name, is_cuda, is_cpu, compute_capability = "cuda", 0, "emulated", True, False, (9, 0)
 
-    def fill_zero(self, tensor, stream=None):  # Tensor.fill_zero's device half (cudaMemsetAsync on a GPU)
-        tensor.storage[tensor.offset : tensor.offset + tensor.nbytes] = 0
-
 
 # The kernels each family's library can launch (the names cuengine/kernels/attention.py uses).
 KERNELS = {
@@ -376,9 +358,7 @@ KERNELS = {
         for k in ("forward_simt", "backward_dot", "backward_dq_simt", "backward_dkdv_simt")
     ],  # fmt: skip
     "attention_sm90": [f"wgmma_probe_hs{hs}_bc{bc}" for hs, bc in ((64, 64), (128, 64), (128, 128))]
-    + [f"wgmma_probe_dq_hs{hs}" for hs in (64, 128)]
     + [f"attention_forward_sm90_hs{hs}_bf16" for hs in (64, 128)]
-    + [f"attention_backward_fused_sm90_hs{hs}_bf16" for hs in (64, 128)]
     + [f"attention_backward_{k}_sm90_hs{hs}_bf16" for hs in (64, 128) for k in ("dq", "dkdv")],
 }
 

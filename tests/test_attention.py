@@ -441,27 +441,6 @@ def test_gpu_raw_sm90_pairs_with_mma_sync(case, mix, monkeypatch):
     _check_against_twin(case, "bf16", "raw")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_raw_sm90_fused_backward(case, monkeypatch):
-    """The fused wgmma backward (dq added in key-block order under semaphores) against the twin,
-    the same bits on a second run (and the same as before with stale workspace), and its workspace."""
-    _needs_sm90()
-    monkeypatch.setattr(A, "SM90_FUSED_DQ", True)
-    B, T, Hq, Hkv, hs = case
-    dev = ce.device("cuda")
-    plain = workspace_shape(B, T, Hq, Hkv, hs, "raw", device=dev)[0]
-    monkeypatch.setattr(A, "SM90_FUSED_DQ", False)
-    assert workspace_shape(B, T, Hq, Hkv, hs, "raw", device=dev)[0] < plain
-    monkeypatch.setattr(A, "SM90_FUSED_DQ", True)
-    got = _check_against_twin(case, "bf16", "raw")
-    qkv, datt = _reference(case, "bf16")[:2]
-    t = _tensors(dev, qkv, datt, Hq, Hkv, ce.BF16)
-    for _ in range(2):  # the second run finds the first one's dq accumulator and semaphores
-        _run(t, Hq, Hkv)
-        np.testing.assert_array_equal(t["dqkv"].numpy(), got["dqkv"], err_msg="fused dqkv not repeatable")
-
-
 def test_sm90_switch():
     """The wgmma kernels are the default for bf16 hs 64 and 128, only on compute capability 9.0."""
 
@@ -469,7 +448,6 @@ def test_sm90_switch():
         compute_capability = (9, 0)
 
     assert A.SM90_FORWARD == A.SM90_BACKWARD == (64, 128) and set(A._SM90_KEY_BLOCK) == {64, 128}
-    assert A.SM90_FUSED_DQ is False  # until the GPU has measured it
     assert A._is_sm90(Dev())
     Dev.compute_capability = (10, 0)  # no wgmma on Blackwell: the mma.sync kernels run
     assert not A._is_sm90(Dev())
@@ -504,17 +482,12 @@ def test_gpu_raw_simt_matches_twin(case, dtype_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["raw", "raw-mma", "raw-fused", pytest.param("cudnn", marks=needs_cudnn)])
+@pytest.mark.parametrize("backend", ["raw", "raw-mma", pytest.param("cudnn", marks=needs_cudnn)])
 def test_gpu_batch_shards_deterministic_stream_and_graph(backend, monkeypatch):
     """Chunked backward (the seed's AttBwdChunks), repeatability, a side stream and graph capture
-    (raw: the wgmma kernels on compute capability 9.0; raw-mma: attention.cu's everywhere;
-    raw-fused: the fused wgmma backward)."""
+    (raw: the wgmma kernels on compute capability 9.0; raw-mma: attention.cu's everywhere)."""
     if backend == "raw-mma":
         _mma_sync_only(monkeypatch)
-        backend = "raw"
-    elif backend == "raw-fused":
-        _needs_sm90()
-        monkeypatch.setattr(A, "SM90_FUSED_DQ", True)
         backend = "raw"
     case = (4, 200, 4, 2, 128)
     B, T, Hq, Hkv, hs = case
@@ -575,12 +548,9 @@ EMU_CASES = [  # (B, T, Hq, Hkv, hs, dtype, eager): flash with tails, GQA and th
 # attention_sm90.cu's kernels (the emulated device is compute capability 9.0, so bf16 hs 64/128 runs
 # them by default): causal tails, a warpgroup whose rows end before a key block (skipped), GQA, copies
 # landing early and late; hs 128 is the ping-pong forward with 128-key blocks, hs 64 the free one.
-# "fused": the backward as one kernel (SM90_FUSED_DQ), several key and query blocks, GQA, tails.
-EMU_SM90_CASES = [  # (B, T, Hq, Hkv, hs, "sm90" or "fused", eager)
+EMU_SM90_CASES = [  # (B, T, Hq, Hkv, hs, "sm90", eager)
     (2, 17, 4, 1, 128, "sm90", 0), (1, 200, 2, 1, 128, "sm90", 1), (1, 130, 6, 2, 64, "sm90", 1),
     (1, 70, 2, 1, 64, "sm90", 0), (1, 300, 2, 1, 128, "sm90", 1), (1, 260, 2, 1, 64, "sm90", 0),
-    (2, 17, 4, 1, 128, "fused", 0), (1, 300, 4, 2, 128, "fused", 1), (2, 130, 4, 1, 64, "fused", 0),
-    (1, 260, 2, 1, 64, "fused", 1),
 ]  # fmt: skip
 
 
@@ -625,34 +595,6 @@ def _host_tensor(values, name, dev=None):
 PROBES = [(64, 64), (128, 64), (128, 128)]  # (hs, key block): m64n64k16 and m64n128k16, both forms
 
 
-def _run_probe_dq(launch_fn, dev, hs, tensor):
-    """The fused backward's dQ form (transposed dS from shared memory, half the head dim per
-    warpgroup) through launch_fn: dq (64 x hs) = dsT^T K against NumPy."""
-    r = rng(hs)
-    dsT, k = (r.standard_normal((128, n)).astype(ml_dtypes.bfloat16) for n in (64, hs))
-    out = tensor(np.full((64, hs), np.nan, np.float32), "dq_out")
-    launch_fn("attention_sm90", f"wgmma_probe_dq_hs{hs}", 1, 256, (out, tensor(dsT, "dsT"), tensor(k, "k")), dev,
-              shared_mem=128 * (64 + hs) * 2 + 1024)  # fmt: skip
-    want = dsT.astype(np.float32).T @ k.astype(np.float32)
-    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-3, err_msg="dQ = dS K")
-
-
-@pytest.mark.parametrize("hs", [64, 128])
-def test_emulated_wgmma_probe_dq(emulator, hs):
-    dev = emu.EmulatedCuda()
-    _run_probe_dq(functools.partial(emu.launch, emulator), dev, hs, functools.partial(_host_tensor, dev=dev))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hs", [64, 128])
-def test_gpu_wgmma_probe_dq(hs):
-    """The dQ form on the GPU, alone: a transposed-A descriptor mistake shows here first."""
-    from cuengine.kernels._build import launch
-
-    dev = ce.device("cuda")
-    _run_probe_dq(launch, dev, hs, lambda x, name: ce.Tensor.from_numpy(x, dev, name=name))
-
-
 @pytest.mark.parametrize("hs,bc", PROBES)
 def test_emulated_wgmma_probe(emulator, hs, bc):
     """The emulator's wgmma (descriptors, swizzle, fragments) on the probe kernel against NumPy."""
@@ -673,8 +615,7 @@ def test_gpu_wgmma_probe(hs, bc):
 @pytest.mark.parametrize("case", EMU_CASES + EMU_SM90_CASES, ids=str)
 def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     B, T, Hq, Hkv, hs, dtype_name, eager = case
-    if dtype_name in ("sm90", "fused"):  # attention_sm90.cu's kernels (the default here)
-        monkeypatch.setattr(A, "SM90_FUSED_DQ", dtype_name == "fused")
+    if dtype_name == "sm90":  # attention_sm90.cu's kernels (the default here)
         dtype_name = "bf16"
     else:  # attention.cu's kernels
         _mma_sync_only(monkeypatch)
@@ -700,7 +641,7 @@ def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
         "att": tensor(np.full((B, T, Hq * hs), np.nan), dt, "att"),
         "lse": tensor(np.full((B, Hq, T), np.nan), ce.FP32, "lse"),
         "dqkv": tensor(np.full(qkv.shape, np.nan), dt, "dqkv"),
-        "ws": tensor(np.zeros(A._workspace_bytes("bwd", "raw", dev, B, T, Hq, Hkv, hs, True, dt)), ce.BYTE, "ws"),
+        "ws": tensor(np.zeros(workspace_shape(B, T, Hq, Hkv, hs, "raw", dtype=dt, device="cpu")), ce.BYTE, "ws"),
     }
     _run(t, Hq, Hkv, "raw")
     for k, x in t.items():

@@ -9,8 +9,7 @@ of cuDNN on the same shapes.
 
 On compute capability 9.0 the raw column runs the wgmma kernels of raw_kernels/attention_sm90.cu
 (attention.SM90_FORWARD / SM90_BACKWARD); "--sm90 mma" adds the column mma: the raw backend with
-those switches off, i.e. attention.cu's mma.sync kernels that every other GPU runs; "--sm90 fused"
-the column fused: the wgmma backward as one kernel with dq fused (attention.SM90_FUSED_DQ).
+those switches off, i.e. attention.cu's mma.sync kernels that every other GPU runs.
 
     python tools/bench_attention.py
     python tools/bench_attention.py --seq 2048 --head-sizes 128 --heads 14:2 --iters 20
@@ -35,7 +34,7 @@ from cuengine.benchmark import CEILINGS, time_ms  # noqa: E402
 from cuengine.kernels import attention as A  # noqa: E402
 
 # --sm90 columns: the attention module's switches while each runs
-SM90_COLUMNS = {"mma": {"SM90_FORWARD": (), "SM90_BACKWARD": ()}, "fused": {"SM90_FUSED_DQ": True}}
+SM90_COLUMNS = {"mma": {"SM90_FORWARD": (), "SM90_BACKWARD": ()}}
 
 
 def random_bf16(dev, shape, seed, name):
@@ -91,6 +90,8 @@ def main() -> int:
             att = att_all.reshape(B, T, -1)
             dqkv = dqkv_all.reshape(B, T, -1)
             lse = lse_all.reshape(B, Hq, T)
+            ws_bytes = max(A.workspace_shape(B, T, Hq, Hkv, hs, b, device=dev)[0] for b in backends)
+            ws = ce.Tensor.empty(ce.BYTE, (ws_bytes,), dev, name="workspace")
             fwd_flops = 4 * B * Hq * T * T * hs / 2
             result = {"T": T, "B": B, "hs": hs}
             outputs = {}
@@ -99,8 +100,6 @@ def main() -> int:
                 for k, v in switches.items():
                     setattr(A, k, v)
                 try:
-                    ws_bytes = A.workspace_shape(B, T, Hq, Hkv, hs, b, device=dev)[0]
-                    ws = ce.Tensor.empty(ce.BYTE, (ws_bytes,), dev, name="workspace")
                     fwd = functools.partial(A.attention_forward, att, lse, qkv, Hq, Hkv, backend=b, workspace=ws)
                     bwd = functools.partial(A.attention_backward, dqkv, datt, att, lse, qkv, Hq, Hkv, backend=b,
                                             workspace=ws)  # fmt: skip

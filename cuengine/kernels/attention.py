@@ -12,9 +12,8 @@ Backends:
   raw_kernels/attention_sm90.cu (forward, and the backward's dq and dk/dv; SM90_FORWARD and
   SM90_BACKWARD list the head sizes), elsewhere mma.sync ones; fp32, and bf16 with other head sizes up to 256,
   run a simple warp-per-row kernel (correct, slow: meant for tests and small models). Backward is
-  deterministic (dq in its own pass, or with SM90_FUSED_DQ added into an fp32 accumulator in
-  key-block order under semaphores; GQA reduction in registers) and needs a workspace for
-  D = rowsum(dO * O) (and the fused backward's dQ accumulator and semaphores).
+  deterministic (dq in its own pass, GQA reduction in registers) and needs a workspace for
+  D = rowsum(dO * O).
 - "cudnn" (nvidia-cudnn-frontend, optional, imported lazily): SDPA forward with stats and SDPA
   backward, bf16; graphs built once per shape and device and cached. The backward runs cuDNN's
   deterministic algorithm unless `deterministic=False`: then cuDNN's default one, which adds dQ
@@ -34,7 +33,7 @@ import numpy as np
 
 from .. import _checks
 from ..device import device as _get_device
-from ..dtypes import BF16, BYTE, FP32, INT32
+from ..dtypes import BF16, BYTE, FP32
 from ..dtypes import dtype as _dtype
 from ._build import ceil_div, kernel_name, launch
 
@@ -49,10 +48,6 @@ _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD i
 # shared memory. The backward runs 128 query rows / 128 keys per block (two warpgroups).
 SM90_FORWARD: tuple[int, ...] = (64, 128)
 SM90_BACKWARD: tuple[int, ...] = (64, 128)
-# The wgmma backward as one kernel (dk/dv with dq fused; deterministic: dQ added in key-block order
-# under semaphores) instead of separate dq and dk/dv kernels; its workspace holds an fp32 dQ
-# accumulator (B, Hq, T, hs) beside D.
-SM90_FUSED_DQ = False
 _SM90_KEY_BLOCK = {64: 64, 128: 128}
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
@@ -168,22 +163,12 @@ def _resolve_backend(backend, device, dtype, hs: int, T: int) -> str:
 
 
 def _workspace_bytes(kind: str, backend: str, device, B: int, T: int, Hq: int, Hkv: int, hs: int,
-                     deterministic: bool = True, dtype=BF16) -> int:  # fmt: skip
+                     deterministic: bool = True) -> int:  # fmt: skip
     if backend == "cudnn" and device.is_cuda:
         return _cudnn_graph(kind, B, T, Hq, Hkv, hs, device, deterministic).workspace
-    if kind == "bwd":  # raw: D = rowsum(dO * O), fp32 (B, Hq, T), then the fused backward's dQ state
-        return sum(_raw_backward_parts(device, dtype, B, T, Hq, hs))
+    if kind == "bwd":  # raw: D = rowsum(dO * O), fp32 (B, Hq, T)
+        return -(-B * Hq * T * 4 // _ALIGN) * _ALIGN
     return 0
-
-
-def _raw_backward_parts(device, dtype, B: int, T: int, Hq: int, hs: int) -> tuple[int, ...]:
-    """Bytes of the raw backward's workspace parts, each rounded up to _ALIGN: D (B, Hq, T) fp32;
-    with the fused wgmma backward also its dQ accumulator (B, Hq, T, hs) fp32 and its semaphores
-    (B, Hq, ceil(T / 64)) int32."""
-    parts = [B * Hq * T * 4]
-    if _sm90_fused(device, dtype, hs):
-        parts += [B * Hq * T * hs * 4, B * Hq * ceil_div(T, 64) * 4]
-    return tuple(-(-n // _ALIGN) * _ALIGN for n in parts)
 
 
 def workspace_shape(B: int, T: int, n_q_heads: int, n_kv_heads: int, head_size: int, backend: str = "auto",
@@ -213,7 +198,7 @@ def workspace_shape(B: int, T: int, n_q_heads: int, n_kv_heads: int, head_size: 
     kinds = {"forward": "fwd", "backward": "bwd"}
     if not passes or any(p not in kinds for p in passes):
         raise ValueError(f"workspace_shape: passes must name 'forward' and/or 'backward', got {passes!r}")
-    return (max(_workspace_bytes(kinds[p], *args, deterministic, _dtype(dtype)) for p in passes),)
+    return (max(_workspace_bytes(kinds[p], *args, deterministic) for p in passes),)
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -358,7 +343,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _check_no_alias({"dqkv": dqkv, "workspace": workspace}, {"datt": datt, "att": att, "lse": lse, "qkv": qkv})
     _check_deterministic(deterministic, "attention_backward")
     resolved = _resolve_backend(backend, dev, qkv.dtype, hs, T)
-    need = _workspace_bytes("bwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs, bool(deterministic), qkv.dtype)
+    need = _workspace_bytes("bwd", resolved, dev, B, T, n_q_heads, n_kv_heads, hs, bool(deterministic))
     _check_workspace(workspace, need, dev, "backward")
     if B * T == 0:
         return
@@ -381,25 +366,15 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     _launch("attention_backward_dot", qkv, _simt_blocks(B * T * n_q_heads), _SIMT_THREADS, args, dev, stream)
     scale = np.float32(1.0 / math.sqrt(hs))
     args = (dqkv, datt, qkv, lse, dsum)
-    sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
-    if flash and _sm90_fused(dev, qkv.dtype, hs):
-        d_bytes, acc_bytes, sem_bytes = _raw_backward_parts(dev, qkv.dtype, B, T, n_q_heads, hs)
-        ws = workspace.flat()
-        acc = ws.rows(d_bytes, d_bytes + acc_bytes).view(FP32)
-        sem = ws.rows(d_bytes + acc_bytes, d_bytes + acc_bytes + sem_bytes)
-        sem.fill_zero(stream)
-        # K, V [128], 2 x Q, dO [64], dS^T [128][64], the dQ stash, lse and D, room to align to 1024
-        smem = (2 * 128 + 4 * 64) * hs * 2 + 128 * 64 * 2 + 64 * hs * 4 + 4 * 64 * 4 + 1024
-        launch("attention_sm90", kernel_name(f"attention_backward_fused_sm90_hs{hs}", qkv),
-               (ceil_div(T, 128), n_kv_heads, B), 256, (dqkv, acc, sem.view(INT32), datt, qkv, lse, dsum, *sizes), dev,
-               stream, shared_mem=smem)  # fmt: skip
-    elif flash and hs in SM90_BACKWARD and _is_sm90(dev):
+    if flash and hs in SM90_BACKWARD and _is_sm90(dev):
+        sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = (2 * 128 + 4 * 64) * hs * 2 + 1024  # dq: Q, dO [128], 2 x K, V [64]; dkdv: K, V [128], 2 x Q, dO
         nblk = ceil_div(T, 128)
         for kernel, heads, extra in (("dq", n_q_heads, 0), ("dkdv", n_kv_heads, 4 * 64 * 4)):  # dkdv: lse, D
             name = kernel_name(f"attention_backward_{kernel}_sm90_hs{hs}", qkv)
             launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem + extra)
     elif flash:
+        sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = 6 * _BLOCK * hs * 2  # dq: Q, dO, 2 x K, 2 x V; dkdv: K, V, 2 x Q, 2 x dO (+ lse, D)
         nblk = ceil_div(T, _BLOCK)
         _launch(f"attention_backward_dq_flash_hs{hs}", qkv, (nblk, n_q_heads, B), 128, (*args, *sizes), dev, stream,
@@ -415,11 +390,6 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
 def _is_sm90(dev) -> bool:
     """Whether attention_sm90.cu's kernels (sm_90a) run on dev: compute capability 9.0 only."""
     return getattr(dev, "compute_capability", None) == (9, 0)
-
-
-def _sm90_fused(dev, dtype, hs: int) -> bool:
-    """Whether the raw backward runs attention_sm90.cu's fused kernel (SM90_FUSED_DQ) on dev."""
-    return SM90_FUSED_DQ and dev.is_cuda and dtype == BF16 and hs in SM90_BACKWARD and _is_sm90(dev)
 
 
 def _launch(kernel: str, qkv, grid, block: int, args, dev, stream, shared_mem: int = 0) -> None:
