@@ -308,6 +308,23 @@ def test_errors(call, match):
 
 # ---- gpu: determinism, capture, and cuda against the twin ----------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("which", ["dwte", "scratch"])
+def test_cuda_rejects_a_misaligned_view(cuda, which):
+    """The hash-table kernels read dwte rows and scratch slots as 16-byte vectors: a view starting
+    inside one is refused with the tensor's name, not read across its start."""
+    n = encoder_scratch_shape(1, 6)[0]
+    flat_dwte = ce.Tensor.from_numpy(np.zeros(81, np.float32), cuda, name="dwte")
+    flat_scratch = ce.Tensor.from_numpy(np.zeros(n + 1, np.int32), cuda, name="scratch")
+    dout = ce.Tensor.from_numpy(np.zeros((1, 6, 8), np.float32), cuda, name="dout")
+    tokens = ce.Tensor.from_numpy(np.zeros((1, 6), np.int32), cuda, name="tokens")
+    shift = {"dwte": 1 if which == "dwte" else 0, "scratch": 1 if which == "scratch" else 0}  # 4 bytes in
+    dwte = flat_dwte.rows(shift["dwte"], shift["dwte"] + 80).reshape(10, 8)
+    scratch = flat_scratch.rows(shift["scratch"], shift["scratch"] + n)
+    with pytest.raises(ValueError, match=f"{which}.* is not 16-byte aligned"):
+        encoder_backward(dwte, dout, tokens, scratch)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
