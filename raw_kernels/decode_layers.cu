@@ -1,27 +1,33 @@
 // Every layer of a batch-1 decode step in one persistent launch (the "persistent" decode arm).
 //
 //   for each layer l (its weights and cache from the layer table, written once by decode_layers.py):
-//     qkv      = gemv(residual, qkv_w, norm_weight=ln1, bias=qkv_b)             (gemv.cuh, as gemv.cu)
+//     qkv      = gemv(residual, qkv_w, norm_weight=ln1, bias=qkv_b)
 //     att      = decode attention with the RoPE + cache append fused            (decode_attention.cuh)
-//     residual = gemv(att, atto_w, residual=residual)
-//     up       = gemv_dual(residual, up_w, norm_weight=ln2)
+//     residual = gemv(att, o_w, residual=residual)
+//     up       = gemv_dual(residual, up_w, norm_weight=ln2)                       ([gate | up])
 //     residual = gemv(up, down_w, act=swiglu, residual=residual)
-// Each phase is the device code of the "fused" arm's own kernels with the same K splits, so the step is
-// bit-identical to that arm; what changes is how the phases meet. The grid is BLOCKS_PER_SM blocks per
-// SM (1: 255 registers, what the attention wants; 2: 128, more warps for the GEMVs), all resident at
-// once (decode_layers.py checks the occupancy before it launches), and
-// the phases are separated by a grid-wide barrier instead of a kernel boundary: no launch, no drain of
-// the grid, no flush. Before waiting at a barrier every block issues its first weight loads of the next
-// phase (into registers: weights never depend on the step) and L2 prefetches of the weights two phases
-// ahead, so HBM keeps streaming weights while the barrier and the small phases (attention, the short
-// GEMVs) run. The attention phase runs two attention blocks per block, on threads 0-127 and 128-255.
-// Everything a phase reads that an earlier phase wrote goes through L2 (ld.global.cg / cp.async.cg).
-// sync: two uint32 counters, zero before the first launch; the last block to leave resets them.
+//
+// Dataflow instead of kernel boundaries. Weights never depend on the step, so each block streams its
+// share of them (a fixed range of rows of every linear, layer after layer) into a ring of shared-memory
+// stages with bulk copies (cp.async.bulk, completion counted by an mbarrier per stage), and refills a
+// stage as soon as its rows are used: HBM keeps delivering the next phases' and the next layer's
+// weights while the block waits for a phase's input. A phase's input (a vector of at most I elements)
+// is ready when every block has counted its part of the phase before into that phase's counter; it is
+// read through L2 (another SM wrote it; L1 is not coherent).
+// Sums: each output's dot product is split into the same K slices as gemv.cu's kernel with the same
+// split (the launcher passes the "fused" arm's), with the same lanes, order and warp reduction, and the
+// epilogue is gemv.cuh's; the attention phase is decode_attention.cuh's. So the step is bit-identical
+// to the "fused" arm's kernels.
+// sync: six uint32 counters, zero before the first launch (five phases, then the blocks that left); the
+// last block to leave resets them.
 #include "decode_attention.cuh"
 #include "gemv.cuh"
 
 constexpr int THREADS = WARPS * 32;  // the GEMV phases' block; the attention phase runs two NW-warp teams
 static_assert(THREADS == 2 * NW * 32, "two attention teams per block");
+constexpr int MAX_STAGES = 8;  // ring stages at most (decode_layers.py: _MAX_STAGES)
+constexpr int TILE_ROWS = 64;  // weight rows per stage at most (decode_layers.py: _TILE_ROWS; gate and up apart)
+enum Phase { QKV = 0, ATTENTION = 1, OUT = 2, UP = 3, DOWN = 4, LEFT = 5 };
 
 // One layer as the kernel reads it (decode_layers.py: LAYER_FIELDS, 16 pointers per layer).
 struct DecodeLayer {
@@ -41,63 +47,221 @@ struct DecodeLayer {
     const void* unused[3];
 };
 
+// ---- counters between phases -------------------------------------------------------------
+
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
-// Every block of the grid arrives, then waits until all have: `target` = arrivals expected so far.
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+// This block's part of a phase is written: count it (after every thread's stores).
+__device__ __forceinline__ void count_done(unsigned* counter) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();  // this block's writes before its arrival
+        __threadfence();
         atomicAdd(counter, 1u);
+    }
+}
+
+// Wait until `target` parts of a phase are counted; then its outputs may be read (through L2).
+__device__ __forceinline__ void wait_count(const unsigned* counter, unsigned target) {
+    if (threadIdx.x == 0)
         while (load_acquire(counter) < target) {
         }
-        __threadfence();
-    }
     __syncthreads();
 }
 
-// L2 prefetch of the first `bytes` (at most `cap`) of a weight, spread over every thread of the grid.
-__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, long long cap) {
-    const long long lines = (bytes < cap ? bytes : cap) / 128;
-    const char* base = static_cast<const char*>(p);
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < lines; i += (long long)gridDim.x * THREADS)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
+// ---- the weight ring ---------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void stage_expect(unsigned long long* full, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(full)), "r"(bytes)
+                 : "memory");
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on `full`
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* full) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(full))
+                 : "memory");
+}
+
+// Until the stage's copies of its `parity`-th use (mod 2) have landed.
+__device__ __forceinline__ void stage_wait(unsigned long long* full, unsigned parity) {
+    asm volatile(
+        "{\n\t.reg .pred ready;\n"
+        "WAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n\t"
+        "@!ready bra WAIT;\n}" ::"r"(shared_address(full)),
+        "r"(parity)
+        : "memory");
+}
+
+// The linears of a layer in the order a block streams them. A block owns rows [b n / G, (b + 1) n / G)
+// of each (for UP: gate rows and the up rows I apart, as pairs), in tiles of at most `per_tile` rows
+// (pairs) cut evenly.
+struct Linear {
+    int n, K, dual, per_tile;
+};
+__device__ __forceinline__ int tile_count(const Linear& f, int b, int G) {
+    const int rows = (int)((long long)(b + 1) * f.n / G - (long long)b * f.n / G);
+    return (rows + f.per_tile - 1) / f.per_tile;
+}
+__device__ __forceinline__ void tile_rows(const Linear& f, int b, int G, int tiles, int i, int& r0, int& r1) {
+    const int first = (int)((long long)b * f.n / G), rows = (int)((long long)(b + 1) * f.n / G) - first;
+    r0 = first + (int)((long long)i * rows / tiles);
+    r1 = first + (int)((long long)(i + 1) * rows / tiles);
+}
+
+template <typename W> struct Stream {
+    const DecodeLayer* layers;
+    Linear f[4];  // QKV, OUT, UP, DOWN
+    int tiles[4], per_layer, total, stages, stage_bytes, b, G;
+    unsigned char* ring;
+    unsigned long long* full;
+
+    __device__ const W* weights(const DecodeLayer& L, int k) const {
+        return static_cast<const W*>(k == 0 ? L.qkv_w : k == 1 ? L.o_w : k == 2 ? L.up_w : L.down_w);
+    }
+    // Tile t of this block's sequence into its stage (thread 0; nothing past the last tile).
+    __device__ void issue(int t) const {
+        if (t >= total) return;
+        const int l = t / per_layer;
+        int j = t - l * per_layer, k = 0;
+        while (j >= tiles[k]) j -= tiles[k++];
+        int r0, r1;
+        tile_rows(f[k], b, G, tiles[k], j, r0, r1);
+        const unsigned row = (unsigned)(f[k].K * sizeof(W)), bytes = (unsigned)(r1 - r0) * row;
+        const unsigned char* w = reinterpret_cast<const unsigned char*>(weights(layers[l], k));
+        unsigned char* dst = ring + (size_t)(t % stages) * stage_bytes;
+        unsigned long long* bar = full + t % stages;
+        stage_expect(bar, f[k].dual ? 2 * bytes : bytes);
+        bulk_copy(dst, w + (size_t)r0 * row, bytes, bar);
+        if (f[k].dual) bulk_copy(dst + bytes, w + ((size_t)f[k].n + r0) * row, bytes, bar);
+    }
+};
+
+// ---- one linear from the ring ------------------------------------------------------------
+
+// The block's tiles of linear k (starting at tile t of its sequence): out[n] = epilogue(x . w[n]) for its
+// rows, x staged in xs. Item (row q of the tile, slice s of S) is one warp's dot product over vectors
+// [s C / S, (s + 1) C / S) of the row, lanes 32 vectors apart: gemv_impl's sums, from shared memory.
+template <typename T, typename W>
+__device__ int run_linear(const Stream<W>& st, int k, int t, const DecodeLayer& L, T* out, const T* xs,
+                          const float* w_scale, const T* bias, const T* residual, int S, float (*s_part)[TILE_ROWS][WARPS]) {
+    constexpr int VW = 16 / sizeof(W), NT = Pack16<T>::N;
+    const Linear& f = st.f[k];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, C = f.K / VW;
+    for (int i = 0; i < st.tiles[k]; ++i, ++t) {
+        int r0, r1;
+        tile_rows(f, st.b, st.G, st.tiles[k], i, r0, r1);
+        const int pairs = r1 - r0, rows = f.dual ? 2 * pairs : pairs;
+        // the finisher of tile row q = thread q: its output column and epilogue operands, in flight now
+        const int q = threadIdx.x;
+        const int n = q < pairs ? r0 + q : r0 + q - pairs + f.n;  // UP: gate rows, then the up rows I apart
+        const int N = f.dual ? 2 * f.n : f.n;
+        const Epilogue ep = q < rows ? fetch_epilogue<T, T>(w_scale, bias, residual, 0, n, N) : Epilogue{1.f, 0.f, 0.f};
+        stage_wait(st.full + t % st.stages, (unsigned)(t / st.stages) & 1u);
+        const W* sw = reinterpret_cast<const W*>(st.ring + (size_t)(t % st.stages) * st.stage_bytes);
+        float (*part)[WARPS] = s_part[t & 1];
+        for (int item = warp; item < rows * S; item += WARPS) {
+            const int r = item / S, s = item - r * S;
+            const int c0 = (int)((long long)s * C / S), c1 = (int)((long long)(s + 1) * C / S);
+            const W* wrow = sw + (size_t)r * f.K;
+            float acc = 0.f;
+            for (int c = c0 + lane; c < c1; c += 32) {
+                const uint4 v = *reinterpret_cast<const uint4*>(wrow + (size_t)c * VW);
+                const unsigned words[4] = {v.x, v.y, v.z, v.w};
+                #pragma unroll
+                for (int h = 0; h < VW / NT; ++h) {
+                    float wf[NT];
+                    #pragma unroll
+                    for (int e = 0; e < NT; ++e) wf[e] = widen<W>(words[(h * NT + e) / (VW / 4)], (h * NT + e) % (VW / 4));
+                    const Pack16<T> xv = Pack16<T>::load(xs + (size_t)c * VW + h * NT);
+                    #pragma unroll
+                    for (int e = 0; e < NT; ++e) acc = fmaf(to_float(xv.v[e]), wf[e], acc);
+                }
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) part[r][s] = acc;
+        }
+        __syncthreads();  // the stage is used up and the partials are in
+        if (threadIdx.x == 0) st.issue(t + st.stages);
+        if (q < rows) {
+            float y = part[q][0];
+            if (S > 1) {
+                y = 0.f;
+                for (int s = 0; s < S; ++s) y += part[q][s];
+            }
+            finish<T>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, 0, n, N);
+        }
+    }
+    return t;
+}
+
+// The input of a linear into xs (decode rows are 1): gemv.cuh's staging, with its norm or SwiGLU.
+template <typename T>
+__device__ void stage(T* xs, float* s_rstd, const T* x, const T* norm_weight, float eps, int prologue, int K) {
+    stage_input<T, 1>(xs, s_rstd, x, norm_weight, eps, prologue, 0, 1, K);
+    __syncthreads();
+}
+
+// One kernel per (T, W, attention layout, q heads per attention block GM), instantiated on demand by
+// name expression (decode_layers.py: the kernel name) so that a process compiles only the variant it runs.
 template <typename T, typename W, int VN, int NV, int LP, int GM>
-__device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up,
-                                   float* scratch, const int* lengths, const typename RopeTable<T>::F* freqs,
-                                   unsigned* sync, int C, int I, int Hq, int Hkv, int hs, int max_seq, int max_pos,
-                                   float eps, int S_att, int tiles, int tile_heads, float scale_log2,
-                                   long long part_offset, int s_qkv, int s_o, int s_up, int s_down,
-                                   long long prefetch_cap) {
-    extern __shared__ __align__(16) unsigned char dyn[];
+__global__ void __launch_bounds__(THREADS, 1)
+    decode_layers(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up, float* scratch,
+                  const int* lengths, const typename RopeTable<T>::F* freqs, unsigned* sync, int C, int I, int Hq,
+                  int Hkv, int hs, int max_seq, int max_pos, float eps, int S_att, int tiles, int tile_heads,
+                  float scale_log2, long long part_offset, int s_qkv, int s_o, int s_up, int s_down, int stages,
+                  int stage_bytes) {
+    extern __shared__ __align__(128) unsigned char dyn[];
+    __shared__ __align__(8) unsigned long long full[MAX_STAGES];
+    __shared__ float s_part[2][TILE_ROWS][WARPS];
+    __shared__ float s_rstd[1];
     const int block = blockIdx.x, G = gridDim.x;
     const int Q = (Hq + 2 * Hkv) * hs, A = Hq * hs;
-    unsigned crossed = 0;
-    bool started = false;
-    // A phase's wait: the first one (the encoder wrote the residual before this launch) is free.
-    const auto wait = [&] {
-        if (started) grid_barrier(sync, ++crossed * (unsigned)G);
-        started = true;
-    };
-    const long long wb = sizeof(W);
+    const int row_cap = stage_bytes / (int)sizeof(W);  // weights per stage
+    Stream<W> st;
+    st.layers = layers;
+    st.f[0] = {Q, C, 0, min(TILE_ROWS, row_cap / C)};
+    st.f[1] = {C, A, 0, min(TILE_ROWS, row_cap / A)};
+    st.f[2] = {I, C, 1, min(TILE_ROWS / 2, row_cap / (2 * C))};
+    st.f[3] = {C, I, 0, min(TILE_ROWS, row_cap / I)};
+    st.per_layer = 0;
+    for (int k = 0; k < 4; ++k) st.per_layer += st.tiles[k] = tile_count(st.f[k], block, G);
+    st.total = st.per_layer * n_layers;
+    st.stages = stages;
+    st.stage_bytes = stage_bytes;
+    st.b = block;
+    st.G = G;
+    st.ring = dyn;
+    st.full = full;
+    T* xs = reinterpret_cast<T*>(dyn + (size_t)stages * stage_bytes);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(full + s)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int t = 0; t < stages; ++t) st.issue(t);
+    }
+    __syncthreads();
+
     const int ny = Hkv * tiles, nvb = S_att * ny;  // attention blocks of the row
     const int team = threadIdx.x / (NW * 32);
-    float* sm_wt = reinterpret_cast<float*>(dyn) + team * tile_heads * S_att;
+    float* sm_wt = reinterpret_cast<float*>(xs) + team * tile_heads * S_att;
+    int t = 0;  // this block's next tile
     for (int l = 0; l < n_layers; ++l) {
         const DecodeLayer L = layers[l];
-        const DecodeLayer* next = l + 1 < n_layers ? layers + l + 1 : nullptr;
-        prefetch_l2(L.o_w, wb * C * A, prefetch_cap);
-        gemv_impl<T, W, T, 1>(qkv, residual, static_cast<const W*>(L.qkv_w), L.qkv_scale,
-                              static_cast<const T*>(L.qkv_b), (const T*)nullptr, static_cast<const T*>(L.ln1), eps,
-                              PRO_NORM, 0, 1, C, Q, s_qkv, block, G, wait);
-        prefetch_l2(L.up_w, wb * 2 * I * C, prefetch_cap);
-        wait();
+        const unsigned done = (unsigned)G * (l + 1);  // each block counts each phase once per layer
+        if (l > 0) wait_count(sync + DOWN, (unsigned)G * l);
+        if (st.tiles[0]) stage(xs, s_rstd, residual, static_cast<const T*>(L.ln1), eps, PRO_NORM, C);
+        t = run_linear<T, W>(st, 0, t, L, qkv, xs, L.qkv_scale, static_cast<const T*>(L.qkv_b), (const T*)nullptr,
+                             s_qkv, s_part);
+        count_done(sync + QKV);
+        wait_count(sync + QKV, done);
         for (int v = team * G + block; v < nvb; v += 2 * G) {
             const int s = v % S_att, y = v / S_att;
             if (team == 0)
@@ -111,36 +275,21 @@ __device__ void decode_layers_impl(const DecodeLayer* layers, int n_layers, T* r
                                                    tiles, tile_heads, scale_log2, part_offset, true, freqs, max_pos, s,
                                                    y, 0, ny, sm_wt);
         }
-        prefetch_l2(L.down_w, wb * C * I, prefetch_cap);
-        gemv_impl<T, W, T, 1>(residual, att, static_cast<const W*>(L.o_w), L.o_scale, (const T*)nullptr, residual,
-                              (const T*)nullptr, eps, PRO_NONE, 0, 1, A, C, s_o, block, G, wait);
-        if (next) prefetch_l2(next->qkv_w, wb * Q * C, prefetch_cap);
-        gemv_impl<T, W, T, 1>(up, residual, static_cast<const W*>(L.up_w), L.up_scale, (const T*)nullptr,
-                              (const T*)nullptr, static_cast<const T*>(L.ln2), eps, PRO_NORM, 1, 1, C, 2 * I, s_up,
-                              block, G, wait);
-        gemv_impl<T, W, T, 1>(residual, up, static_cast<const W*>(L.down_w), L.down_scale, (const T*)nullptr,
-                              residual, (const T*)nullptr, eps, PRO_SWIGLU, 0, 1, I, C, s_down, block, G, wait);
+        count_done(sync + ATTENTION);
+        wait_count(sync + ATTENTION, done);
+        if (st.tiles[1]) stage(xs, s_rstd, att, (const T*)nullptr, eps, PRO_NONE, A);
+        t = run_linear<T, W>(st, 1, t, L, residual, xs, L.o_scale, (const T*)nullptr, residual, s_o, s_part);
+        count_done(sync + OUT);
+        wait_count(sync + OUT, done);
+        if (st.tiles[2]) stage(xs, s_rstd, residual, static_cast<const T*>(L.ln2), eps, PRO_NORM, C);
+        t = run_linear<T, W>(st, 2, t, L, up, xs, L.up_scale, (const T*)nullptr, (const T*)nullptr, s_up, s_part);
+        count_done(sync + UP);
+        wait_count(sync + UP, done);
+        if (st.tiles[3]) stage(xs, s_rstd, up, (const T*)nullptr, eps, PRO_SWIGLU, I);
+        t = run_linear<T, W>(st, 3, t, L, residual, xs, L.down_scale, (const T*)nullptr, residual, s_down, s_part);
+        count_done(sync + DOWN);
     }
-    // The last block out resets the counters for the next launch: every block has passed every barrier.
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(sync + 1, 1u) == (unsigned)G - 1) {
-        sync[0] = 0;
-        sync[1] = 0;
-    }
-}
-
-// One kernel per (T, W, attention layout, q heads per attention block GM, resident blocks per SM),
-// instantiated on demand by name expression
-// (decode_layers.py: kernel_expression) so that a process compiles only the variant it runs:
-// each inlines a whole decode layer and takes NVRTC about 18 s.
-template <typename T, typename W, int VN, int NV, int LP, int GM, int BLOCKS_PER_SM>
-__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-    decode_layers(const DecodeLayer* layers, int n_layers, T* residual, T* qkv, T* att, T* up, float* scratch,
-                  const int* lengths, const typename RopeTable<T>::F* freqs, unsigned* sync, int C, int I, int Hq,
-                  int Hkv, int hs, int max_seq, int max_pos, float eps, int S_att, int tiles, int tile_heads,
-                  float scale_log2, long long part_offset, int s_qkv, int s_o, int s_up, int s_down,
-                  long long prefetch_cap) {
-    decode_layers_impl<T, W, VN, NV, LP, GM>(layers, n_layers, residual, qkv, att, up, scratch, lengths, freqs, sync, C,
-                                         I, Hq, Hkv, hs, max_seq, max_pos, eps, S_att, tiles, tile_heads, scale_log2,
-                                         part_offset, s_qkv, s_o, s_up, s_down, prefetch_cap);
+    // The last block out resets the counters for the next launch: every block has passed every wait.
+    if (threadIdx.x == 0 && atomicAdd(sync + LEFT, 1u) == (unsigned)G - 1)
+        for (int k = 0; k <= LEFT; ++k) sync[k] = 0;
 }

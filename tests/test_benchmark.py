@@ -1,6 +1,7 @@
 """cuengine.benchmark: the one timer and ceilings table of the bench scripts and `cuengine bench`."""
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,6 +97,15 @@ def _tool(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "tools").glob("*.py")), ids=lambda p: p.name
+)
+def test_every_tool_imports(path):
+    """A script that stopped importing (a helper it takes from another tool renamed) is found here,
+    not on the GPU machine."""
+    _tool(path.stem)
 
 
 def test_fp8_loss_curve_gap(tmp_path):

@@ -47,4 +47,4 @@ def test_decode_layers_instantiation_compiles():
     the file alone instantiates nothing, so compile the variant the 0.5B model's bf16 decode runs."""
     from cuengine.kernels._build import kernel_dir
 
-    _compile(kernel_dir() / "decode_layers.cu", "decode_layers<__nv_bfloat16, __nv_bfloat16, 8, 1, 8, 1, 1>")
+    _compile(kernel_dir() / "decode_layers.cu", "decode_layers<__nv_bfloat16, __nv_bfloat16, 8, 1, 8, 1>")

@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copy_case, fill, tensor  # noqa: E402
+from bench_kernels import fill, tensor  # noqa: E402
 
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import time_ms  # noqa: E402
@@ -53,8 +53,8 @@ TARGET_BOUND = 1.5  # batch-1 bf16 per-token time target: 1.5 x the bound (0.5B)
 # ---- shared ---------------------------------------------------------------------------------
 def copy_bandwidth(dev) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write), timed like the kernels."""
-    _, _, nbytes, fn = next(copy_case(dev, 1))
-    return nbytes / (time_ms(dev, fn, warmup=3, iters=10) / 1e3)
+    src, dst = (ce.Tensor.empty(ce.BYTE, (1 << 30,), dev) for _ in range(2))
+    return 2 * src.nbytes / (time_ms(dev, lambda: dev.copy_async(dst, src), warmup=3, iters=10) / 1e3)
 
 
 def engine(preset: str, max_batch: int, max_seq: int, weights: str):
@@ -124,9 +124,9 @@ def launches(st, fn) -> int:
 
 # ---- sections -------------------------------------------------------------------------------
 def token_section(args, dev, bw) -> list[str]:
-    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; L2 prefetch "
-            f"{decode_layers.PREFETCH_BYTES >> 20} MB per weight, {decode_layers.BLOCKS_PER_SM} block(s) per SM "
-            f"(persistent); attention blocks of up to {decode_attention.SMALL_BATCH_TILE_HEADS} q heads", "",
+    rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; weight ring stages of "
+            f"{decode_layers.STAGE_BYTES >> 10} KB (persistent); attention blocks of up to "
+            f"{decode_attention.SMALL_BATCH_TILE_HEADS} q heads", "",
             f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
@@ -391,16 +391,13 @@ def main(argv=None) -> int:
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
     p.add_argument("--arms", nargs="+", default=["fused", "persistent"], help="token: the batch-1 arms to time")
-    p.add_argument("--prefetch-mb", type=int, help="token: the persistent arm's L2 prefetch per weight (MB)")
-    p.add_argument("--blocks-per-sm", type=int, choices=(1, 2), help="token: the persistent arm's blocks per SM")
+    p.add_argument("--stage-kb", type=int, help="token: the persistent arm's weight ring stage (KB)")
     p.add_argument("--tile-heads", type=int, choices=(1, 2, 4, 8),
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
-    if args.prefetch_mb is not None:
-        decode_layers.PREFETCH_BYTES = args.prefetch_mb << 20
-    if args.blocks_per_sm is not None:
-        decode_layers.BLOCKS_PER_SM = args.blocks_per_sm
+    if args.stage_kb is not None:
+        decode_layers.STAGE_BYTES = args.stage_kb << 10
     if args.tile_heads is not None:
         decode_attention.SMALL_BATCH_TILE_HEADS = args.tile_heads
     if args.peer_child:

@@ -122,15 +122,14 @@ class InferenceState:
                                  decode_attention.decode_attention_scratch_shape(B, Hq, hs, S)).fill_zero()  # fmt: skip
             template = np.asarray(sampling.sampling_params(0.0, 0, 1.0, 0))
             self.params = a(_dtype(template.dtype), "sampling_params", template.shape)
-            # the "persistent" arm (batch 1, one launch for every layer; only when forced: on the H200 it is
-            # still slower than "fused", see BENCHMARKS.md): its layer table and barrier counters
-            self.persistent_why = decode_layers.unsupported(cfg, dt, dev, 1)
+            # the "persistent" arm (batch 1, one launch for every layer): its layer table and phase counters
+            self.persistent_why = decode_layers.unsupported(cfg, dt, dev, 1, FP8_E4M3 if weights == "fp8" else dt)
             self.layer_weights = self.layer_table = self.layer_sync = None
             if self.persistent_why is None:
                 self.layer_weights = [self._layer_weights(i) for i in range(L)]
                 self.layer_table = a(INT32, "decode_layer_table", decode_layers.layer_table_shape(L))
                 decode_layers.write_layer_table(self.layer_table, self.layer_weights)
-                self.layer_sync = a(INT32, "decode_layer_sync", (2,)).fill_zero()
+                self.layer_sync = a(INT32, "decode_layer_sync", decode_layers.sync_shape()).fill_zero()
             # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows
             self.p_res = a(dt, "prefill_residual", (S, C))
             self.p_res_att = a(dt, "prefill_res_att", (S, C))

@@ -2,11 +2,12 @@
 
 At batch 1 a decode layer is five small kernels (the qkv GEMV, the attention with its RoPE and
 cache append, the output projection, the gate/up GEMV, the down GEMV), each reading 1–17 MB of
-weights; on the H200 each took 6–15 µs against the 0.5–4 µs its bytes need, the rest being launch,
-ramp-up and drain. This launcher runs the same device code (gemv.cuh, decode_attention.cuh) for
-all layers from one grid of one block per SM, with grid-wide barriers between the phases, and
-each block loads its next phase's first weights and prefetches later weights into L2 before it
-waits. Results are bit-identical to the "fused" arm's kernels (same K splits, same sums).
+weights; on the H200 each took 4–15 µs against the 0.5–4 µs its bytes need, the rest being launch,
+ramp-up and drain. This launcher runs all layers from one grid of one block per SM. Each block
+streams its rows of every weight into a ring of shared-memory stages (bulk copies, refilled as soon
+as a stage is used), so HBM keeps delivering weights while a phase waits for its input; the phases
+meet at counters, not kernel boundaries. The sums are those of the "fused" arm's kernels (same K
+splits, lanes and order; the attention is its device code), so the logits are bit-identical.
 
 The layer table is written once (`write_layer_table`): the device addresses of each layer's
 weights and cache, so the launch itself carries only scalars and stays capturable in a graph.
@@ -34,13 +35,20 @@ _THREADS = 256  # THREADS in decode_layers.cu: the GEMV's 8 warps, or two 4-warp
 # attention layouts with a compiled variant (q-head tiles of 8): (VN, NV, LP) per model dtype
 _LAYOUTS = {"bf16": {"v8": (8, 1, 8), "v16": (8, 1, 16)}, "fp32": {"v16": (4, 1, 16), "v32": (4, 1, 32)}}
 _CTYPE = {"bf16": "__nv_bfloat16", "fp32": "float", "e4m3": "__nv_fp8_e4m3"}
-PREFETCH_BYTES = 16 << 20  # L2 prefetch per weight, at most (a third of the H200's 50 MB L2)
-BLOCKS_PER_SM = 1  # resident blocks per SM the kernel is compiled for (1 or 2); bench_decode --blocks-per-sm
+STAGE_BYTES = 32 << 10  # one ring stage: whole weight rows (gate and up rows in pairs), at most 64 (TILE_ROWS)
+_MAX_STAGES = 8  # MAX_STAGES in decode_layers.cu
+_SYNC = 6  # counters: five phases and the blocks that left
+_MAX_SHARED = 227 * 1024  # shared memory one block may take on sm_90
 
 
 def layer_table_shape(n_layers: int) -> tuple[int, int]:
     """(n_layers, 32) int32: 16 device addresses of 8 bytes per layer."""
     return (n_layers, 2 * _SLOTS)
+
+
+def sync_shape() -> tuple[int]:
+    """(6,) int32: the phase counters; zeroed once, every launch leaves them at zero."""
+    return (_SYNC,)
 
 
 def write_layer_table(table, layers: list[dict]) -> None:
@@ -55,14 +63,23 @@ def write_layer_table(table, layers: list[dict]) -> None:
     table.copy_from_numpy(ptrs.view(np.int32))
 
 
-def unsupported(cfg, dtype, device, b: int) -> str | None:
-    """Why the persistent step cannot run this model and batch on `device` (None when it can)."""
+def unsupported(cfg, dtype, device, b: int, weight_dtype=None) -> str | None:
+    """Why the persistent step cannot run this model and batch on `device` (None when it can);
+    weight_dtype: the decode weights' dtype (default: the model dtype)."""
     if b != 1:
         return f"the persistent decode step runs batch 1 only, got {b} rows"
     if cfg.qk_norm:
         return "the persistent decode step has no QK-norm phase (Qwen3)"
     if device.is_cuda and _layout(dtype, cfg.head_size) is None:
         return f"no persistent decode variant for {dtype} with head size {cfg.head_size}"
+    if device.is_cuda and device.compute_capability < (9, 0):
+        return "the persistent decode step needs compute capability 9.0 (bulk copies into shared memory)"
+    size = (weight_dtype or dtype).itemsize
+    A = cfg.num_q_heads * cfg.head_size
+    for what, row in (("a down row", cfg.intermediate_size), ("a gate and up row pair", 2 * cfg.hidden_size),
+                      ("an output row", A)):  # fmt: skip
+        if row * size > STAGE_BYTES:
+            return f"{what} ({row * size} bytes) does not fit a {STAGE_BYTES}-byte stage of the weight ring"
     return None
 
 
@@ -87,21 +104,20 @@ def decode_layers_np(layers: list[dict], residual, qkv, att, up, lengths, freqs,
 
 
 def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dict], lengths, freqs, n_q_heads: int,
-                  n_kv_heads: int, eps: float, prefetch_bytes: int | None = None, stream=None) -> None:  # fmt: skip
+                  n_kv_heads: int, eps: float, stream=None) -> None:  # fmt: skip
     """Run every layer of one batch-1 decode step on residual, in place.
 
     Args:
         residual: (1, C) bf16 or fp32, the step's hidden state: in = the token's embedding, out = the
             last layer's output (before the final norm).
         qkv (1, (Hq + 2*Hkv) * hs), att (1, Hq * hs), up (1, 2I): scratch of the model dtype.
-        scratch: decode_attention's fp32 scratch (zeroed once). sync: (2,) int32, zeroed once; each
+        scratch: decode_attention's fp32 scratch (zeroed once). sync: (6,) int32, zeroed once; each
             launch leaves it at zero. table: from write_layer_table(table, layers).
         layers: per layer, LAYER_FIELDS -> Tensor: qkv_w (Q, C), o_w (C, A), up_w (2I, C) [gate | up],
             down_w (C, I) in the model dtype, or e4m3 with their (N,) fp32 row scales; qkv_b (Q,) or
             None; ln1, ln2 (C,); k_cache, v_cache (max_batch, Hkv, max_seq, hs), row 0 is this row's.
         lengths: (1,) int32 on the device: the row attends to [0, lengths[0]); its new k, v go to
             position lengths[0] - 1 (as decode_attention with freqs). freqs: the RoPE table.
-        prefetch_bytes: L2 prefetch per weight, at most (0 turns it off; None: PREFETCH_BYTES).
     Raises ValueError for what the kernel does not take (see `unsupported` for the model-level
     reasons). NumPy equivalent: decode_layers_np.
     """
@@ -121,7 +137,7 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     expect(up, f"{what} up", dt, (1, 2 * I))
     expect(lengths, f"{what} lengths", INT32, (1,))
     expect(freqs, f"{what} freqs", FP16 if dt == BF16 else FP32, (None, hs))
-    expect(sync, f"{what} sync", INT32, (2,))
+    expect(sync, f"{what} sync", INT32, (_SYNC,))
     expect(table, f"{what} table", INT32, layer_table_shape(len(layers)))
     wdt = layers[0]["qkv_w"].dtype
     for i, L in enumerate(layers):
@@ -152,6 +168,10 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     layout = _layout(dt, hs)
     if layout is None:
         raise ValueError(f"{what}: no variant for {dt} with head size {hs}")
+    for name, row in (("down", I), ("gate and up pair", 2 * C), ("output", A)):
+        if row * wdt.itemsize > STAGE_BYTES:
+            raise ValueError(f"{what}: a {name} row of {row * wdt.itemsize} bytes does not fit a {STAGE_BYTES}-byte "
+                             "stage")  # fmt: skip
     tiles, tile_heads = da.tile_heads(1, Hq, Hkv, dev.num_sms)
     counter_rows = da._counter_rows(hs)
     S = max(1, min(da._splits(1, max_seq, Hkv * tiles, dev.num_sms), scratch.shape[0] - counter_rows,
@@ -160,30 +180,33 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     splits = [gv._split(n, k // vec) for n, k in ((Q, C), (C, A), (2 * I, C), (C, I))]
     VN, NV, LP = _LAYOUTS[dt.name][layout]
     gm = 1 << (tile_heads - 1).bit_length()  # the split kernel decode_attention launches for these heads
-    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {gm}, {BLOCKS_PER_SM}>"
-    smem = max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S)
-    grid = _resident_grid(dev, name, smem)
+    name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {gm}>"
+    xs_bytes = max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S)
+    grid, stages = _launch_shape(dev, name, xs_bytes, STAGE_BYTES)
     args = (table, np.int32(len(layers)), residual, qkv, att, up, scratch, lengths, freqs, sync, np.int32(C),
             np.int32(I), np.int32(Hq), np.int32(Hkv), np.int32(hs), np.int32(max_seq), np.int32(freqs.shape[0]),
             np.float32(eps), np.int32(S), np.int32(tiles), np.int32(tile_heads),
             np.float32(math.log2(math.e) / math.sqrt(hs)), np.int64(counter_rows * Hq * (hs + 2)),
-            *(np.int32(s) for s in splits), np.int64(PREFETCH_BYTES if prefetch_bytes is None else prefetch_bytes),
-            )  # fmt: skip
-    _build.launch(FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=smem)
+            *(np.int32(s) for s in splits), np.int32(stages), np.int32(STAGE_BYTES))  # fmt: skip
+    _build.launch(FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=stages * STAGE_BYTES + xs_bytes)
 
 
 @functools.cache
-def _resident_grid(dev, name: str, smem: int) -> int:
-    """BLOCKS_PER_SM blocks per SM, after checking that they fit: the barriers need every block
-    resident at once (a grid that did not fit would wait forever at the first barrier)."""
+def _launch_shape(dev, name: str, xs_bytes: int, stage_bytes: int) -> tuple[int, int]:
+    """(grid, ring stages): one block per SM with as many stages as the shared memory left by the
+    kernel's static arrays and the staged input holds, after checking that the block fits an SM: the
+    phases' counters need every block resident at once (a grid that did not would wait forever)."""
     import cupy
 
     fn = _build.function(FAMILY, name, dev.index)
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem
+    stages = min(_MAX_STAGES, (_MAX_SHARED - fn.shared_size_bytes - xs_bytes) // stage_bytes)
+    if stages < 2:
+        raise ValueError(f"decode_layers: {xs_bytes} bytes of staged input leave no room for two {stage_bytes}-byte "
+                         "stages")  # fmt: skip
+    smem = stages * stage_bytes + xs_bytes
+    fn.max_dynamic_shared_size_bytes = smem
     with dev.activate():
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, _THREADS, smem)
-    if per_sm < BLOCKS_PER_SM:
-        raise ValueError(f"decode_layers: {BLOCKS_PER_SM} blocks of {name} do not fit an SM ({smem} bytes of "
-                         f"shared memory; {per_sm} fit)")  # fmt: skip
-    return dev.num_sms * BLOCKS_PER_SM
+    if per_sm < 1:
+        raise ValueError(f"decode_layers: a block of {name} does not fit an SM ({smem} bytes of shared memory)")
+    return dev.num_sms, stages
