@@ -74,6 +74,11 @@ __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned tar
 
 // ---- the weight ring ---------------------------------------------------------------------
 
+// Dynamic shared memory: the ring (stages x stage_bytes), the staged input or the attention's merge
+// weights (xs_bytes), the weights' addresses (4 per layer). Declared here, so that reads through it are
+// shared-memory loads (a pointer passed around would be generic).
+extern __shared__ __align__(128) unsigned char dyn[];
+
 __device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void stage_expect(unsigned long long* full, unsigned bytes) {
@@ -105,27 +110,28 @@ __device__ __forceinline__ void stage_wait(unsigned long long* full, unsigned pa
 struct Linear {
     int n, K, dual, per_tile;
 };
+// (32-bit products: b n < 2^31 for every grid and linear the launcher accepts)
 __device__ __forceinline__ int tile_count(const Linear& f, int b, int G) {
-    const int rows = (int)((long long)(b + 1) * f.n / G - (long long)b * f.n / G);
+    const int rows = (b + 1) * f.n / G - b * f.n / G;
     return (rows + f.per_tile - 1) / f.per_tile;
 }
 __device__ __forceinline__ void tile_rows(const Linear& f, int b, int G, int tiles, int i, int& r0, int& r1) {
-    const int first = (int)((long long)b * f.n / G), rows = (int)((long long)(b + 1) * f.n / G) - first;
-    r0 = first + (int)((long long)i * rows / tiles);
-    r1 = first + (int)((long long)(i + 1) * rows / tiles);
+    const int first = b * f.n / G, rows = (b + 1) * f.n / G - first;
+    r0 = first + i * rows / tiles;
+    r1 = first + (i + 1) * rows / tiles;
 }
 
+// The thread that issues the bulk copies: not one that fences (count_done's thread 0, an attention
+// team's first thread), since a fence may wait for the copies its warp has in flight.
+constexpr int ISSUER = THREADS - 1;
+
 template <typename W> struct Stream {
-    const DecodeLayer* layers;
-    Linear f[4];  // QKV, OUT, UP, DOWN
+    const unsigned char* const* weights;  // per layer: qkv_w, o_w, up_w, down_w (shared memory)
+    Linear f[4];                          // QKV, OUT, UP, DOWN
     int tiles[4], per_layer, total, stages, stage_bytes, b, G;
-    unsigned char* ring;
     unsigned long long* full;
 
-    __device__ const W* weights(const DecodeLayer& L, int k) const {
-        return static_cast<const W*>(k == 0 ? L.qkv_w : k == 1 ? L.o_w : k == 2 ? L.up_w : L.down_w);
-    }
-    // Tile t of this block's sequence into its stage (thread 0; nothing past the last tile).
+    // Tile t of this block's sequence into its stage (ISSUER only; nothing past the last tile).
     __device__ void issue(int t) const {
         if (t >= total) return;
         const int l = t / per_layer;
@@ -134,8 +140,8 @@ template <typename W> struct Stream {
         int r0, r1;
         tile_rows(f[k], b, G, tiles[k], j, r0, r1);
         const unsigned row = (unsigned)(f[k].K * sizeof(W)), bytes = (unsigned)(r1 - r0) * row;
-        const unsigned char* w = reinterpret_cast<const unsigned char*>(weights(layers[l], k));
-        unsigned char* dst = ring + (size_t)(t % stages) * stage_bytes;
+        const unsigned char* w = weights[4 * l + k];
+        unsigned char* dst = dyn + (size_t)(t % stages) * stage_bytes;
         unsigned long long* bar = full + t % stages;
         stage_expect(bar, f[k].dual ? 2 * bytes : bytes);
         bulk_copy(dst, w + (size_t)r0 * row, bytes, bar);
@@ -146,14 +152,18 @@ template <typename W> struct Stream {
 // ---- one linear from the ring ------------------------------------------------------------
 
 // The block's tiles of linear k (starting at tile t of its sequence): out[n] = epilogue(x . w[n]) for its
-// rows, x staged in xs. Item (row q of the tile, slice s of S) is one warp's dot product over vectors
-// [s C / S, (s + 1) C / S) of the row, lanes 32 vectors apart: gemv_impl's sums, from shared memory.
+// rows, x staged past the ring. Item (row q of the tile, slice s of S) is one warp's dot product over
+// vectors [s C / S, (s + 1) C / S) of the row, lanes 32 vectors apart, and thread q sums row q's slices
+// in order: gemv_impl's sums, from shared memory. (A warp per row pair with its slices in turn, no
+// barrier per tile, was slower: 3 rows of 4864 left 6 of 8 warps idle; PERF_NOTES 20.)
 template <typename T, typename W>
-__device__ int run_linear(const Stream<W>& st, int k, int t, const DecodeLayer& L, T* out, const T* xs,
-                          const float* w_scale, const T* bias, const T* residual, int S, float (*s_part)[TILE_ROWS][WARPS]) {
+__device__ int run_linear(const Stream<W>& st, int k, int t, T* out, const float* w_scale, const T* bias,
+                          const T* residual, int S, float (*s_part)[TILE_ROWS][WARPS]) {
     constexpr int VW = 16 / sizeof(W), NT = Pack16<T>::N;
     const Linear& f = st.f[k];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, C = f.K / VW;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, C = f.K / VW, N = f.dual ? 2 * f.n : f.n;
+    const int log_s = __ffs(S) - 1;  // S is a power of two (gemv.py: _SPLITS), so slices are shifts
+    const T* xs = reinterpret_cast<const T*>(dyn + (size_t)st.stages * st.stage_bytes);
     for (int i = 0; i < st.tiles[k]; ++i, ++t) {
         int r0, r1;
         tile_rows(f, st.b, st.G, st.tiles[k], i, r0, r1);
@@ -161,16 +171,17 @@ __device__ int run_linear(const Stream<W>& st, int k, int t, const DecodeLayer& 
         // the finisher of tile row q = thread q: its output column and epilogue operands, in flight now
         const int q = threadIdx.x;
         const int n = q < pairs ? r0 + q : r0 + q - pairs + f.n;  // UP: gate rows, then the up rows I apart
-        const int N = f.dual ? 2 * f.n : f.n;
         const Epilogue ep = q < rows ? fetch_epilogue<T, T>(w_scale, bias, residual, 0, n, N) : Epilogue{1.f, 0.f, 0.f};
-        stage_wait(st.full + t % st.stages, (unsigned)(t / st.stages) & 1u);
-        const W* sw = reinterpret_cast<const W*>(st.ring + (size_t)(t % st.stages) * st.stage_bytes);
+        const int slot = t % st.stages;
+        stage_wait(st.full + slot, (unsigned)(t / st.stages) & 1u);
+        const W* sw = reinterpret_cast<const W*>(dyn + (size_t)slot * st.stage_bytes);
         float (*part)[WARPS] = s_part[t & 1];
-        for (int item = warp; item < rows * S; item += WARPS) {
-            const int r = item / S, s = item - r * S;
-            const int c0 = (int)((long long)s * C / S), c1 = (int)((long long)(s + 1) * C / S);
+        for (int item = warp; item < rows << log_s; item += WARPS) {
+            const int r = item >> log_s, s = item & (S - 1);
+            const int c0 = s * C >> log_s, c1 = (s + 1) * C >> log_s;  // gemv_impl's slice * C / S
             const W* wrow = sw + (size_t)r * f.K;
             float acc = 0.f;
+            #pragma unroll 4
             for (int c = c0 + lane; c < c1; c += 32) {
                 const uint4 v = *reinterpret_cast<const uint4*>(wrow + (size_t)c * VW);
                 const unsigned words[4] = {v.x, v.y, v.z, v.w};
@@ -188,7 +199,7 @@ __device__ int run_linear(const Stream<W>& st, int k, int t, const DecodeLayer& 
             if (lane == 0) part[r][s] = acc;
         }
         __syncthreads();  // the stage is used up and the partials are in
-        if (threadIdx.x == 0) st.issue(t + st.stages);
+        if (threadIdx.x == ISSUER) st.issue(t + st.stages);
         if (q < rows) {
             float y = part[q][0];
             if (S > 1) {
@@ -216,8 +227,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   const int* lengths, const typename RopeTable<T>::F* freqs, unsigned* sync, int C, int I, int Hq,
                   int Hkv, int hs, int max_seq, int max_pos, float eps, int S_att, int tiles, int tile_heads,
                   float scale_log2, long long part_offset, int s_qkv, int s_o, int s_up, int s_down, int stages,
-                  int stage_bytes) {
-    extern __shared__ __align__(128) unsigned char dyn[];
+                  int stage_bytes, int xs_bytes) {
     __shared__ __align__(8) unsigned long long full[MAX_STAGES];
     __shared__ float s_part[2][TILE_ROWS][WARPS];
     __shared__ float s_rstd[1];
@@ -225,7 +235,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int Q = (Hq + 2 * Hkv) * hs, A = Hq * hs;
     const int row_cap = stage_bytes / (int)sizeof(W);  // weights per stage
     Stream<W> st;
-    st.layers = layers;
     st.f[0] = {Q, C, 0, min(TILE_ROWS, row_cap / C)};
     st.f[1] = {C, A, 0, min(TILE_ROWS, row_cap / A)};
     st.f[2] = {I, C, 1, min(TILE_ROWS / 2, row_cap / (2 * C))};
@@ -237,10 +246,18 @@ __global__ void __launch_bounds__(THREADS, 1)
     st.stage_bytes = stage_bytes;
     st.b = block;
     st.G = G;
-    st.ring = dyn;
     st.full = full;
     T* xs = reinterpret_cast<T*>(dyn + (size_t)stages * stage_bytes);
-    if (threadIdx.x == 0) {
+    // the weights' addresses, read by every issue: in shared memory past the staged input
+    const unsigned char** weights = reinterpret_cast<const unsigned char**>(dyn + (size_t)stages * stage_bytes + xs_bytes);
+    for (int i = threadIdx.x; i < 4 * n_layers; i += THREADS) {
+        const DecodeLayer& L = layers[i / 4];
+        const int k = i % 4;
+        weights[i] = static_cast<const unsigned char*>(k == 0 ? L.qkv_w : k == 1 ? L.o_w : k == 2 ? L.up_w : L.down_w);
+    }
+    st.weights = weights;
+    __syncthreads();
+    if (threadIdx.x == ISSUER) {
         for (int s = 0; s < stages; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(full + s)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -258,8 +275,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         const unsigned done = (unsigned)G * (l + 1);  // each block counts each phase once per layer
         if (l > 0) wait_count(sync + DOWN, (unsigned)G * l);
         if (st.tiles[0]) stage(xs, s_rstd, residual, static_cast<const T*>(L.ln1), eps, PRO_NORM, C);
-        t = run_linear<T, W>(st, 0, t, L, qkv, xs, L.qkv_scale, static_cast<const T*>(L.qkv_b), (const T*)nullptr,
-                             s_qkv, s_part);
+        t = run_linear<T, W>(st, 0, t, qkv, L.qkv_scale, static_cast<const T*>(L.qkv_b), (const T*)nullptr, s_qkv,
+                             s_part);
         count_done(sync + QKV);
         wait_count(sync + QKV, done);
         for (int v = team * G + block; v < nvb; v += 2 * G) {
@@ -278,15 +295,15 @@ __global__ void __launch_bounds__(THREADS, 1)
         count_done(sync + ATTENTION);
         wait_count(sync + ATTENTION, done);
         if (st.tiles[1]) stage(xs, s_rstd, att, (const T*)nullptr, eps, PRO_NONE, A);
-        t = run_linear<T, W>(st, 1, t, L, residual, xs, L.o_scale, (const T*)nullptr, residual, s_o, s_part);
+        t = run_linear<T, W>(st, 1, t, residual, L.o_scale, (const T*)nullptr, residual, s_o, s_part);
         count_done(sync + OUT);
         wait_count(sync + OUT, done);
         if (st.tiles[2]) stage(xs, s_rstd, residual, static_cast<const T*>(L.ln2), eps, PRO_NORM, C);
-        t = run_linear<T, W>(st, 2, t, L, up, xs, L.up_scale, (const T*)nullptr, (const T*)nullptr, s_up, s_part);
+        t = run_linear<T, W>(st, 2, t, up, L.up_scale, (const T*)nullptr, (const T*)nullptr, s_up, s_part);
         count_done(sync + UP);
         wait_count(sync + UP, done);
         if (st.tiles[3]) stage(xs, s_rstd, up, (const T*)nullptr, eps, PRO_SWIGLU, I);
-        t = run_linear<T, W>(st, 3, t, L, residual, xs, L.down_scale, (const T*)nullptr, residual, s_down, s_part);
+        t = run_linear<T, W>(st, 3, t, residual, L.down_scale, (const T*)nullptr, residual, s_down, s_part);
         count_done(sync + DOWN);
     }
     // The last block out resets the counters for the next launch: every block has passed every wait.

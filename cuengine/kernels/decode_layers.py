@@ -181,29 +181,37 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     VN, NV, LP = _LAYOUTS[dt.name][layout]
     gm = 1 << (tile_heads - 1).bit_length()  # the split kernel decode_attention launches for these heads
     name = f"decode_layers<{_CTYPE[dt.name]}, {_CTYPE[wdt.name]}, {VN}, {NV}, {LP}, {gm}>"
-    xs_bytes = max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S)
-    grid, stages = _launch_shape(dev, name, xs_bytes, STAGE_BYTES)
+    # the staged input (or the attention's merge weights), then the weights' addresses (4 per layer)
+    xs_bytes = _round_up(max(max(C, A, I) * dt.itemsize, 2 * 4 * tile_heads * S), 16)
+    grid, stages = _launch_shape(dev, name, xs_bytes + 32 * len(layers), STAGE_BYTES)
     args = (table, np.int32(len(layers)), residual, qkv, att, up, scratch, lengths, freqs, sync, np.int32(C),
             np.int32(I), np.int32(Hq), np.int32(Hkv), np.int32(hs), np.int32(max_seq), np.int32(freqs.shape[0]),
             np.float32(eps), np.int32(S), np.int32(tiles), np.int32(tile_heads),
             np.float32(math.log2(math.e) / math.sqrt(hs)), np.int64(counter_rows * Hq * (hs + 2)),
-            *(np.int32(s) for s in splits), np.int32(stages), np.int32(STAGE_BYTES))  # fmt: skip
-    _build.launch(FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=stages * STAGE_BYTES + xs_bytes)
+            *(np.int32(s) for s in splits), np.int32(stages), np.int32(STAGE_BYTES), np.int32(xs_bytes))  # fmt: skip
+    _build.launch(
+        FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=stages * STAGE_BYTES + xs_bytes + 32 * len(layers)
+    )
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
 
 
 @functools.cache
-def _launch_shape(dev, name: str, xs_bytes: int, stage_bytes: int) -> tuple[int, int]:
+def _launch_shape(dev, name: str, rest_bytes: int, stage_bytes: int) -> tuple[int, int]:
     """(grid, ring stages): one block per SM with as many stages as the shared memory left by the
-    kernel's static arrays and the staged input holds, after checking that the block fits an SM: the
-    phases' counters need every block resident at once (a grid that did not would wait forever)."""
+    kernel's static arrays and the rest of its dynamic shared memory holds, after checking that the
+    block fits an SM: the phases' counters need every block resident at once (a grid that did not
+    would wait forever)."""
     import cupy
 
     fn = _build.function(FAMILY, name, dev.index)
-    stages = min(_MAX_STAGES, (_MAX_SHARED - fn.shared_size_bytes - xs_bytes) // stage_bytes)
+    stages = min(_MAX_STAGES, (_MAX_SHARED - fn.shared_size_bytes - rest_bytes) // stage_bytes)
     if stages < 2:
-        raise ValueError(f"decode_layers: {xs_bytes} bytes of staged input leave no room for two {stage_bytes}-byte "
-                         "stages")  # fmt: skip
-    smem = stages * stage_bytes + xs_bytes
+        raise ValueError(f"decode_layers: {rest_bytes} bytes of staged input and weight addresses leave no room "
+                         f"for two {stage_bytes}-byte stages")  # fmt: skip
+    smem = stages * stage_bytes + rest_bytes
     fn.max_dynamic_shared_size_bytes = smem
     with dev.activate():
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, _THREADS, smem)
