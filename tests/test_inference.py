@@ -481,6 +481,28 @@ def test_persistent_arm_says_why_it_cannot_run(preset, prompts, match):
         m.generate(prompts, 3, ffn_arm="persistent")
 
 
+def test_persistent_arm_needs_rows_that_fit_a_stage_and_sm90():
+    """The weight ring holds whole rows: a down row over STAGE_BYTES, or a GPU without bulk copies
+    into shared memory, is refused with its reason (a stand-in device: the check reads two fields)."""
+    from types import SimpleNamespace
+
+    from cuengine.dtypes import BF16, FP8_E4M3
+    from cuengine.kernels import decode_layers as dl
+
+    cfg = TransformerConfig.preset("tiny-hs64")
+    wide = cfg.replace(intermediate_size=dl.STAGE_BYTES // 2 + 8)
+    cpu = SimpleNamespace(is_cuda=False)
+    assert dl.unsupported(cfg, BF16, cpu, 1) is None
+    assert "a down row (32784 bytes) does not fit a 32768-byte stage" in dl.unsupported(wide, BF16, cpu, 1)
+    assert dl.unsupported(wide, BF16, cpu, 1, FP8_E4M3) is None  # one byte per weight: the row fits
+    old_gpu = SimpleNamespace(is_cuda=True, compute_capability=(8, 0))
+    assert "needs compute capability 9.0" in dl.unsupported(cfg.replace(dtype="bf16"), BF16, old_gpu, 1)
+    m = LlamaModel(wide)
+    m.init_weights(1)
+    with pytest.raises(ValueError, match="ffn_arm='persistent' cannot run: a down row"):
+        m.generate([[1, 2]], 2, ffn_arm="persistent")
+
+
 @pytest.mark.gpu
 def test_persistent_arm_has_no_variant_for_fp32_head_size_16(cuda):
     m = model("tiny", "fp32", cuda)

@@ -11,7 +11,8 @@ the sequence more than 32 ways):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
 The "persistent" arm runs every layer of a batch-1 step in one launch (kernels/decode_layers.py): the
-"fused" arm's phases with grid-wide barriers between them, bit-identical to it. The "gemm" arm (8
+"fused" arm's phases meeting at counters, with each block's weights streamed into shared memory ahead
+of them, bit-identical to it. The "gemm" arm (8
 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead,
 which read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
 GEMM with its bias, the output projection and the down projection accumulated into the residual.
@@ -114,7 +115,7 @@ def head_and_sample(st, b: int) -> None:
 
 def persistent_layers(st) -> None:
     """Every layer of a batch-1 step in one launch (kernels/decode_layers.py): the "fused" arm's
-    phases, bit for bit, with grid barriers between them instead of kernel boundaries."""
+    phases, bit for bit, meeting at counters instead of kernel boundaries."""
     cfg = st.cfg
     decode_layers.decode_layers(st.residual.rows(0, 1), st.qkv.rows(0, 1), st.att.rows(0, 1), st.up.rows(0, 1),
                                 st.att_scratch, st.layer_sync, st.layer_table, st.layer_weights,
