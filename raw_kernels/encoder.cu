@@ -11,21 +11,31 @@
 //      and 2 are dependent launches (programmatic, sm_90): each starts while the one before finishes.
 //   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
 //      (2N slots, linear probing, claimed by a 64-bit atomicCAS of key and count; a warp's lanes with
-//      one id as one atomic), count it, and keep its first INLINE positions in arrival order. The INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id
-//      lands in and the arrival order depend on timing; what is read from the table (the count, the
-//      set of positions) does not, and the sums below only use that.
+//      one id as one atomic), count it, and keep its first INLINE positions in arrival order. The
+//      INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id lands in, the arrival
+//      order and the queue order depend on timing; what is read from the table (the count, the set of
+//      positions) does not, and the sums below only use that. The last block to finish plans the hot
+//      ids' work: an id with at most `rows` positions is one "medium" item; a "big" one (more than
+//      `rows`) is cut into position tiles of tile_width(k) positions (about `rows` of its positions
+//      each when they are spread), one item per tile; the items are listed (medium first) by a block
+//      scan over the queue.
 //   2. encoder_backward_sum, one kernel with two roles:
-//      - the first hot_blocks * ychunks blocks take the hot ids (more than INLINE positions) from the
-//        queue: the whole block scans the tokens in order, compacting the id's positions (a block scan
-//        of per-thread match counts) into shared memory, and sums them over 128 vectors of channels;
+//      - the first hot_blocks blocks take hot items (x channel chunks) from a shared counter: the whole
+//        block scans the item's token range in order, compacting the id's positions there (a block scan
+//        of per-thread match counts) into shared memory, and sums them over 128 vectors of channels; a
+//        medium item adds its sum to dwte, a tile writes it to an fp32 partial in the scratch, and the
+//        block that finishes an id's last tile adds the id's tile partials to dwte;
 //      - the other blocks stream: a warp per position, over a contiguous slice of positions per warp.
 //        A position whose id occurs once adds its row (the common case: 3 streams, dout read, the dwte
 //        row read and written); the smallest position of an id with 2..INLINE positions sums them all
 //        (sorted by position from the table's set); the other positions of such an id do nothing.
-//   Summation order (the NumPy twin's): the positions of an id in ascending order, rank k to partial
-//   k % 4, each partial summed in order in fp32 from 0.f, the total ((p0 + p1) + p2) + p3 added once
-//   into dwte (one rounding to dwte's dtype). Ids outside [0, V) are skipped and touch no memory.
-// Scratch (int32, see encoder_scratch_shape): 8 counters, the table (2N slots of 8 ints), the hot queue.
+//   Summation order (the NumPy twin's): sum4(rows) deals rows in order to 4 partials (rank k to partial
+//   k % 4), each summed in order in fp32 from 0.f, and returns ((p0 + p1) + p2) + p3. An id with at most
+//   `rows` positions adds sum4(its rows by position) to dwte; a big id adds sum4(its tiles' sum4s, by
+//   tile; an empty tile is +0.f, which leaves every sum unchanged: none of them is -0.f). One rounding
+//   to dwte's dtype per row. Ids outside [0, V) are skipped and touch no memory.
+// Scratch (int32, see encoder_scratch_shape): 8 counters, the table (2N slots of 8 ints), the hot queue,
+// per queued id its first tile and an arrival count, the item lists, then one fp32 row of C per tile.
 // Sizes: C a multiple of the 16-byte vector width of dout / wte.
 #include "common.cuh"
 
@@ -63,21 +73,37 @@ __device__ void encoder_forward_impl(T* out, const int* tokens, const T* wte, lo
 
 constexpr int INLINE = 6;       // positions an id's slot keeps; more make the id "hot"
 constexpr int SLOT_INTS = 8;    // key + 1 (0: empty), count, INLINE positions: one 32-byte sector
-constexpr int HEAD_INTS = 8;    // counters before the table: [0] hot queue length
+constexpr int HEAD_INTS = 8;    // counters before the table (HEAD_*)
+constexpr int HEAD_QUEUED = 0;  // hot ids queued (step 1)
+constexpr int HEAD_MEDIUM = 1;  // medium items listed (step 1's last block)
+constexpr int HEAD_TILES = 2;   // tile items listed (step 1's last block)
+constexpr int HEAD_NEXT = 3;    // the next hot unit to take (step 2)
+constexpr int HEAD_DONE = 4;    // count blocks finished (step 1)
 constexpr int PARTIALS = 4;     // partial sums per id and vector (the twin's summation order)
 constexpr int SUM_THREADS = 512;
 constexpr int SUM_WARPS = SUM_THREADS / 32;
 constexpr int HOT_VECS = SUM_THREADS / PARTIALS;  // 16-byte vectors per hot block: a thread per (partial, vector)
 constexpr int SCAN_ITEMS = 8;                      // consecutive tokens per thread in the hot scan
 constexpr int SCAN_CHUNK = SUM_THREADS * SCAN_ITEMS;
+constexpr int LIST = 2 * SCAN_CHUNK;               // positions a hot block holds before it sums them
 constexpr int HOT_UNROLL = 4;   // dout rows in flight per thread in a hot sum
+constexpr int COMBINE_UNROLL = 4;  // tile partials in flight per thread where a big id's tiles are added
+constexpr int COUNT_THREADS = 256;
+constexpr int TILE_ALIGN = 32;  // a tile's width is a multiple of this
 static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
+static_assert(COUNT_THREADS == 256, "the plan's block scan sums 8 warp totals");
 
 __device__ __forceinline__ int* hash_table(int* scratch) { return scratch + HEAD_INTS; }
 __device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative hash, mapped onto [0, H)
     return (unsigned)(((unsigned long long)((unsigned)t * 2654435769u) * (unsigned)H) >> 32);
+}
+// Positions per tile of a big id with k > rows positions out of N: about `rows` of its positions each
+// where they are spread evenly; a multiple of TILE_ALIGN, at most N rounded up to it.
+__device__ __forceinline__ int tile_width(int k, int N, int rows) {
+    const long long num = (long long)N * rows, den = (long long)TILE_ALIGN * k;
+    return (int)(TILE_ALIGN * ((num + den - 1) / den));
 }
 
 // Step 0: zero the counters and the table, n4 16-byte vectors (grid-stride).
@@ -87,14 +113,68 @@ extern "C" __global__ void __launch_bounds__(256) encoder_backward_clear(int4* h
     for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n4; i += gridDim.x * 256LL) head[i] = zero;
 }
 
+// Step 1's last block: list the hot items. Queued id q (slot hot[q], count k) is one medium item
+// (items[0, medium)) if k <= rows, else ceil(N / tile_width(k)) tile items from first[q] =
+// qinfo[2q] on (items[qcap + first[q] + t] = q for tile t); qinfo[2q + 1] counts the id's finished tiles.
+// Everything read here was written by other blocks of this grid: through L2.
+__device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, int* items, int N, int rows,
+                                      int qcap) {
+    __shared__ int s_warp[2][COUNT_THREADS / 32];
+    const int* table = hash_table(scratch);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int queued = __ldcg(&scratch[HEAD_QUEUED]);
+    int medium = 0, tiles = 0;  // items listed by earlier rounds
+    for (int q0 = 0; q0 < queued; q0 += COUNT_THREADS) {
+        const int q = q0 + threadIdx.x;
+        int m = 0, b = 0;
+        if (q < queued) {
+            const int k = __ldcg(&table[__ldcg(&hot[q]) * SLOT_INTS + 1]);
+            if (k > rows) {
+                const int w = tile_width(k, N, rows);
+                b = (N + w - 1) / w;
+            } else {
+                m = 1;
+            }
+        }
+        int im = m, ib = b;  // inclusive scans within the warp
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int vm = __shfl_up_sync(0xffffffffu, im, o), vb = __shfl_up_sync(0xffffffffu, ib, o);
+            if (lane >= o) im += vm, ib += vb;
+        }
+        if (lane == 31) s_warp[0][warp] = im, s_warp[1][warp] = ib;
+        __syncthreads();
+        int om = im - m, ob = ib - b, tm = 0, tb = 0;
+#pragma unroll
+        for (int v = 0; v < COUNT_THREADS / 32; ++v) {
+            om += v < warp ? s_warp[0][v] : 0;
+            ob += v < warp ? s_warp[1][v] : 0;
+            tm += s_warp[0][v];
+            tb += s_warp[1][v];
+        }
+        if (m) {
+            items[medium + om] = q;
+        } else if (b) {
+            qinfo[2 * q] = tiles + ob;
+            qinfo[2 * q + 1] = 0;
+            for (int t = 0; t < b; ++t) items[qcap + tiles + ob + t] = q;
+        }
+        medium += tm, tiles += tb;
+        __syncthreads();  // s_warp is reused by the next round
+    }
+    if (threadIdx.x == 0) scratch[HEAD_MEDIUM] = medium, scratch[HEAD_TILES] = tiles;
+}
+
 // Step 1: count the ids and keep their first INLINE positions. H = 2N slots: at most half are used.
 // The token is read before the wait: it was written before step 0 started (an ordinary launch).
 // A slot's key + 1 and count are one 64-bit word (key low: the sum reads them as two ints). The lanes
 // of a warp with the same id act as one: the lowest one probes, claiming an empty slot with the group's
 // count by one compare-and-swap or adding the group's count to the id's slot, and each lane takes the
 // rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
-extern "C" __global__ void __launch_bounds__(256)
-    encoder_backward_count(int* scratch, int* hot, const int* tokens, int N, int V, int H) {
+// The last block to finish (a fenced counter) plans the hot sums (encoder_backward_plan).
+extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
+    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, int N, int V, int H,
+                           int rows, int qcap) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % 32;
     const int t = n < N ? tokens[n] : -1;
@@ -122,12 +202,22 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     s = (unsigned)__shfl_sync(0xffffffffu, (int)s, leader);
     base = __shfl_sync(0xffffffffu, base, leader);
-    if (!valid) return;
-    const int r = base + __popc(group & ((1u << lane) - 1u));
-    if (r < INLINE) {
-        table[s * SLOT_INTS + 2 + r] = n;
-    } else if (r == INLINE) {
-        hot[atomicAdd(&scratch[0], 1)] = (int)s;
+    if (valid) {
+        const int r = base + __popc(group & ((1u << lane) - 1u));
+        if (r < INLINE) {
+            table[s * SLOT_INTS + 2 + r] = n;
+        } else if (r == INLINE) {
+            hot[atomicAdd(&scratch[HEAD_QUEUED], 1)] = (int)s;
+        }
+    }
+    __shared__ int s_last;
+    __threadfence();  // this thread's table and queue writes, before the block counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&scratch[HEAD_DONE], 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (s_last) {
+        __threadfence();
+        encoder_backward_plan(scratch, hot, qinfo, items, N, rows, qcap);
     }
 }
 
@@ -164,31 +254,25 @@ __device__ __forceinline__ void sort2(int& a, int& b) {
     a = lo;
 }
 
-// A hot id (slot s of the queue): the whole block, thread (partial w, vector cv), over all N tokens in
-// chunks of SCAN_CHUNK. Each chunk's matching positions are compacted in order into s_list (a block
-// scan of per-thread match counts); partial w then adds the list entries of global rank = w mod 4.
-template <typename TG, typename TD>
-__device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens,
-                                     const int* table, int slot, int N, int C, int y) {
+// The positions n in [lo, hi) with tokens[n] == key, summed by the whole block: thread (partial w,
+// vector cvl) adds to acc the dout rows of rank = w mod 4 among them, over its channels c (active: c < C).
+// Chunks of SCAN_CHUNK tokens are compacted in order into s_list (a block scan of per-thread match
+// counts), summed once it may not take another chunk. Returns how many positions matched.
+template <typename TD>
+__device__ int encoder_backward_scan_sum(float (&acc)[Pack16<TD>::N], const TD* __restrict__ dout,
+                                         const int* tokens, int key, int lo, int hi, int C, int c, bool active,
+                                         int w) {
     constexpr int VN = Pack16<TD>::N;
-    __shared__ int s_list[SCAN_CHUNK];
+    __shared__ int s_list[LIST];
     __shared__ int s_warp[SUM_WARPS];
-    __shared__ float s_part[PARTIALS - 1][VN][HOT_VECS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int w = tid / HOT_VECS, cvl = tid % HOT_VECS;
-    const int c = (y * HOT_VECS + cvl) * VN;
-    const bool active = c < C;
-    const int key = table[slot * SLOT_INTS] - 1;
-    float acc[VN];
-#pragma unroll
-    for (int e = 0; e < VN; ++e) acc[e] = 0.f;
-    int r0 = 0;  // rank of the chunk's first match within the id's positions
-    for (int base = 0; base < N; base += SCAN_CHUNK) {
+    int r0 = 0, fill = 0;  // rank of s_list[0] among the matches; entries in s_list
+    for (int base = lo; base < hi; base += SCAN_CHUNK) {
         const int first = base + tid * SCAN_ITEMS;
         unsigned mask = 0;
 #pragma unroll
         for (int i = 0; i < SCAN_ITEMS; ++i)
-            if (first + i < N && tokens[first + i] == key) mask |= 1u << i;
+            if (first + i < hi && tokens[first + i] == key) mask |= 1u << i;
         const int cnt = __popc(mask);
         int incl = cnt;  // inclusive scan within the warp
 #pragma unroll
@@ -198,7 +282,7 @@ __device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict
         }
         if (lane == 31) s_warp[warp] = incl;
         __syncthreads();
-        int off = incl - cnt, m = 0;
+        int off = fill + incl - cnt, m = 0;
 #pragma unroll
         for (int q = 0; q < SUM_WARPS; ++q) {
             const int x = s_warp[q];
@@ -207,47 +291,145 @@ __device__ void encoder_backward_hot(TG* __restrict__ dwte, const TD* __restrict
         }
         for (int i = 0; i < SCAN_ITEMS; ++i)
             if (mask >> i & 1u) s_list[off++] = first + i;
-        __syncthreads();
-        if (active) {
-            for (int i = ((w - r0) % PARTIALS + PARTIALS) % PARTIALS; i < m; i += PARTIALS * HOT_UNROLL) {
-                Pack16<TD> v[HOT_UNROLL];
+        fill += m;
+        __syncthreads();  // s_list is complete; s_warp is read before the next chunk writes it
+        if (fill > LIST - SCAN_CHUNK || base + SCAN_CHUNK >= hi) {
+            if (active) {
+                for (int i = (w - r0) & (PARTIALS - 1); i < fill; i += PARTIALS * HOT_UNROLL) {
+                    Pack16<TD> v[HOT_UNROLL];
 #pragma unroll
-                for (int u = 0; u < HOT_UNROLL; ++u) {
-                    const int j = i + u * PARTIALS;
-                    if (j < m) {
-                        v[u] = Pack16<TD>::load(dout + (size_t)s_list[j] * C + c);
-                    } else {
+                    for (int u = 0; u < HOT_UNROLL; ++u) {
+                        const int j = i + u * PARTIALS;
+                        if (j < fill) {
+                            v[u] = Pack16<TD>::load(dout + (size_t)s_list[j] * C + c);
+                        } else {
 #pragma unroll
-                        for (int e = 0; e < VN; ++e) v[u].v[e] = from_float<TD>(0.f);
+                            for (int e = 0; e < VN; ++e) v[u].v[e] = from_float<TD>(0.f);
+                        }
                     }
+#pragma unroll
+                    for (int u = 0; u < HOT_UNROLL; ++u)
+                        if (i + u * PARTIALS < fill)
+#pragma unroll
+                            for (int e = 0; e < VN; ++e) acc[e] += to_float(v[u].v[e]);
                 }
-#pragma unroll
-                for (int u = 0; u < HOT_UNROLL; ++u)
-                    if (i + u * PARTIALS < m)
-#pragma unroll
-                        for (int e = 0; e < VN; ++e) acc[e] += to_float(v[u].v[e]);
             }
+            r0 += fill, fill = 0;
+            __syncthreads();  // s_list is refilled from 0
         }
-        r0 += m;
-        __syncthreads();  // s_list and s_warp are reused by the next chunk
     }
+    return r0;
+}
+
+// ((p0 + p1) + p2) + p3 of the 4 partials the threads (w, cvl) hold, into acc of the w == 0 threads.
+template <int VN>
+__device__ __forceinline__ void encoder_backward_combine4(float (&acc)[VN], int w, int cvl, bool active) {
+    __shared__ float s_part[PARTIALS - 1][VN][HOT_VECS];
     if (w > 0 && active)
 #pragma unroll
         for (int e = 0; e < VN; ++e) s_part[w - 1][e][cvl] = acc[e];
     __syncthreads();
-    if (w == 0 && active) {
-        TG* row = dwte + (size_t)key * C + c;
-        Elems<TG, VN> old;
-        old.load(row);
+    if (w == 0 && active)
 #pragma unroll
         for (int p = 1; p < PARTIALS; ++p)
 #pragma unroll
             for (int e = 0; e < VN; ++e) acc[e] = acc[e] + s_part[p - 1][e][cvl];
+    __syncthreads();  // s_part is reused by the block's next sum
+}
+
+// dwte row key, channels c..c + VN: += total, rounded once.
+template <typename TG, int VN>
+__device__ __forceinline__ void encoder_backward_add_row(TG* dwte, int key, int C, int c, const float (&total)[VN]) {
+    TG* row = dwte + (size_t)key * C + c;
+    Elems<TG, VN> old;
+    old.load(row);
 #pragma unroll
-        for (int e = 0; e < VN; ++e) old.v[e] = from_float<TG>(to_float(old.v[e]) + acc[e]);
-        old.store(row);
+    for (int e = 0; e < VN; ++e) old.v[e] = from_float<TG>(to_float(old.v[e]) + total[e]);
+    old.store(row);
+}
+
+// The hot role: blocks take units (item, channel chunk y of HOT_VECS vectors) from a counter until none
+// is left. A medium item sums its id over all tokens into dwte. Tile t of a big id sums the id's
+// positions in [t * width, (t + 1) * width) into its fp32 partial row (zeros where none); the block
+// that finishes the id's last unit (a fenced counter) adds the id's partials to dwte: partial w of
+// sum4 takes tiles w, w + 4, ... in order (loads through L2: other blocks wrote them in this launch).
+// Not inlined: with it the stream role spills at the kernel's 64 registers.
+template <typename TG, typename TD>
+__device__ __noinline__ void encoder_backward_hot_role(TG* __restrict__ dwte, const TD* __restrict__ dout,
+                                                       const int* tokens, int* scratch, const int* hot, int* qinfo,
+                                                       const int* items, float* partials, int N, int C, int rows,
+                                                       int ychunks, int qcap) {
+    constexpr int VN = Pack16<TD>::N;
+    __shared__ int s_unit, s_last;
+    const int* table = hash_table(scratch);
+    const int tid = threadIdx.x, w = tid / HOT_VECS, cvl = tid % HOT_VECS;
+    const int medium = scratch[HEAD_MEDIUM], units = (medium + scratch[HEAD_TILES]) * ychunks;
+    for (;;) {
+        if (tid == 0) s_unit = atomicAdd(&scratch[HEAD_NEXT], 1);
+        __syncthreads();
+        const int u = s_unit;
+        __syncthreads();  // s_unit is read before thread 0 writes the next one
+        if (u >= units) return;
+        const int item = u / ychunks, y = u % ychunks;
+        const int c = (y * HOT_VECS + cvl) * VN;
+        const bool active = c < C;
+        float acc[VN];
+#pragma unroll
+        for (int e = 0; e < VN; ++e) acc[e] = 0.f;
+        if (item < medium) {
+            const int key = table[hot[items[item]] * SLOT_INTS] - 1;
+            encoder_backward_scan_sum<TD>(acc, dout, tokens, key, 0, N, C, c, active, w);
+            encoder_backward_combine4<VN>(acc, w, cvl, active);
+            if (w == 0 && active) encoder_backward_add_row<TG, VN>(dwte, key, C, c, acc);
+            continue;
+        }
+        const int i = item - medium, q = items[qcap + i];
+        const int* slot = table + hot[q] * SLOT_INTS;
+        const int key = slot[0] - 1, width = tile_width(slot[1], N, rows), first = qinfo[2 * q];
+        const int lo = (i - first) * width, tiles = (N + width - 1) / width;
+        encoder_backward_scan_sum<TD>(acc, dout, tokens, key, lo, min(lo + width, N), C, c, active, w);
+        encoder_backward_combine4<VN>(acc, w, cvl, active);
+        if (w == 0 && active)
+#pragma unroll
+            for (int e = 0; e < VN; e += 4)
+                *reinterpret_cast<float4*>(partials + (size_t)i * C + c + e) =
+                    make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]);
+        __threadfence();  // this thread's partial, before the block counts the unit done
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(&qinfo[2 * q + 1], 1) == tiles * ychunks - 1;
+        __syncthreads();
+        if (!s_last) continue;
+        __threadfence();
+        for (int yy = 0; yy < ychunks; ++yy) {  // the last unit: every tile's partial is written
+            const int cc = (yy * HOT_VECS + cvl) * VN;
+            const bool on = cc < C;
+#pragma unroll
+            for (int e = 0; e < VN; ++e) acc[e] = 0.f;
+            if (on) {
+                for (int t = w; t < tiles; t += PARTIALS * COMBINE_UNROLL) {
+                    float4 v[COMBINE_UNROLL][VN / 4];
+#pragma unroll
+                    for (int r = 0; r < COMBINE_UNROLL; ++r)
+#pragma unroll
+                        for (int e = 0; e < VN / 4; ++e)
+                            v[r][e] = t + r * PARTIALS < tiles
+                                          ? __ldcg(reinterpret_cast<const float4*>(
+                                                partials + (size_t)(first + t + r * PARTIALS) * C + cc) + e)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                    for (int r = 0; r < COMBINE_UNROLL; ++r)
+                        if (t + r * PARTIALS < tiles)
+#pragma unroll
+                            for (int e = 0; e < VN / 4; ++e) {
+                                acc[4 * e] += v[r][e].x, acc[4 * e + 1] += v[r][e].y;
+                                acc[4 * e + 2] += v[r][e].z, acc[4 * e + 3] += v[r][e].w;
+                            }
+                }
+            }
+            encoder_backward_combine4<VN>(acc, w, cvl, on);
+            if (w == 0 && on) encoder_backward_add_row<TG, VN>(dwte, key, C, cc, acc);
+        }
     }
-    __syncthreads();  // s_part is reused by the block's next hot id
 }
 
 // An id with k = 2..INLINE positions q[0] < ... < q[k-1] (INT_MAX past k), summed by one warp.
@@ -319,23 +501,20 @@ __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, cons
     }
 }
 
-// Step 2. Blocks [0, hot_blocks * ychunks): hot ids; the rest: per_warp positions per warp, in order.
+// Step 2. Blocks [0, hot_blocks): the hot role; the rest: per_warp positions per warp, in order.
 template <typename TG, typename TD>
-__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, const int* scratch,
-                                          const int* hot, int N, int V, int C, int H, int hot_blocks, int ychunks,
-                                          int per_warp) {
-    const int* table = scratch + HEAD_INTS;
-    const int hot_total = hot_blocks * ychunks;
-    if ((int)blockIdx.x < hot_total) {
+__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot,
+                                          int* qinfo, const int* items, float* partials, int N, int V, int C, int H,
+                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp) {
+    const int* table = hash_table(scratch);
+    if ((int)blockIdx.x < hot_blocks) {
         grid_dependency_wait();
-        const int hb = blockIdx.x / ychunks, y = blockIdx.x % ychunks;
-        const int queued = scratch[0];
-        for (int i = hb; i < queued; i += hot_blocks)
-            encoder_backward_hot<TG, TD>(dwte, dout, tokens, table, hot[i], N, C, y);
+        encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
+                                          ychunks, qcap);
         return;
     }
     const int lane = threadIdx.x % 32;
-    const int gw = (blockIdx.x - hot_total) * SUM_WARPS + threadIdx.x / 32;
+    const int gw = (blockIdx.x - hot_blocks) * SUM_WARPS + threadIdx.x / 32;
     const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
     // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
     const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
@@ -407,10 +586,11 @@ ENCODER_FORWARD(f16, half)
 
 #define ENCODER_BACKWARD_SUM(SUFG, TG, SUFD, TD)                                                            \
     extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(      \
-        TG* dwte, const TD* dout, const int* tokens, const int* scratch, const int* hot, int N, int V, int C, \
-        int H, int hot_blocks, int ychunks, int per_warp) {                                                 \
-        encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, N, V, C, H, hot_blocks, ychunks, \
-                                          per_warp);                                                        \
+        TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot, int* qinfo, const int* items, \
+        float* partials, int N, int V, int C, int H, int rows, int qcap, int hot_blocks, int ychunks,         \
+        int per_warp) {                                                                                     \
+        encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, V, C, H, \
+                                          rows, qcap, hot_blocks, ychunks, per_warp);                        \
     }
 #define ENCODER_BACKWARD_SUM_ALL(SUFG, TG)          \
     ENCODER_BACKWARD_SUM(SUFG, TG, f32, float)      \

@@ -29,7 +29,8 @@ def make(n, v, c, dout_dtype="fp32", dwte_dtype="fp32", seed=0):
 
 def backward(dev, dwte, dout, tokens, scratch_fill=0):
     t = tensors(dev, dwte=dwte, dout=dout, tokens=tokens)
-    scratch = ce.Tensor.from_numpy(np.full(encoder_scratch_shape(*tokens.shape), scratch_fill, np.int32), dev)
+    shape = encoder_scratch_shape(*tokens.shape, dout.shape[-1])
+    scratch = ce.Tensor.from_numpy(np.full(shape, scratch_fill, np.int32), dev)
     encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch)
     return t["dwte"].numpy()
 
@@ -121,7 +122,7 @@ def test_backward_skips_invalid_ids_without_touching_memory(dev):
     tokens = np.array([[0, -1, v, v - 1, 5, -7, v + 100, 5]], np.int32)
     dout = rng(3).standard_normal((1, 8, c)).astype(np.float32)
     t = tensors(dev, dout=dout, tokens=tokens)
-    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 8), dev, name="scratch")
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 8, c), dev, name="scratch")
     encoder_backward(dwte, t["dout"], t["tokens"], scratch)
     got = buf.numpy()
     np.testing.assert_array_equal(got[[0, -1]], full[[0, -1]])
@@ -129,16 +130,25 @@ def test_backward_skips_invalid_ids_without_touching_memory(dev):
 
 
 def test_scratch_shape():
-    """8 counters, 2N hash slots of 8 ints, a queue for the tokens with more than 6 positions."""
-    assert encoder_scratch_shape(1, 1) == (8 + 16 + 0 + 1,)
-    assert encoder_scratch_shape(8, 1024, 896) == (8 + 16 * 8192 + 8192 // 7 + 1,)  # C does not matter
-    assert encoder_scratch_shape(1, 2049) == (8 + 16 * 2049 + 2049 // 7 + 1,)
+    """8 counters, 2N hash slots of 8 ints (zeroed per call), the hot queue (N // 7 + 1), 2 ints per
+    queued token, the item lists (queue + 2N // 128 + 1 tiles), then 16-byte aligned, a C-float
+    partial row per tile."""
+
+    def want(n, c):
+        q, t = n // 7 + 1, 2 * n // 128 + 1
+        lists = 8 + 16 * n + 4 * q + t
+        return (-(-lists // 4) * 4 + t * c,)
+
+    assert encoder_scratch_shape(1, 1, 8) == want(1, 8) == (40,)
+    assert encoder_scratch_shape(8, 1024, 896) == want(8192, 896) == (135896 + 129 * 896,)
+    assert encoder_scratch_shape(1, 2049, 4) == want(2049, 4)
+    assert encoder_scratch_shape(4, 8192, 896) == encoder_scratch_shape(32768, 1, 896)  # only B * T matters
 
 
 # ---- the backward kernels on the host (tests/kernel_emulator.py) ----------------------------------
 # encoder.cu's warp votes, matches and int shuffles, bit counts, 32- and 64-bit integer atomics (the
-# emulator runs blocks one after another: plain read-modify-writes) and the dependent-launch calls
-# (no-ops), after common.cuh.
+# emulator runs blocks one after another: plain read-modify-writes, and fences are no-ops), loads
+# through L2 (plain), float4 and the dependent-launch calls (no-ops), after common.cuh.
 _EMU_HELPERS = r"""
 struct alignas(16) int4 { int x, y, z, w; };
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
@@ -163,6 +173,11 @@ inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
 using u64 = unsigned long long;
 inline u64 atomicCAS(u64* p, u64 cmp, u64 v) { u64 o = *p; if (o == cmp) *p = v; return o; }
 inline u64 atomicAdd(u64* p, u64 v) { u64 o = *p; *p = o + v; return o; }
+#define __noinline__
+inline void __threadfence() {}
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline unsigned __match_any_sync(unsigned, int v) {
     WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
     w.u[l] = (unsigned)v; wbar(); unsigned r = 0;
@@ -199,7 +214,8 @@ def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
 
     monkeypatch.setattr(E, "launch", launch)
     t = {k: emu.tensor(v, v.dtype, k) for k, v in (("dwte", dwte), ("dout", dout), ("tokens", tokens))}
-    t["scratch"] = emu.tensor(np.full(encoder_scratch_shape(*tokens.shape), fill, np.int32), "int32", "scratch")
+    shape = encoder_scratch_shape(*tokens.shape, dout.shape[-1])
+    t["scratch"] = emu.tensor(np.full(shape, fill, np.int32), "int32", "scratch")
     encoder_backward(t["dwte"], t["dout"], t["tokens"], t["scratch"])
     assert calls[:2] == ["encoder_backward_clear", "encoder_backward_count"], calls
     assert len(calls) == 3 and calls[2].startswith("encoder_backward_sum_"), calls
@@ -256,6 +272,38 @@ def test_emulated_backward_warp_groups(enc_lib, monkeypatch):
     assert clean
 
 
+def _skewed_tokens(r, v):
+    """Tokens for the big-token paths with _ROWS = 8: one id at 90 spread positions (11-12 tiles of
+    width 32 out of 352, some empty), a run of 40 consecutive positions of one id (clustered: a single
+    full tile), ids with 9..20 positions (2-3 tiles of width 160..320), medium ids (7, 8), few and single
+    ones, and invalid ids."""
+    parts = [np.full(90, 5), np.full(9, 6), np.full(13, 7), np.full(20, 8), np.full(7, 9), np.full(8, 10)]
+    parts += [np.full(3, 11), [12, 13, 14, -1, v, v + 3, -5]]
+    spread = r.permutation(np.concatenate(parts))
+    n = spread.size + 40
+    at = 100  # the clustered run sits between spread positions
+    return np.concatenate([spread[:at], np.full(40, 15), spread[at:]]).astype(np.int32)[None], n
+
+
+@pytest.mark.parametrize(
+    "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 24), ("fp32", "bf16", 8), ("bf16", "fp32", 12)]
+)
+def test_emulated_big_tokens_by_tiles(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c):
+    """With _ROWS = 8 every token with more than 8 positions is summed by position tiles: tile partials
+    in the scratch, the last tile's block adding them (with 2 channel chunks at 1040 bf16); the bits are
+    the twin's and nothing outside dwte and scratch is written."""
+    monkeypatch.setattr(E, "_ROWS", 8)
+    r = rng(34)
+    v = 40
+    tokens, n = _skewed_tokens(r, v)
+    assert tokens.size == n and E._tile_width(90, n) == 32 and E._tile_width(40, n) == 64
+    dout = r.standard_normal((1, n, c)).astype(ce.dtype(dout_dtype).np)
+    dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
+    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
+    np.testing.assert_array_equal(got.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
+    assert clean
+
+
 def test_sorting_network_sorts():
     """The few path sorts a token's inline positions (kept in arrival order, which the emulator's
     one-block-at-a-time run never scrambles) with encoder.cu's comparators: by the 0-1 principle
@@ -298,7 +346,12 @@ I32, BF = np.int32, ce.BF16.np
             "scratch: expected dtype int32",
         ),
         (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(105, I32)), "dout: expected shape"),
-        (lambda: encoder_backward(_t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(105, I32)), "C = 12 must"),
+        (
+            lambda: encoder_backward(
+                _t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(encoder_scratch_shape(2, 3, 12), I32)
+            ),
+            "C = 12 must",
+        ),
     ],
 )
 def test_errors(call, match):
@@ -312,7 +365,7 @@ def test_errors(call, match):
 def test_cuda_rejects_a_misaligned_view(cuda, which):
     """The hash-table kernels read dwte rows and scratch slots as 16-byte vectors: a view starting
     inside one is refused with the tensor's name, not read across its start."""
-    n = encoder_scratch_shape(1, 6)[0]
+    n = encoder_scratch_shape(1, 6, 8)[0]
     flat_dwte = ce.Tensor.from_numpy(np.zeros(81, np.float32), cuda, name="dwte")
     flat_scratch = ce.Tensor.from_numpy(np.zeros(n + 1, np.int32), cuda, name="scratch")
     dout = ce.Tensor.from_numpy(np.zeros((1, 6, 8), np.float32), cuda, name="dout")
@@ -329,7 +382,7 @@ def test_cuda_rejects_a_misaligned_view(cuda, which):
 @pytest.mark.parametrize("dwte_dtype,dout_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 def test_cuda_matches_cpu(rows, dwte_dtype, dout_dtype):
     tokens, dout, dwte = make(rows, 1000, 896, dout_dtype, dwte_dtype, seed=rows)
-    ins, scratch = {"dout": dout, "tokens": tokens}, {"scratch": ("int32", encoder_scratch_shape(1, rows))}
+    ins, scratch = {"dout": dout, "tokens": tokens}, {"scratch": ("int32", encoder_scratch_shape(1, rows, 896))}
     cpu, gpu = check_op(encoder_backward, ins, {"dwte": dwte}, scratch=scratch, repeat=True)
     assert_bitwise(gpu["dwte"], cpu["dwte"], "dwte")  # the twin mirrors the sum order
     cpu, gpu = check_op(encoder_forward, {"tokens": tokens, "wte": dwte}, {"out": np.zeros((1, rows, 896), dwte.dtype)})
@@ -357,7 +410,7 @@ def test_cuda_deterministic(v, skew):
 def test_cuda_backward_captures_into_a_graph(cuda):
     tokens, dout, dwte = make(1128, 50257, 896, "bf16", "fp32", seed=5)
     t = tensors(cuda, dwte=np.zeros_like(dwte), dout=dout, tokens=tokens)
-    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 1128), cuda, name="scratch")
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, 1128, 896), cuda, name="scratch")
     warm = ce.Tensor.empty(ce.FP32, dwte.shape, cuda, name="warm")  # loads the kernels before capturing
     encoder_backward(warm, t["dout"], t["tokens"], scratch)
     graph = cuda.capture(lambda: encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch))

@@ -23,6 +23,9 @@ _SLOT_INTS = 8  # key, count, INLINE positions (SLOT_INTS)
 _HEAD_INTS = 8  # counters before the table (HEAD_INTS)
 _SUM_THREADS = 512  # SUM_THREADS: 16 warps
 _HOT_VECS = 128  # 16-byte vectors per hot block (HOT_VECS)
+_TILE_ALIGN = 32  # TILE_ALIGN: a big token's tile width is a multiple of it
+_ROWS = 128  # a hot token with more positions is "big": summed by position tiles of about this many of them
+_HOT_PER_SM = 2  # hot-role blocks per SM (two are resident: __launch_bounds__(SUM_THREADS, 2))
 _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
 
@@ -45,13 +48,38 @@ def encoder_forward_np(tokens: np.ndarray, wte: np.ndarray, owned: tuple[int, in
     return out
 
 
+def _tile_width(k, n: int):
+    """Positions per tile of a big token (k > _ROWS positions out of n): about _ROWS of its positions
+    each where they are spread evenly, a multiple of _TILE_ALIGN (tile_width in encoder.cu)."""
+    return _TILE_ALIGN * -(-n * _ROWS // (_TILE_ALIGN * k))
+
+
+def _sum4(rows: np.ndarray, group: np.ndarray, rank: np.ndarray, groups: int) -> np.ndarray:
+    """sum4 of each group's rows, (groups, C) fp32: the row of rank r (ranks distinct within a group,
+    ascending = the order of summation) goes to partial r % 4, each partial summed in order in fp32
+    from 0; the result is ((p0 + p1) + p2) + p3."""
+    part = np.zeros((_PARTIALS, groups, rows.shape[1]), np.float32)
+    lane, step = rank % _PARTIALS, rank // _PARTIALS
+    by_step = np.argsort(step, kind="stable")
+    bounds = np.r_[0, np.cumsum(np.bincount(step))]
+    for s in range(bounds.size - 1):
+        idx = by_step[bounds[s] : bounds[s + 1]]  # (lane, group) pairs are distinct within one step
+        part[lane[idx], group[idx]] += rows[idx]
+    total = part[0]
+    for w in range(1, _PARTIALS):
+        total = total + part[w]
+    return total
+
+
 def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """dwte + the sum of dout's rows per token, in the kernel's summation order.
 
-    For each token, its positions in ascending order are dealt round-robin to 4 partial sums
-    (position k of the run goes to partial k % 4), each summed in order in fp32; the partials are
-    added in order and the total is added to dwte once, then rounded to dwte's dtype. Ids outside
-    [0, V) are skipped. dwte: (V, C); dout: (..., C); tokens: (...,). Returns a new (V, C) array.
+    sum4(rows): rows dealt in order to 4 partial sums (the k-th to partial k % 4), each summed in order
+    in fp32 from 0, then ((p0 + p1) + p2) + p3. A token with at most _ROWS positions adds sum4(its rows
+    by position); a "big" token (more) splits the positions [0, N) into tiles of _tile_width(k, N) and
+    adds sum4 over its non-empty tiles, in tile order (tile t to partial t % 4), of sum4(the tile's
+    rows). The total is added to dwte once, then rounded to dwte's dtype. Ids outside [0, V) are
+    skipped. dwte: (V, C); dout: (..., C); tokens: (...,). Returns a new (V, C) array.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
     V, C = dwte.shape
@@ -64,42 +92,50 @@ def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) 
         return out
     keys = tok[order]
     starts = np.r_[True, keys[1:] != keys[:-1]]
-    run = np.cumsum(starts) - 1  # which run each sorted slot belongs to
+    run = np.cumsum(starts) - 1  # which token's run each sorted position belongs to
     first = np.nonzero(starts)[0]
-    rank = np.arange(order.size) - first[run]
-    part = np.zeros((_PARTIALS, first.size, C), np.float32)
-    lane, step = rank % _PARTIALS, rank // _PARTIALS
-    by_step = np.argsort(step, kind="stable")
-    bounds = np.r_[0, np.cumsum(np.bincount(step))]
-    for s in range(bounds.size - 1):
-        idx = by_step[bounds[s] : bounds[s + 1]]  # (lane, run) pairs are distinct within one step
-        part[lane[idx], run[idx]] += d[order[idx]]
-    total = part[0]
-    for w in range(1, _PARTIALS):
-        total = total + part[w]
+    k = np.diff(np.r_[first, order.size])[run]
+    n = tok.size
+    tile = order // np.where(k > _ROWS, _tile_width(np.maximum(k, 1), n), n)  # 0 for a token of <= _ROWS
+    seg_starts = starts | np.r_[False, tile[1:] != tile[:-1]]
+    seg = np.cumsum(seg_starts) - 1  # which (token, tile) each sorted position belongs to
+    seg_first = np.nonzero(seg_starts)[0]
+    tiles = _sum4(d[order], seg, np.arange(order.size) - seg_first[seg], seg_first.size)
+    # one tile's sum4 s is the token's total: ((0 + s) + 0) + 0 == s, since no sum4 is -0.0
+    total = _sum4(tiles, run[seg_first], tile[seg_first], first.size)
     rows = keys[first]
     out[rows] = (out[rows].astype(np.float32) + total).astype(out.dtype)
     return out
 
 
 # ---- sizes --------------------------------------------------------------------------------
-def _layout(n: int) -> tuple[int, int, int]:
-    """(slots, ints zeroed per call, total ints) for n positions: the counters and a table of 2n
-    slots (at most n tokens: half full at most) are zeroed; the hot queue (at most n // 7 tokens have
-    more than INLINE positions) follows."""
+def _layout(n: int, c: int) -> dict[str, int]:
+    """Offsets (ints) of the scratch's parts for n positions and C = c: the counters and a table of 2n
+    slots (at most n tokens: half full at most) are zeroed per call; then the hot queue (at most
+    n // 7 tokens have more than INLINE positions), 2 ints per queued token (first tile, tiles done),
+    the item lists (medium tokens, then tiles: fewer than 2n / _ROWS, since a big token has
+    ceil(n / _tile_width(k, n)) <= ceil(k / _ROWS) < 2k / _ROWS of them), and an fp32 row of c per tile,
+    16-byte aligned."""
     slots = 2 * n
     zeroed = _HEAD_INTS + slots * _SLOT_INTS
-    return slots, zeroed, zeroed + n // (_INLINE + 1) + 1
+    qcap, tcap = n // (_INLINE + 1) + 1, 2 * n // _ROWS + 1
+    hot = zeroed
+    qinfo = hot + qcap
+    items = qinfo + 2 * qcap
+    partials = -(-(items + qcap + tcap) // 4) * 4
+    return dict(slots=slots, zeroed=zeroed, qcap=qcap, tcap=tcap, hot=hot, qinfo=qinfo, items=items,
+                partials=partials, total=partials + tcap * c)  # fmt: skip
 
 
-def encoder_scratch_shape(B: int, T: int, C: int | None = None) -> tuple[int]:
-    """Shape of the int32 scratch encoder_backward needs for (B, T) tokens.
+def encoder_scratch_shape(B: int, T: int, C: int) -> tuple[int]:
+    """Shape of the int32 scratch encoder_backward needs for (B, T) tokens and C channels.
 
     Holds 8 counters, a hash table of 2 * B * T slots of 8 ints (a token, its count and its first 6
-    positions) and the queue of tokens with more positions: about 17 ints per token. It does not
-    depend on C, which is accepted so that callers can size every scratch buffer from (B, T, C).
+    positions), the plan of the tokens with more positions (about 0.45 ints per position), and an fp32
+    partial row of C per tile of the big tokens (2 * B * T / 128 rows at most): about 17.5 + C / 64
+    ints per position.
     """
-    return (_layout(B * T)[2],)
+    return (_layout(B * T, C)["total"],)
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -145,7 +181,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         dwte: (V, C) fp32, bf16 or fp16; accumulated (+=), rounded once per touched row.
         dout: (B, T, C) fp32, bf16 or fp16 (any leading dims matching tokens).
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
-        scratch: int32 of shape encoder_scratch_shape(B, T); overwritten.
+        scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
     Capturable: 3 kernels (the last two programmatic dependent launches), no host sync.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
@@ -155,7 +191,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     expect(tokens, "encoder_backward tokens", INT32)
     expect(dout, "encoder_backward dout", FLOATS, tokens.shape + (C,))
     N = tokens.nelem
-    expect(scratch, "encoder_backward scratch", INT32, encoder_scratch_shape(N, 1))
+    expect(scratch, "encoder_backward scratch", INT32, encoder_scratch_shape(N, 1, C))
     dev = same_device(dwte, dout, tokens, scratch)
     check_vector_width("encoder_backward", "C", C, dout.dtype)
     if dev.is_cpu:
@@ -164,20 +200,22 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     if N == 0:
         return
     check_aligned("encoder_backward", dout, dwte, scratch)
-    slots, zeroed, _ = _layout(N)
+    lay = _layout(N, C)
     flat = scratch.flat()
-    hot = flat.rows(zeroed, flat.nelem)
-    n4 = zeroed // 4  # _HEAD_INTS and _SLOT_INTS are multiples of 4
+    hot, qinfo = flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"])
+    items, partials = flat.rows(lay["items"], lay["partials"]), flat.rows(lay["partials"], lay["total"])
+    n4 = lay["zeroed"] // 4  # _HEAD_INTS and _SLOT_INTS are multiples of 4
     args = (flat, np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
-    args = (flat, hot, tokens, np.int32(N), np.int32(V), np.int32(slots))
+    n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
+    args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
     stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
     ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
-    hot_blocks = min(N // (_INLINE + 1), dev.num_sms)  # enough to start every queued token at once, usually
+    hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
-    args = (dwte, dout, tokens, flat, hot, np.int32(N), np.int32(V), np.int32(C), np.int32(slots),
+    args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
             np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
-    launch(FAMILY, name, hot_blocks * ychunks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
+    launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
