@@ -438,74 +438,88 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
     const TurnRing<PP> turn{wg};
     turn.start();
 
-    for (int j = 0; j < n_kv; ++j) {
-        const int buf = j % STAGES;
-        if (ONE_BAR) {  // stage j has landed everywhere, and every read of stage j + 1 - STAGES is done
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
-            if (j + 1 < n_kv) {
-                const int nb = (j + 1) % STAGES;
-                load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
-                load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
-            }
-            cp_async_commit();
-        } else {
-            if (j + 1 < n_kv) {
-                const int nb = (j + 1) & 1;
-                load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
-                load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
-            }
-            cp_async_commit();
-            cp_async_wait<1>();
-            fence_proxy_async();
-            __syncthreads();
-        }
+    // One key block: S, dP, dS in registers, dQ += dS K issued (the caller waits for it).
+    auto step = [&](int j) {
         const int kv0 = j * BC;
-        if (kv0 <= row_g + 63) {
-            if (LATE_WAIT) {  // dQ += dS K of block j - 1 (it read registers and stage j - 1 until now)
-                wgmma_wait<0>();
-                fence_acc(dq);
-            }
-            const unsigned k_s = smem_u32(sK + buf * BC * HS);
-            float s[BC / 2], dp[BC / 2];
-            turn.wait();
-            scores<HS, BC, BQ>(s, q_addr, k_s);
-            scores<HS, BC, BQ>(dp, do_addr, smem_u32(sV + buf * BC * HS));
-            turn.pass(false);
-            wgmma_wait<0>();
-            fence_acc(s);
-            fence_acc(dp);
-            const bool diag = kv0 + BC - 1 > row_g;
-#pragma unroll
-            for (int i = 0; i < BC / 2; ++i) {
-                const int r = (i >> 1) & 1;
-                float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
-                if (diag && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
-                s[i] = p * (dp[i] - d_row[r]);  // dS
-            }
-            turn.wait();
-            add_pv<HS, BC>(dq, s, k_s);
-            turn.pass(j == n_kv - 1);
-            if (!LATE_WAIT) {
-                wgmma_wait<0>();
-                fence_acc(dq);
-            }
-        } else {  // still take both turns, so that the ring goes on
-            if (LATE_WAIT) {
-                wgmma_wait<0>();
-                fence_acc(dq);
-            }
-            turn.wait();
-            turn.pass(false);
-            turn.wait();
-            turn.pass(j == n_kv - 1);
-        }
-        if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
-    }
-    if (LATE_WAIT) {
+        const unsigned k_s = smem_u32(sK + j % STAGES * BC * HS);
+        float s[BC / 2], dp[BC / 2];
+        turn.wait();
+        scores<HS, BC, BQ>(s, q_addr, k_s);
+        scores<HS, BC, BQ>(dp, do_addr, smem_u32(sV + j % STAGES * BC * HS));
+        turn.pass(false);
         wgmma_wait<0>();
-        fence_acc(dq);
+        fence_acc(s);
+        fence_acc(dp);
+        const bool diag = kv0 + BC - 1 > row_g;
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) {
+            const int r = (i >> 1) & 1;
+            float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
+            if (diag && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
+            s[i] = p * (dp[i] - d_row[r]);  // dS
+        }
+        turn.wait();
+        add_pv<HS, BC>(dq, s, k_s);
+        turn.pass(j == n_kv - 1);
+    };
+    auto skip = [&](int j) {  // a key block past the warpgroup's rows: still take both turns
+        turn.wait();
+        turn.pass(false);
+        turn.wait();
+        turn.pass(j == n_kv - 1);
+    };
+    // request K, V of block j into their stage (those copies form the next cp.async group)
+    auto request = [&](int j) {
+        if (j < n_kv) {
+            load_tile<BC, HS, NT>(sK + j % STAGES * BC * HS, gK, j * BC, T, ld);
+            load_tile<BC, HS, NT>(sV + j % STAGES * BC * HS, gV, j * BC, T, ld);
+        }
+        cp_async_commit();
+    };
+    if constexpr (LATE_WAIT) {
+        // Block j's dQ GEMM runs while the block barrier for j + 1 is taken and j + 2 requested (into
+        // the stage block j - 1 used, whose GEMMs every warpgroup waited for before that barrier).
+        // The wgmmas are issued and waited for under no condition (else ptxas serialises them): a
+        // warpgroup's blocks past its rows are only the last one, left out of its loop.
+        const int n_mine = min(n_kv, (row_g + 63) / BC + 1);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        request(1);
+        for (int j = 0; j < n_mine; ++j) {
+            step(j);
+            if (j + 1 < n_kv) {  // block j + 1 has landed everywhere
+                cp_async_wait<0>();
+                fence_proxy_async();
+                __syncthreads();
+                request(j + 2);
+            }
+            wgmma_wait<0>();
+            fence_acc(dq);
+        }
+        for (int j = n_mine; j < n_kv; ++j) skip(j);
+    } else {
+        for (int j = 0; j < n_kv; ++j) {
+            if (ONE_BAR) {  // block j has landed everywhere, and every read of block j - 1's stage is done
+                cp_async_wait<0>();
+                fence_proxy_async();
+                __syncthreads();
+                request(j + 1);
+            } else {
+                request(j + 1);
+                cp_async_wait<1>();
+                fence_proxy_async();
+                __syncthreads();
+            }
+            if (j * BC <= row_g + 63) {
+                step(j);
+                wgmma_wait<0>();
+                fence_acc(dq);
+            } else {
+                skip(j);
+            }
+            if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
+        }
     }
     const float mul[2] = {scale, scale};
     stage_acc<HS, BQ>(sQ, 64 * wg, dq, mul);  // each warpgroup's own rows of sQ
@@ -584,81 +598,88 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
     const TurnRing<PP> turn{wg};
     turn.start();
 
-    for (int it = 0, qb = qb0; it < total; ++it) {
-        const int buf = it % STAGES;
-        if (ONE_BAR) {  // stage it has landed everywhere, and every read of stage it + 1 - STAGES is done
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
-            if (it + 1 < total) request_stage((it + 1) % STAGES);
-            cp_async_commit();
-        } else {
-            if (it + 1 < total) load_stage(it + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            fence_proxy_async();
-            __syncthreads();
-        }
-        const int q0 = (ONE_BAR ? qb : qb0 + it % steps) * BQ;
-        if (q0 + BQ - 1 >= row_g) {  // some query of the block sees some key of the warpgroup
-            if (LATE_WAIT) {  // dV, dK of step it - 1 (they read registers and stage it - 1 until now)
-                wgmma_wait<0>();
-                fence_acc(dv);
-                fence_acc(dk);
-            }
-            const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
-            const float* l_s = sL + buf * BQ;
-            const float* d_s = sD + buf * BQ;
-            float s[BQ / 2], dp[BQ / 2];
-            turn.wait();
-            scores<HS, BQ, BK>(s, k_addr, q_s);
-            scores<HS, BQ, BK>(dp, v_addr, do_s);
-            turn.pass(false);
-            wgmma_wait<0>();
-            fence_acc(s);
-            fence_acc(dp);
-            const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
-#pragma unroll
-            for (int n = 0; n < BQ / 8; ++n) {  // queries 8n + 2tq and + 1: one 8-byte read of lse and of D
-                const float2 l2 = reinterpret_cast<const float2*>(l_s)[4 * n + tq];
-                const float2 d2 = reinterpret_cast<const float2*>(d_s)[4 * n + tq];
-#pragma unroll
-                for (int i = 4 * n; i < 4 * n + 4; ++i) {
-                    const int qi = 8 * n + 2 * tq + (i & 1);
-                    const float l = ONE_BAR ? (i & 1 ? l2.y : l2.x) * LOG2E : (i & 1 ? l2.y : l2.x);
-                    float p = fast_exp2(fmaf(s[i], sl2, -l));
-                    if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
-                    s[i] = p;                                   // P^T
-                    dp[i] = p * (dp[i] - (i & 1 ? d2.y : d2.x));  // dS^T
-                }
-            }
-            turn.wait();
-            add_pv<HS, BQ>(dv, s, do_s);
-            add_pv<HS, BQ>(dk, dp, q_s);
-            turn.pass(it == total - 1);
-            if (!LATE_WAIT) {
-                wgmma_wait<0>();
-                fence_acc(dv);
-                fence_acc(dk);
-            }
-        } else {  // still take both turns, so that the ring goes on
-            if (LATE_WAIT) {
-                wgmma_wait<0>();
-                fence_acc(dv);
-                fence_acc(dk);
-            }
-            turn.wait();
-            turn.pass(false);
-            turn.wait();
-            turn.pass(it == total - 1);
-        }
-        if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
-        if (++qb == n_qb) qb = qb0;
-    }
-    if (LATE_WAIT) {
+    // One step (query block qb of step it's head): S^T, dP^T, P^T and dS^T in registers, dV += P^T dO and
+    // dK += dS^T Q issued (the caller waits for them).
+    auto step = [&](int it, int qb) {
+        const int buf = it % STAGES, q0 = qb * BQ;
+        const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
+        const float* l_s = sL + buf * BQ;
+        const float* d_s = sD + buf * BQ;
+        float s[BQ / 2], dp[BQ / 2];
+        turn.wait();
+        scores<HS, BQ, BK>(s, k_addr, q_s);
+        scores<HS, BQ, BK>(dp, v_addr, do_s);
+        turn.pass(false);
         wgmma_wait<0>();
-        fence_acc(dv);
-        fence_acc(dk);
+        fence_acc(s);
+        fence_acc(dp);
+        const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {  // queries 8n + 2tq and + 1: one 8-byte read of lse and of D
+            const float2 l2 = reinterpret_cast<const float2*>(l_s)[4 * n + tq];
+            const float2 d2 = reinterpret_cast<const float2*>(d_s)[4 * n + tq];
+#pragma unroll
+            for (int i = 4 * n; i < 4 * n + 4; ++i) {
+                const int qi = 8 * n + 2 * tq + (i & 1);
+                const float l = ONE_BAR ? (i & 1 ? l2.y : l2.x) * LOG2E : (i & 1 ? l2.y : l2.x);
+                float p = fast_exp2(fmaf(s[i], sl2, -l));
+                if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
+                s[i] = p;                                     // P^T
+                dp[i] = p * (dp[i] - (i & 1 ? d2.y : d2.x));  // dS^T
+            }
+        }
+        turn.wait();
+        add_pv<HS, BQ>(dv, s, do_s);
+        add_pv<HS, BQ>(dk, dp, q_s);
+        turn.pass(it == total - 1);
+    };
+    auto next_stage = [&](int it) {  // V >= 2: stage it has landed everywhere; request stage it + 1
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (it + 1 < total) request_stage((it + 1) % STAGES);
+        cp_async_commit();
+    };
+    if constexpr (LATE_WAIT) {
+        // Step it's dV/dK GEMMs run while the block barrier for step it + 1 is taken and it + 2
+        // requested (into the stage step it - 1 used, whose GEMMs every warpgroup waited for before
+        // that barrier). The wgmmas are issued and waited for under no condition (else ptxas
+        // serialises them): warpgroup 1 also computes its first query block of each head, which
+        // the causal mask zeroes whole (P = 0: it adds exact zeros).
+        next_stage(0);
+        for (int it = 0, qb = qb0; it < total; ++it) {
+            step(it, qb);
+            if (it + 1 < total) next_stage(it + 1);
+            wgmma_wait<0>();
+            fence_acc(dv);
+            fence_acc(dk);
+            if (++qb == n_qb) qb = qb0;
+        }
+    } else {
+        for (int it = 0, qb = qb0; it < total; ++it) {
+            if (ONE_BAR) {  // every read of the stage that step it + 1 refills is done
+                next_stage(it);
+            } else {
+                if (it + 1 < total) load_stage(it + 1, (it + 1) & 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+                fence_proxy_async();
+                __syncthreads();
+            }
+            if (((ONE_BAR ? qb : qb0 + it % steps) + 1) * BQ - 1 >= row_g) {  // a query of the block sees a key
+                step(it, ONE_BAR ? qb : qb0 + it % steps);
+                wgmma_wait<0>();
+                fence_acc(dv);
+                fence_acc(dk);
+            } else {  // still take both turns, so that the ring goes on
+                turn.wait();
+                turn.pass(false);
+                turn.wait();
+                turn.pass(it == total - 1);
+            }
+            if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
+            if (++qb == n_qb) qb = qb0;
+        }
     }
     const float mul_k[2] = {scale, scale}, mul_v[2] = {1.f, 1.f};
     stage_acc<HS, BK>(sK, 64 * wg, dk, mul_k);  // each warpgroup's own rows of sK and sV
@@ -714,5 +735,7 @@ BACKWARD_SM90(64, 2, v2)
 BACKWARD_SM90(128, 2, v2)
 BACKWARD_SM90(64, 3, v3)
 BACKWARD_SM90(128, 3, v3)
+BACKWARD_SM90(64, 4, v4)
+BACKWARD_SM90(128, 4, v4)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

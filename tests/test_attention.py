@@ -613,7 +613,9 @@ def test_gpu_wgmma_probe(hs, bc):
 
 
 # The session's sweep variants of attention_sm90.cu (attention._SM90_VARIANT): each on the cases above
-SM90_VARIANTS = [{"fwd": "v1", "dq": "v1", "dkdv": "v1"}] + [{"fwd": "", "dq": v, "dkdv": v} for v in ("v2", "v3")]
+SM90_VARIANTS = [{"fwd": "v1", "dq": "v1", "dkdv": "v1"}] + [
+    {"fwd": "", "dq": v, "dkdv": v} for v in ("v2", "v3", "v4")
+]
 
 
 @pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: "-".join(f"{k}{x or 0}" for k, x in v.items()))

@@ -372,11 +372,13 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     args = (dqkv, datt, qkv, lse, dsum)
     if flash and hs in SM90_BACKWARD and _is_sm90(dev):
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
-        smem = (2 * 128 + 4 * 64) * hs * 2 + 1024  # dq: Q, dO [128], 2 x K, V [64]; dkdv: K, V [128], 2 x Q, dO
         nblk = ceil_div(T, 128)
-        for kernel, heads, extra in (("dq", n_q_heads, 0), ("dkdv", n_kv_heads, 4 * 64 * 4)):  # dkdv: lse, D
+        for kernel, heads in (("dq", n_q_heads), ("dkdv", n_kv_heads)):
+            st = 3 if _SM90_VARIANT[kernel] == "v4" else 2
+            # dq: Q, dO [128], st x K, V [64]; dkdv: K, V [128], st x Q, dO [64] and lse, D [64] fp32
+            smem = (2 * 128 + st * 2 * 64) * hs * 2 + 1024 + (st * 2 * 64 * 4 if kernel == "dkdv" else 0)
             name = kernel_name(f"attention_backward_{kernel}_sm90{_SM90_VARIANT[kernel]}_hs{hs}", qkv)
-            launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem + extra)
+            launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem)
     elif flash:
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = 6 * _BLOCK * hs * 2  # dq: Q, dO, 2 x K, 2 x V; dkdv: K, V, 2 x Q, 2 x dO (+ lse, D)
