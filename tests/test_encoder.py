@@ -438,3 +438,69 @@ def test_cuda_every_run_length_and_offset(dwte_dtype, dout_dtype, c):
     dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
     gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=3)
     np.testing.assert_array_equal(gpu.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
+
+
+def _byte_corpus(n):
+    """The first n bytes of the default training corpus (cuengine.data.stdlib_files: the standard
+    library's own sources, vocabulary 256), as ids: one byte (the space) is a quarter of them."""
+    from cuengine import data
+
+    chunks, size = [], 0
+    for f in data.stdlib_files()[0]:
+        chunks.append(f.read_bytes())
+        size += len(chunks[-1])
+        if size >= n:
+            break
+    return np.frombuffer(b"".join(chunks)[:n], np.uint8).astype(np.int32)
+
+
+def _distribution(name):
+    """(tokens (n,), V) of one named distribution: uniform over a 151936 vocabulary, Zipf, the byte
+    corpus, one id everywhere, a run of 1024 of one id among uniform ones (a padded sequence), and
+    ids outside [0, V) among skewed ones."""
+    r, vq = rng(41), 151936
+    if name == "uniform":
+        return r.integers(0, vq, 32768), vq
+    if name == "zipf":
+        return np.minimum(r.zipf(1.2, 32768) - 1, vq - 1), vq
+    if name.startswith("bytes"):
+        return _byte_corpus(int(name[5:])), 256
+    if name.startswith("one_id"):
+        return np.full(int(name[6:]), 7), vq
+    if name == "run":
+        tokens = r.integers(0, vq, 32768)
+        tokens[5000:6024] = 3
+        return tokens, vq
+    tokens = np.minimum(r.zipf(1.1, 8192) - 1, 299)  # "invalid": 300 ids, 15% of the positions outside
+    bad = r.random(8192)
+    tokens[bad < 0.1] = -1
+    tokens[bad > 0.95] = 300 + np.arange(8192)[bad > 0.95] % 5
+    return tokens, 300
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dist,dwte_dtype,dout_dtype",
+    [
+        ("bytes32768", "bf16", "bf16"),
+        ("bytes32768", "fp32", "fp32"),  # 224 fp32 vectors a row: two channel chunks per tile
+        ("bytes32768", "fp32", "bf16"),
+        ("bytes8192", "bf16", "bf16"),
+        ("one_id8192", "bf16", "bf16"),
+        ("one_id32768", "fp32", "bf16"),
+        ("zipf", "bf16", "bf16"),
+        ("uniform", "bf16", "bf16"),
+        ("run", "bf16", "bf16"),
+        ("invalid", "fp32", "fp32"),
+    ],
+)
+def test_cuda_skewed_ids_match_the_twin(dist, dwte_dtype, dout_dtype):
+    """The distributions the hot path is for (big ids cut into position tiles, their partials added by
+    the last tile's block), C = 896: cuda's dwte is the twin's bit for bit, from scratch garbage."""
+    tokens, v = _distribution(dist)
+    tokens = tokens.astype(np.int32)[None]
+    r = rng(42)
+    dout = (r.standard_normal((1, tokens.size, 896)) * 1e-2).astype(ce.dtype(dout_dtype).np)
+    dwte = r.standard_normal((v, 896)).astype(ce.dtype(dwte_dtype).np)
+    gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=-3)
+    np.testing.assert_array_equal(gpu.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))

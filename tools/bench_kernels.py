@@ -151,6 +151,37 @@ def encoder_cases(dev, shrink):
     unique = int(dev.xp.unique(tokens.array()).size)
     traffic = b * t * row + 2 * unique * row  # dout read; the touched dwte rows read and written
     yield "encoder", f"backward ({b}, {t}, {c}) bf16", traffic, lambda: encoder_backward(dwte, dout, tokens, scratch)
+    # skewed ids, where few ids have most positions: the default corpus's bytes (the space is a quarter
+    # of them), and one id at every position
+    for label, ids, vocab in (
+        ("bytes", stdlib_bytes(32768 // shrink), 256),
+        ("one id x", np.full(8192 // shrink, 7), v),
+    ):
+        n = ids.size
+        toks = ce.Tensor.from_numpy(ids.astype(np.int32).reshape(1, n), dev)
+        grad = ce.Tensor.empty(ce.BF16, (vocab, c), dev).fill_zero()
+        d = tensor(dev, ce.BF16, (1, n, c), 1e-3)
+        s = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(1, n, c), dev)
+        traffic = n * row + 2 * np.unique(ids).size * row
+        yield (
+            "encoder",
+            f"backward {label} {n} ({c}) bf16",
+            traffic,
+            lambda g=grad, d=d, k=toks, s=s: encoder_backward(g, d, k, s),
+        )
+
+
+def stdlib_bytes(n: int) -> np.ndarray:
+    """The first n bytes of the default training corpus (cuengine.data.stdlib_files), as int32 ids."""
+    from cuengine import data
+
+    chunks, size = [], 0
+    for f in data.stdlib_files()[0]:
+        chunks.append(f.read_bytes())
+        size += len(chunks[-1])
+        if size >= n:
+            break
+    return np.frombuffer(b"".join(chunks)[:n], np.uint8).astype(np.int32)
 
 
 def rmsnorm_cases(dev, shrink):
