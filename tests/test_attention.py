@@ -627,7 +627,7 @@ def test_emulated_sm90_variants_match_twin(emulator, monkeypatch, case, variant)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: "-".join(f"{k}{x or 0}" for k, x in v.items()))
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[1] in (1, 17, 1000, 2048)], ids=str)
 def test_gpu_sm90_variants_match_twin(case, variant, monkeypatch):
     _needs_sm90()
     monkeypatch.setattr(A, "_SM90_VARIANT", variant)
