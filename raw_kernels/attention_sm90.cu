@@ -253,6 +253,10 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
     for (int i = 0; i < HS / 2; ++i) o_out[(row + 8 * ((i >> 1) & 1)) * HS + 8 * (i >> 2) + 2 * tq + (i & 1)] = o[i];
 }
 
+template <bool B> struct Bool {
+    static constexpr bool value = B;
+};
+
 // The block's tile x (0: the heaviest causal tile) and its head y and batch z. LPT: the launch order
 // (x fastest, so a head's light tiles start before the next head's heavy ones and the heaviest ones
 // of the last heads run alone at the end) re-read with x slowest: the heaviest tiles of every head
@@ -398,7 +402,7 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
                                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                        const float* __restrict__ dsum, int T, int Hq, int Hkv,
                                                        float scale) {
-    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4;
+    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4, SPLIT = V >= 5;
     constexpr int BQ = 64 * NWG, BC = 64, NT = 128 * NWG, STAGES = LATE_WAIT ? 3 : 2;
     bf16* sQ = smem_base();
     bf16* sdO = sQ + BQ * HS;
@@ -450,14 +454,21 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
         wgmma_wait<0>();
         fence_acc(s);
         fence_acc(dp);
-        const bool diag = kv0 + BC - 1 > row_g;
+        // SPLIT: the causal mask's compares only in the copy for blocks that reach past the diagonal
+        auto ds = [&](auto masked) {
 #pragma unroll
-        for (int i = 0; i < BC / 2; ++i) {
-            const int r = (i >> 1) & 1;
-            float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
-            if (diag && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
-            s[i] = p * (dp[i] - d_row[r]);  // dS
-        }
+            for (int i = 0; i < BC / 2; ++i) {
+                const int r = (i >> 1) & 1;
+                float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
+                if (decltype(masked)::value && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
+                s[i] = p * (dp[i] - d_row[r]);  // dS
+            }
+        };
+        const bool diag = kv0 + BC - 1 > row_g;
+        if (!SPLIT || diag)
+            ds(Bool<true>{});
+        else
+            ds(Bool<false>{});
         turn.wait();
         add_pv<HS, BC>(dq, s, k_s);
         turn.pass(j == n_kv - 1);
@@ -540,7 +551,7 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
                                                          const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                          const float* __restrict__ dsum, int T, int Hq, int Hkv,
                                                          float scale) {
-    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4;
+    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4, SPLIT = V >= 5;
     constexpr int BK = 64 * NWG, BQ = 64, NT = 128 * NWG, STAGES = LATE_WAIT ? 3 : 2;
     bf16* sK = smem_base();
     bf16* sV = sK + BK * HS;
@@ -613,21 +624,28 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
         wgmma_wait<0>();
         fence_acc(s);
         fence_acc(dp);
-        const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
+        // SPLIT: the causal mask's compares only in the copy for blocks that reach past the diagonal
+        auto pds = [&](auto masked) {
 #pragma unroll
-        for (int n = 0; n < BQ / 8; ++n) {  // queries 8n + 2tq and + 1: one 8-byte read of lse and of D
-            const float2 l2 = reinterpret_cast<const float2*>(l_s)[4 * n + tq];
-            const float2 d2 = reinterpret_cast<const float2*>(d_s)[4 * n + tq];
+            for (int n = 0; n < BQ / 8; ++n) {  // queries 8n + 2tq and + 1: one 8-byte read of lse and of D
+                const float2 l2 = reinterpret_cast<const float2*>(l_s)[4 * n + tq];
+                const float2 d2 = reinterpret_cast<const float2*>(d_s)[4 * n + tq];
 #pragma unroll
-            for (int i = 4 * n; i < 4 * n + 4; ++i) {
-                const int qi = 8 * n + 2 * tq + (i & 1);
-                const float l = ONE_BAR ? (i & 1 ? l2.y : l2.x) * LOG2E : (i & 1 ? l2.y : l2.x);
-                float p = fast_exp2(fmaf(s[i], sl2, -l));
-                if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
-                s[i] = p;                                     // P^T
-                dp[i] = p * (dp[i] - (i & 1 ? d2.y : d2.x));  // dS^T
+                for (int i = 4 * n; i < 4 * n + 4; ++i) {
+                    const int qi = 8 * n + 2 * tq + (i & 1);
+                    const float l = ONE_BAR ? (i & 1 ? l2.y : l2.x) * LOG2E : (i & 1 ? l2.y : l2.x);
+                    float p = fast_exp2(fmaf(s[i], sl2, -l));
+                    if (decltype(masked)::value && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
+                    s[i] = p;                                     // P^T
+                    dp[i] = p * (dp[i] - (i & 1 ? d2.y : d2.x));  // dS^T
+                }
             }
-        }
+        };
+        const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
+        if (!SPLIT || diag)
+            pds(Bool<true>{});
+        else
+            pds(Bool<false>{});
         turn.wait();
         add_pv<HS, BQ>(dv, s, do_s);
         add_pv<HS, BQ>(dk, dp, q_s);
@@ -737,5 +755,7 @@ BACKWARD_SM90(64, 3, v3)
 BACKWARD_SM90(128, 3, v3)
 BACKWARD_SM90(64, 4, v4)
 BACKWARD_SM90(128, 4, v4)
+BACKWARD_SM90(64, 5, v5)
+BACKWARD_SM90(128, 5, v5)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

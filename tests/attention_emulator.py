@@ -385,7 +385,7 @@ KERNELS = {
         f"attention_backward_{k}_sm90{v}_hs{hs}_bf16"
         for hs in (64, 128)
         for k in ("dq", "dkdv")
-        for v in ("", "v1", "v2", "v3", "v4")
+        for v in ("", "v1", "v2", "v3", "v4", "v5")
     ],
 }
 

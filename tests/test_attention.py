@@ -614,7 +614,7 @@ def test_gpu_wgmma_probe(hs, bc):
 
 # The session's sweep variants of attention_sm90.cu (attention._SM90_VARIANT): each on the cases above
 SM90_VARIANTS = [{"fwd": "v1", "dq": "v1", "dkdv": "v1"}] + [
-    {"fwd": "", "dq": v, "dkdv": v} for v in ("v2", "v3", "v4")
+    {"fwd": "", "dq": v, "dkdv": v} for v in ("v2", "v3", "v4", "v5")
 ]
 
 

@@ -49,7 +49,7 @@ _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD i
 SM90_FORWARD: tuple[int, ...] = (64, 128)
 SM90_BACKWARD: tuple[int, ...] = (64, 128)
 _SM90_KEY_BLOCK = {64: 64, 128: 128}
-# The attention_sm90.cu instantiation per kernel ("" or "v1".."v3", the kernel name's suffix after
+# The attention_sm90.cu instantiation per kernel ("" or "v1".."v5", the kernel name's suffix after
 # "sm90"): set only by the session's sweep; the shipped choice is compiled into the plain names.
 _SM90_VARIANT = {"fwd": "", "dq": "", "dkdv": ""}
 _BLOCK = 64  # flash backward rows per block (queries and keys)
@@ -374,7 +374,7 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         nblk = ceil_div(T, 128)
         for kernel, heads in (("dq", n_q_heads), ("dkdv", n_kv_heads)):
-            st = 3 if _SM90_VARIANT[kernel] == "v4" else 2
+            st = 3 if _SM90_VARIANT[kernel] in ("v4", "v5") else 2
             # dq: Q, dO [128], st x K, V [64]; dkdv: K, V [128], st x Q, dO [64] and lse, D [64] fp32
             smem = (2 * 128 + st * 2 * 64) * hs * 2 + 1024 + (st * 2 * 64 * 4 if kernel == "dkdv" else 0)
             name = kernel_name(f"attention_backward_{kernel}_sm90{_SM90_VARIANT[kernel]}_hs{hs}", qkv)
