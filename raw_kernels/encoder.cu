@@ -19,16 +19,17 @@
 //      `rows`) is cut into position tiles of tile_width(k) positions (about `rows` of its positions
 //      each when they are spread), one item per tile; the items are listed (medium first) by a block
 //      scan over the queue.
-//   2. encoder_backward_sum, one kernel with two roles:
-//      - the first hot_blocks blocks take hot items (x channel chunks) from a shared counter: the whole
-//        block scans the item's token range in order, compacting the id's positions there (a block scan
+//   2. encoder_backward_sum, one kernel with two roles, stream then hot in every block (the first
+//      hot_blocks blocks only take the hot role):
+//      - stream: a warp per position, over a contiguous slice of positions per warp. A position whose
+//        id occurs once adds its row (the common case: 3 streams, dout read, the dwte row read and
+//        written); the smallest position of an id with 2..INLINE positions sums them all (sorted by
+//        position from the table's set); the other positions of such an id do nothing;
+//      - hot: the block takes hot items (x channel chunks) from a shared counter until none is left;
+//        it scans the item's token range in order, compacting the id's positions there (a block scan
 //        of per-thread match counts) into shared memory, and sums them over 128 vectors of channels; a
 //        medium item adds its sum to dwte, a tile writes it to an fp32 partial in the scratch, and the
-//        block that finishes an id's last tile adds the id's tile partials to dwte;
-//      - the other blocks stream: a warp per position, over a contiguous slice of positions per warp.
-//        A position whose id occurs once adds its row (the common case: 3 streams, dout read, the dwte
-//        row read and written); the smallest position of an id with 2..INLINE positions sums them all
-//        (sorted by position from the table's set); the other positions of such an id do nothing.
+//        block that finishes an id's last tile adds the id's tile partials to dwte.
 //   Summation order (the NumPy twin's): sum4(rows) deals rows in order to 4 partials (rank k to partial
 //   k % 4), each summed in order in fp32 from 0.f, and returns ((p0 + p1) + p2) + p3. An id with at most
 //   `rows` positions adds sum4(its rows by position) to dwte; a big id adds sum4(its tiles' sum4s, by
@@ -501,7 +502,8 @@ __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, cons
     }
 }
 
-// Step 2. Blocks [0, hot_blocks): the hot role; the rest: per_warp positions per warp, in order.
+// Step 2. Blocks [0, hot_blocks) take hot units only; the others stream per_warp positions per warp, in
+// order, then take hot units too (if there are any: the counts are read before the stream loop).
 template <typename TG, typename TD>
 __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot,
                                           int* qinfo, const int* items, float* partials, int N, int V, int C, int H,
@@ -519,6 +521,7 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
     // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
     const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
     grid_dependency_wait();
+    const bool hot_units = scratch[HEAD_MEDIUM] + scratch[HEAD_TILES] > 0;
     for (int b = begin; b < end; b += 32) {
         // lane l: position b + l, its id, the id's count and inline positions; act = this lane's
         // position sums its id (the id occurs once, or 2..INLINE times and this is its first position)
@@ -571,6 +574,9 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
             }
         }
     }
+    if (hot_units)
+        encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
+                                          ychunks, qcap);
 }
 
 // ---- launchers ----------------------------------------------------------------------------
