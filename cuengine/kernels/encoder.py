@@ -131,9 +131,9 @@ def encoder_scratch_shape(B: int, T: int, C: int) -> tuple[int]:
     """Shape of the int32 scratch encoder_backward needs for (B, T) tokens and C channels.
 
     Holds 8 counters, a hash table of 2 * B * T slots of 8 ints (a token, its count and its first 6
-    positions), the plan of the tokens with more positions (about 0.45 ints per position), and an fp32
-    partial row of C per tile of the big tokens (2 * B * T / 128 rows at most): about 17.5 + C / 64
-    ints per position.
+    positions), the plan of the tokens with more positions (0.6 ints per position), and an fp32 partial
+    row of C per tile of the big tokens (2 * B * T / 128 rows at most): about 16.6 + C / 64 ints per
+    position (4.0 MB at B * T = 32768, C = 896).
     """
     return (_layout(B * T, C)["total"],)
 
