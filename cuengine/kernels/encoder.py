@@ -25,6 +25,7 @@ _SUM_THREADS = 512  # SUM_THREADS: 16 warps
 _HOT_VECS = 128  # 16-byte vectors per hot block (HOT_VECS)
 _TILE_ALIGN = 32  # TILE_ALIGN: a big token's tile width is a multiple of it
 _ROWS = 128  # a hot token with more positions is "big": summed by position tiles of about this many of them
+# (at least _INLINE: a token with at most _INLINE positions is always summed by the stream role)
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
 _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
