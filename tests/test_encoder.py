@@ -304,6 +304,25 @@ def test_emulated_big_tokens_by_tiles(enc_lib, monkeypatch, dwte_dtype, dout_dty
     assert clean
 
 
+def test_emulated_random_distributions(enc_lib, monkeypatch):
+    """Random sizes, vocabularies, Zipf / uniform-with-invalid / single-id tokens, _ROWS from _INLINE
+    up and both hot-block settings, one or two channel chunks: the kernels' bits are the twin's."""
+    r = np.random.default_rng(7)
+    shapes = [(8, "fp32", "bf16"), (1040, "bf16", "bf16"), (12, "bf16", "fp32"), (520, "fp32", "fp32")]
+    for case in range(6):
+        monkeypatch.setattr(E, "_ROWS", int(r.choice([6, 7, 8, 16])))
+        monkeypatch.setattr(E, "_HOT_PER_SM", case % 2)
+        n, v = int(r.integers(1, 400)), int(r.integers(2, 60))
+        tokens = [np.minimum(r.zipf(1.3, n) - 2, v + 1), r.integers(-2, v + 2, n), np.full(n, r.integers(0, v))]
+        tokens = tokens[case % 3].astype(np.int32)[None]
+        c, dwte_dtype, dout_dtype = shapes[int(r.integers(0, 4))]
+        dout = r.standard_normal((1, n, c)).astype(ce.dtype(dout_dtype).np)
+        dwte = r.standard_normal((v, c)).astype(ce.dtype(dwte_dtype).np)
+        got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
+        want = encoder_backward_np(dwte, dout, tokens)
+        assert clean and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (case, E._ROWS, n, v, c)
+
+
 def test_sorting_network_sorts():
     """The few path sorts a token's inline positions (kept in arrival order, which the emulator's
     one-block-at-a-time run never scrambles) with encoder.cu's comparators: by the 0-1 principle
