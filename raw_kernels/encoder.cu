@@ -211,15 +211,16 @@ extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
             hot[atomicAdd(&scratch[HEAD_QUEUED], 1)] = (int)s;
         }
     }
+    // the block's table and queue writes, then (fenced, as cooperative groups' grid sync does) its count
     __shared__ int s_last;
-    __threadfence();  // this thread's table and queue writes, before the block counts itself done
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&scratch[HEAD_DONE], 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (s_last) {
+    if (threadIdx.x == 0) {
         __threadfence();
-        encoder_backward_plan(scratch, hot, qinfo, items, N, rows, qcap);
+        s_last = atomicAdd(&scratch[HEAD_DONE], 1) == (int)gridDim.x - 1;
+        if (s_last) __threadfence();
     }
+    __syncthreads();
+    if (s_last) encoder_backward_plan(scratch, hot, qinfo, items, N, rows, qcap);
 }
 
 // VN elements of T kept as loaded (16-byte packs where VN elements fill them): a dwte vector beside
@@ -395,12 +396,14 @@ __device__ __noinline__ void encoder_backward_hot_role(TG* __restrict__ dwte, co
             for (int e = 0; e < VN; e += 4)
                 *reinterpret_cast<float4*>(partials + (size_t)i * C + c + e) =
                     make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]);
-        __threadfence();  // this thread's partial, before the block counts the unit done
-        __syncthreads();
-        if (tid == 0) s_last = atomicAdd(&qinfo[2 * q + 1], 1) == tiles * ychunks - 1;
+        __syncthreads();  // the block's partial, then (fenced) the unit counted done
+        if (tid == 0) {
+            __threadfence();
+            s_last = atomicAdd(&qinfo[2 * q + 1], 1) == tiles * ychunks - 1;
+            if (s_last) __threadfence();
+        }
         __syncthreads();
         if (!s_last) continue;
-        __threadfence();
         for (int yy = 0; yy < ychunks; ++yy) {  // the last unit: every tile's partial is written
             const int cc = (yy * HOT_VECS + cvl) * VN;
             const bool on = cc < C;
