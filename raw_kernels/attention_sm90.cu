@@ -391,7 +391,9 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
 // barrier per step (the next stage is requested after it), and in dk/dv lse and D copied by cp.async
 // with the stage (not loaded and stored by 64 threads, which stalled every step on a global load);
 // 3 the warpgroups take turns at the tensor cores (TurnRing); 4 three stages, and a step's last
-// GEMM waited for only after the next step's barrier.
+// GEMM waited for only after the next step's barrier; 5 the causal mask's compares only in a copy
+// of the elementwise code for blocks that reach past the diagonal. (A session sweep picks one; the
+// others are then deleted.)
 // ---- backward: dq ----------------------------------------------------------------------------
 // Grid (ceil(T / BQ), Hq, B), block 128 * NWG, BQ = 64 * NWG query rows (64 per warpgroup). Over the
 // 64-row key blocks up to the diagonal: S = Q K^T and dP = dO V^T (shared-memory operands),
