@@ -65,11 +65,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// 4 bytes global -> shared (.ca: the 16-byte .cg form needs 16-byte-aligned rows); src_bytes 0
-// zero-fills the destination.
-__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <> __device__ __forceinline__ void wgmma_ss<64>(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
@@ -98,7 +93,6 @@ template <> __device__ __forceinline__ void wgmma_rs<128>(float (&d)[64], const 
 }
 
 #else  // tests/test_compile.py builds every file for plain sm_90, where wgmma does not exist
-__device__ __forceinline__ void cp_async4(unsigned, const void*, int) { __trap(); }
 __device__ __forceinline__ void wgmma_fence() { __trap(); }
 __device__ __forceinline__ void wgmma_commit() { __trap(); }
 template <int N> __device__ __forceinline__ void wgmma_wait() { __trap(); }
@@ -253,27 +247,10 @@ __device__ __forceinline__ void wgmma_probe(float* s_out, float* o_out, const bf
     for (int i = 0; i < HS / 2; ++i) o_out[(row + 8 * ((i >> 1) & 1)) * HS + 8 * (i >> 2) + 2 * tq + (i & 1)] = o[i];
 }
 
-template <bool B> struct Bool {
-    static constexpr bool value = B;
-};
-
-// The block's tile x (0: the heaviest causal tile) and its head y and batch z. LPT: the launch order
-// (x fastest, so a head's light tiles start before the next head's heavy ones and the heaviest ones
-// of the last heads run alone at the end) re-read with x slowest: the heaviest tiles of every head
-// start first and the light ones fill the tail (longest processing time first).
-template <bool LPT> __device__ __forceinline__ void block_xyz(int& x, int& y, int& z) {
-    if (!LPT) {
-        x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-        return;
-    }
-    const int id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), yz = gridDim.y * gridDim.z;
-    x = id / yz, y = id % yz % gridDim.y, z = id % yz / gridDim.y;
-}
-
 // ---- forward -------------------------------------------------------------------------------
 // Grid (ceil(T / BR), Hq, B), block 128 * NWG. Shared (from a 1024-byte boundary): Q [BR][HS],
 // K [2][BC][HS], V [2][BC][HS], each in the swizzled layout above. PINGPONG: the TurnRing order.
-template <int HS, int BC, bool PINGPONG, bool LPT>
+template <int HS, int BC, bool PINGPONG>
 __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float* __restrict__ lse,
                                                    const bf16* __restrict__ qkv, int T, int Hq, int Hkv, float scale) {
     constexpr int BR = 64 * NWG, NT = 128 * NWG;
@@ -281,9 +258,8 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
     bf16* sK = sQ + BR * HS;
     bf16* sV = sK + 2 * BC * HS;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int bx, h, b;
-    block_xyz<LPT>(bx, h, b);
-    const int q0 = (gridDim.x - 1 - bx) * BR, kvh = h / (Hq / Hkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
     const long ld = (long)(Hq + 2 * Hkv) * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gK = base + (long)(Hq + kvh) * HS;
@@ -387,33 +363,24 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
     store_tile<HS, BR, NT>(att + (long)b * T * Hq * HS + (long)h * HS, (long)Hq * HS, q0, T, sQ);
 }
 
-// Backward variants V (cumulative; 0 is the first wgmma backward): 1 LPT block order; 2 one block
-// barrier per step (the next stage is requested after it), and in dk/dv lse and D copied by cp.async
-// with the stage (not loaded and stored by 64 threads, which stalled every step on a global load);
-// 3 the warpgroups take turns at the tensor cores (TurnRing); 4 three stages, and a step's last
-// GEMM waited for only after the next step's barrier; 5 the causal mask's compares only in a copy
-// of the elementwise code for blocks that reach past the diagonal. (A session sweep picks one; the
-// others are then deleted.)
 // ---- backward: dq ----------------------------------------------------------------------------
 // Grid (ceil(T / BQ), Hq, B), block 128 * NWG, BQ = 64 * NWG query rows (64 per warpgroup). Over the
 // 64-row key blocks up to the diagonal: S = Q K^T and dP = dO V^T (shared-memory operands),
 // P = exp(S*scale - lse), dS = P (dP - D) in registers, dQ += dS K (dS from registers, K N-major);
-// dq = scale dQ. Shared: Q, dO [BQ][HS], then STAGES stages of K, V [64][HS].
-template <int HS, int V>
+// dq = scale dQ. Shared: Q, dO [BQ][HS], then two stages of K, V [64][HS].
+template <int HS>
 __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
                                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                        const float* __restrict__ dsum, int T, int Hq, int Hkv,
                                                        float scale) {
-    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4, SPLIT = V >= 5;
-    constexpr int BQ = 64 * NWG, BC = 64, NT = 128 * NWG, STAGES = LATE_WAIT ? 3 : 2;
+    constexpr int BQ = 64 * NWG, BC = 64, NT = 128 * NWG;
     bf16* sQ = smem_base();
     bf16* sdO = sQ + BQ * HS;
-    bf16* sK = sdO + BQ * HS;          // [STAGES][BC][HS]
-    bf16* sV = sK + STAGES * BC * HS;  // [STAGES][BC][HS]
+    bf16* sK = sdO + BQ * HS;    // [2][BC][HS]
+    bf16* sV = sK + 2 * BC * HS;  // [2][BC][HS]
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    int bx, h, b;
-    block_xyz<LPT>(bx, h, b);
-    const int q0 = (gridDim.x - 1 - bx) * BQ, kvh = h / (Hq / Hkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
     const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gK = base + (long)(Hq + kvh) * HS;
@@ -441,98 +408,39 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
     float dq[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-    const TurnRing<PP> turn{wg};
-    turn.start();
 
-    // One key block: S, dP, dS in registers, dQ += dS K issued (the caller waits for it).
-    auto step = [&](int j) {
+    for (int j = 0; j < n_kv; ++j) {
+        if (j + 1 < n_kv) {
+            const int nb = (j + 1) & 1;
+            load_tile<BC, HS, NT>(sK + nb * BC * HS, gK, (j + 1) * BC, T, ld);
+            load_tile<BC, HS, NT>(sV + nb * BC * HS, gV, (j + 1) * BC, T, ld);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
         const int kv0 = j * BC;
-        const unsigned k_s = smem_u32(sK + j % STAGES * BC * HS);
-        float s[BC / 2], dp[BC / 2];
-        turn.wait();
-        scores<HS, BC, BQ>(s, q_addr, k_s);
-        scores<HS, BC, BQ>(dp, do_addr, smem_u32(sV + j % STAGES * BC * HS));
-        turn.pass(false);
-        wgmma_wait<0>();
-        fence_acc(s);
-        fence_acc(dp);
-        // SPLIT: the causal mask's compares only in the copy for blocks that reach past the diagonal
-        auto ds = [&](auto masked) {
+        if (kv0 <= row_g + 63) {
+            const unsigned k_s = smem_u32(sK + (j & 1) * BC * HS);
+            float s[BC / 2], dp[BC / 2];
+            scores<HS, BC, BQ>(s, q_addr, k_s);
+            scores<HS, BC, BQ>(dp, do_addr, smem_u32(sV + (j & 1) * BC * HS));
+            wgmma_wait<0>();
+            fence_acc(s);
+            fence_acc(dp);
+            const bool diag = kv0 + BC - 1 > row_g;
 #pragma unroll
             for (int i = 0; i < BC / 2; ++i) {
                 const int r = (i >> 1) & 1;
                 float p = fast_exp2(fmaf(s[i], sl2, -lse_l2[r]));
-                if (decltype(masked)::value && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
+                if (diag && kv0 + 8 * (i >> 2) + 2 * tq + (i & 1) > row_t + 8 * r) p = 0.f;
                 s[i] = p * (dp[i] - d_row[r]);  // dS
             }
-        };
-        const bool diag = kv0 + BC - 1 > row_g;
-        if (!SPLIT || diag)
-            ds(Bool<true>{});
-        else
-            ds(Bool<false>{});
-        turn.wait();
-        add_pv<HS, BC>(dq, s, k_s);
-        turn.pass(j == n_kv - 1);
-    };
-    auto skip = [&](int j) {  // a key block past the warpgroup's rows: still take both turns
-        turn.wait();
-        turn.pass(false);
-        turn.wait();
-        turn.pass(j == n_kv - 1);
-    };
-    // request K, V of block j into their stage (those copies form the next cp.async group)
-    auto request = [&](int j) {
-        if (j < n_kv) {
-            load_tile<BC, HS, NT>(sK + j % STAGES * BC * HS, gK, j * BC, T, ld);
-            load_tile<BC, HS, NT>(sV + j % STAGES * BC * HS, gV, j * BC, T, ld);
-        }
-        cp_async_commit();
-    };
-    if constexpr (LATE_WAIT) {
-        // Block j's dQ GEMM runs while the block barrier for j + 1 is taken and j + 2 requested (into
-        // the stage block j - 1 used, whose GEMMs every warpgroup waited for before that barrier).
-        // The wgmmas are issued and waited for under no condition (else ptxas serialises them): a
-        // warpgroup's blocks past its rows are only the last one, left out of its loop.
-        const int n_mine = min(n_kv, (row_g + 63) / BC + 1);
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        request(1);
-        for (int j = 0; j < n_mine; ++j) {
-            step(j);
-            if (j + 1 < n_kv) {  // block j + 1 has landed everywhere
-                cp_async_wait<0>();
-                fence_proxy_async();
-                __syncthreads();
-                request(j + 2);
-            }
+            add_pv<HS, BC>(dq, s, k_s);
             wgmma_wait<0>();
             fence_acc(dq);
         }
-        for (int j = n_mine; j < n_kv; ++j) skip(j);
-    } else {
-        for (int j = 0; j < n_kv; ++j) {
-            if (ONE_BAR) {  // block j has landed everywhere, and every read of block j - 1's stage is done
-                cp_async_wait<0>();
-                fence_proxy_async();
-                __syncthreads();
-                request(j + 1);
-            } else {
-                request(j + 1);
-                cp_async_wait<1>();
-                fence_proxy_async();
-                __syncthreads();
-            }
-            if (j * BC <= row_g + 63) {
-                step(j);
-                wgmma_wait<0>();
-                fence_acc(dq);
-            } else {
-                skip(j);
-            }
-            if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
-        }
+        __syncthreads();
     }
     const float mul[2] = {scale, scale};
     stage_acc<HS, BQ>(sQ, 64 * wg, dq, mul);  // each warpgroup's own rows of sQ
@@ -541,39 +449,35 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
 }
 
 // ---- backward: dk, dv ------------------------------------------------------------------------
-// Grid (ceil(T / BK), Hkv, B), block 128 * NWG, BK = 64 * NWG keys (64 per warpgroup; tile 0 first:
+// Grid (ceil(T / BK), Hkv, B), block 128 * NWG, BK = 64 * NWG keys (64 per warpgroup; block 0 first:
 // it sees every query). Over each query head of the GQA group and each 64-row query block from the
 // diagonal on: S^T = K Q^T and dP^T = V dO^T (shared-memory operands), P^T = exp(S^T*scale - lse),
 // dS^T = P^T (dP^T - D) in registers, dV += P^T dO and dK += dS^T Q (P^T and dS^T from registers,
-// dO and Q N-major); dk = scale dK. Shared: K, V [BK][HS], then STAGES stages of Q, dO [64][HS],
-// lse [64] and D [64] (V < 2: lse*log2(e), +inf past T so that P = 0 there; V >= 2: lse, and 0 past
-// T, where P = 1 multiplies a zero dO row and dS = P (0 - 0) = 0).
-template <int HS, int V>
+// dO and Q N-major); dk = scale dK. Shared: K, V [BK][HS], then two stages of Q, dO [64][HS],
+// lse*log2(e) [64] (+inf past T, so P = 0 there), D [64].
+template <int HS>
 __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv, const bf16* __restrict__ datt,
                                                          const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                                          const float* __restrict__ dsum, int T, int Hq, int Hkv,
                                                          float scale) {
-    constexpr bool LPT = V >= 1, ONE_BAR = V >= 2, PP = V >= 3, LATE_WAIT = V >= 4, SPLIT = V >= 5;
-    constexpr int BK = 64 * NWG, BQ = 64, NT = 128 * NWG, STAGES = LATE_WAIT ? 3 : 2;
+    constexpr int BK = 64 * NWG, BQ = 64, NT = 128 * NWG;
     bf16* sK = smem_base();
     bf16* sV = sK + BK * HS;
-    bf16* sQ = sV + BK * HS;                                        // [STAGES][BQ][HS]
-    bf16* sdO = sQ + STAGES * BQ * HS;                              // [STAGES][BQ][HS]
-    float* sL = reinterpret_cast<float*>(sdO + STAGES * BQ * HS);  // [STAGES][BQ]
-    float* sD = sL + STAGES * BQ;                                   // [STAGES][BQ]
+    bf16* sQ = sV + BK * HS;                                   // [2][BQ][HS]
+    bf16* sdO = sQ + 2 * BQ * HS;                              // [2][BQ][HS]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BQ * HS);  // [2][BQ]
+    float* sD = sL + 2 * BQ;                                   // [2][BQ]
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    int bx, kvh, b;
-    block_xyz<LPT>(bx, kvh, b);
-    const int k0 = bx * BK, G = Hq / Hkv;
+    const int k0 = blockIdx.x * BK, kvh = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
     const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gdO = datt + (long)b * T * ld_o;
-    const int qb0 = k0 / BQ, n_qb = (T + BQ - 1) / BQ, steps = n_qb - qb0, total = G * steps;
+    const int qb0 = k0 / BQ, steps = (T + BQ - 1) / BQ - qb0, total = G * steps;
     const int row_g = k0 + 64 * wg, key_t = row_g + 16 * warp + g;  // the warpgroup's first key, the thread's
     const float sl2 = scale * LOG2E;
     const unsigned k_addr = smem_u32(sK + 64 * wg * 64), v_addr = smem_u32(sV + 64 * wg * 64);
 
-    auto load_stage = [&](int it, int buf) {  // V < 2
+    auto load_stage = [&](int it, int buf) {
         const int h = kvh * G + it / steps, q0 = (qb0 + it % steps) * BQ;
         load_tile<BQ, HS, NT>(sQ + buf * BQ * HS, base + (long)h * HS, q0, T, ld);
         load_tile<BQ, HS, NT>(sdO + buf * BQ * HS, gdO + (long)h * HS, q0, T, ld_o);
@@ -584,122 +488,49 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
             sD[buf * BQ + threadIdx.x] = q < T ? dsum[idx] : 0.f;
         }
     };
-    int ld_h = kvh * G, ld_qb = qb0;  // V >= 2: the next stage to request (query head, 64-row block)
-    auto request_stage = [&](int buf) {
-        const int q0 = ld_qb * BQ;
-        load_tile<BQ, HS, NT>(sQ + buf * BQ * HS, base + (long)ld_h * HS, q0, T, ld);
-        load_tile<BQ, HS, NT>(sdO + buf * BQ * HS, gdO + (long)ld_h * HS, q0, T, ld_o);
-        if (threadIdx.x < BQ) {
-            const int q = q0 + threadIdx.x, n = q < T ? 4 : 0;
-            const long idx = ((long)b * Hq + ld_h) * T + (q < T ? q : 0);
-            cp_async4(smem_u32(sL + buf * BQ + threadIdx.x), lse + idx, n);
-            cp_async4(smem_u32(sD + buf * BQ + threadIdx.x), dsum + idx, n);
-        }
-        if (++ld_qb == n_qb) ld_qb = qb0, ++ld_h;
-    };
     load_tile<BK, HS, NT>(sK, base + (long)(Hq + kvh) * HS, k0, T, ld);
     load_tile<BK, HS, NT>(sV, base + (long)(Hq + Hkv + kvh) * HS, k0, T, ld);
-    if (ONE_BAR)
-        request_stage(0);
-    else
-        load_stage(0, 0);
+    load_stage(0, 0);
     cp_async_commit();
 
     float dk[HS / 2], dv[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-    const TurnRing<PP> turn{wg};
-    turn.start();
 
-    // One step (query block qb of step it's head): S^T, dP^T, P^T and dS^T in registers, dV += P^T dO and
-    // dK += dS^T Q issued (the caller waits for them).
-    auto step = [&](int it, int qb) {
-        const int buf = it % STAGES, q0 = qb * BQ;
-        const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
-        const float* l_s = sL + buf * BQ;
-        const float* d_s = sD + buf * BQ;
-        float s[BQ / 2], dp[BQ / 2];
-        turn.wait();
-        scores<HS, BQ, BK>(s, k_addr, q_s);
-        scores<HS, BQ, BK>(dp, v_addr, do_s);
-        turn.pass(false);
-        wgmma_wait<0>();
-        fence_acc(s);
-        fence_acc(dp);
-        // SPLIT: the causal mask's compares only in the copy for blocks that reach past the diagonal
-        auto pds = [&](auto masked) {
-#pragma unroll
-            for (int n = 0; n < BQ / 8; ++n) {  // queries 8n + 2tq and + 1: one 8-byte read of lse and of D
-                const float2 l2 = reinterpret_cast<const float2*>(l_s)[4 * n + tq];
-                const float2 d2 = reinterpret_cast<const float2*>(d_s)[4 * n + tq];
-#pragma unroll
-                for (int i = 4 * n; i < 4 * n + 4; ++i) {
-                    const int qi = 8 * n + 2 * tq + (i & 1);
-                    const float l = ONE_BAR ? (i & 1 ? l2.y : l2.x) * LOG2E : (i & 1 ? l2.y : l2.x);
-                    float p = fast_exp2(fmaf(s[i], sl2, -l));
-                    if (decltype(masked)::value && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
-                    s[i] = p;                                     // P^T
-                    dp[i] = p * (dp[i] - (i & 1 ? d2.y : d2.x));  // dS^T
-                }
-            }
-        };
-        const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
-        if (!SPLIT || diag)
-            pds(Bool<true>{});
-        else
-            pds(Bool<false>{});
-        turn.wait();
-        add_pv<HS, BQ>(dv, s, do_s);
-        add_pv<HS, BQ>(dk, dp, q_s);
-        turn.pass(it == total - 1);
-    };
-    auto next_stage = [&](int it) {  // V >= 2: stage it has landed everywhere; request stage it + 1
-        cp_async_wait<0>();
+    for (int it = 0; it < total; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < total) load_stage(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        if (it + 1 < total) request_stage((it + 1) % STAGES);
-        cp_async_commit();
-    };
-    if constexpr (LATE_WAIT) {
-        // Step it's dV/dK GEMMs run while the block barrier for step it + 1 is taken and it + 2
-        // requested (into the stage step it - 1 used, whose GEMMs every warpgroup waited for before
-        // that barrier). The wgmmas are issued and waited for under no condition (else ptxas
-        // serialises them): warpgroup 1 also computes its first query block of each head, which
-        // the causal mask zeroes whole (P = 0: it adds exact zeros).
-        next_stage(0);
-        for (int it = 0, qb = qb0; it < total; ++it) {
-            step(it, qb);
-            if (it + 1 < total) next_stage(it + 1);
+        const int q0 = (qb0 + it % steps) * BQ;
+        if (q0 + BQ - 1 >= row_g) {  // some query of the block sees some key of the warpgroup
+            const unsigned q_s = smem_u32(sQ + buf * BQ * HS), do_s = smem_u32(sdO + buf * BQ * HS);
+            const float* l_s = sL + buf * BQ;
+            const float* d_s = sD + buf * BQ;
+            float s[BQ / 2], dp[BQ / 2];
+            scores<HS, BQ, BK>(s, k_addr, q_s);
+            scores<HS, BQ, BK>(dp, v_addr, do_s);
+            wgmma_wait<0>();
+            fence_acc(s);
+            fence_acc(dp);
+            const bool diag = q0 < row_g + 63;  // some query of the block comes before some key
+#pragma unroll
+            for (int i = 0; i < BQ / 2; ++i) {
+                const int qi = 8 * (i >> 2) + 2 * tq + (i & 1);
+                float p = fast_exp2(fmaf(s[i], sl2, -l_s[qi]));
+                if (diag && q0 + qi < key_t + 8 * ((i >> 1) & 1)) p = 0.f;
+                s[i] = p;                       // P^T
+                dp[i] = p * (dp[i] - d_s[qi]);  // dS^T
+            }
+            add_pv<HS, BQ>(dv, s, do_s);
+            add_pv<HS, BQ>(dk, dp, q_s);
             wgmma_wait<0>();
             fence_acc(dv);
             fence_acc(dk);
-            if (++qb == n_qb) qb = qb0;
         }
-    } else {
-        for (int it = 0, qb = qb0; it < total; ++it) {
-            if (ONE_BAR) {  // every read of the stage that step it + 1 refills is done
-                next_stage(it);
-            } else {
-                if (it + 1 < total) load_stage(it + 1, (it + 1) & 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-                fence_proxy_async();
-                __syncthreads();
-            }
-            if (((ONE_BAR ? qb : qb0 + it % steps) + 1) * BQ - 1 >= row_g) {  // a query of the block sees a key
-                step(it, ONE_BAR ? qb : qb0 + it % steps);
-                wgmma_wait<0>();
-                fence_acc(dv);
-                fence_acc(dk);
-            } else {  // still take both turns, so that the ring goes on
-                turn.wait();
-                turn.pass(false);
-                turn.wait();
-                turn.pass(it == total - 1);
-            }
-            if (!ONE_BAR) __syncthreads();  // the stage read here is refilled by the next step's request
-            if (++qb == n_qb) qb = qb0;
-        }
+        __syncthreads();
     }
     const float mul_k[2] = {scale, scale}, mul_v[2] = {1.f, 1.f};
     stage_acc<HS, BK>(sK, 64 * wg, dk, mul_k);  // each warpgroup's own rows of sK and sV
@@ -723,41 +554,28 @@ WGMMA_PROBE(128, 128)
 // blocks of 128 taking turns at the tensor cores (TurnRing), hs 64 with key blocks of 64 issuing
 // freely, two blocks per SM (the H200's fastest of 2-3 warpgroups x 64/128 keys x ping-pong or not
 // at T = 1k-8k; attention.py's _SM90_KEY_BLOCK sizes the shared memory).
-#define FORWARD_SM90(HS, BC, MIN_BLOCKS, PP, LPT, SUFFIX)                                                   \
+#define FORWARD_SM90(HS, BC, MIN_BLOCKS, PP)                                                                \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                           \
-        attention_forward_sm90##SUFFIX##_hs##HS##_bf16(bf16* att, float* lse, const bf16* qkv, int T, int Hq,  \
-                                                       int Hkv, float scale) {                               \
-        flash_forward_sm90<HS, BC, PP, LPT>(att, lse, qkv, T, Hq, Hkv, scale);                             \
+        attention_forward_sm90_hs##HS##_bf16(bf16* att, float* lse, const bf16* qkv, int T, int Hq, int Hkv, \
+                                             float scale) {                                                  \
+        flash_forward_sm90<HS, BC, PP>(att, lse, qkv, T, Hq, Hkv, scale);                                 \
     }
-FORWARD_SM90(128, 128, 1, true, false, )
-FORWARD_SM90(64, 64, 2, false, false, )
-FORWARD_SM90(128, 128, 1, true, true, v1)
-FORWARD_SM90(64, 64, 2, false, true, v1)
+FORWARD_SM90(128, 128, 1, true)
+FORWARD_SM90(64, 64, 2, false)
 
-// attention_backward_{dq,dkdv}_sm90[v<V>]_hs<HS>_bf16: two warpgroups (128 query rows / 128 keys per
-// block); V as above (the plain name is V = 0)
-#define BACKWARD_SM90(HS, V, SUFFIX)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dq_sm90##SUFFIX##_hs##HS##_bf16(  \
+// attention_backward_{dq,dkdv}_sm90_hs<HS>_bf16: two warpgroups (128 query rows / 128 keys per block)
+#define BACKWARD_SM90(HS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dq_sm90_hs##HS##_bf16(            \
         bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
         int Hkv, float scale) {                                                                               \
-        flash_backward_dq_sm90<HS, V>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                      \
+        flash_backward_dq_sm90<HS>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                         \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dkdv_sm90##SUFFIX##_hs##HS##_bf16(\
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_backward_dkdv_sm90_hs##HS##_bf16(          \
         bf16* dqkv, const bf16* datt, const bf16* qkv, const float* lse, const float* dsum, int T, int Hq,    \
         int Hkv, float scale) {                                                                               \
-        flash_backward_dkdv_sm90<HS, V>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                    \
+        flash_backward_dkdv_sm90<HS>(dqkv, datt, qkv, lse, dsum, T, Hq, Hkv, scale);                       \
     }
-BACKWARD_SM90(64, 0, )
-BACKWARD_SM90(128, 0, )
-BACKWARD_SM90(64, 1, v1)
-BACKWARD_SM90(128, 1, v1)
-BACKWARD_SM90(64, 2, v2)
-BACKWARD_SM90(128, 2, v2)
-BACKWARD_SM90(64, 3, v3)
-BACKWARD_SM90(128, 3, v3)
-BACKWARD_SM90(64, 4, v4)
-BACKWARD_SM90(128, 4, v4)
-BACKWARD_SM90(64, 5, v5)
-BACKWARD_SM90(128, 5, v5)
+BACKWARD_SM90(64)
+BACKWARD_SM90(128)
 
 // launchers: cuengine/kernels/attention.py (attention_forward; the probe in tests/test_attention.py)

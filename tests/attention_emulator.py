@@ -37,7 +37,7 @@ EMU_HEADER = r"""
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 struct Dim3 { unsigned x, y, z; };
-struct Copy { unsigned dst; const void* src; int n; int size = 16; };
+struct Copy { unsigned dst; const void* src; int n; };
 // one wgmma.mma_async: d (n/2 floats of this thread) = A B (+ d), A from a descriptor or from the
 // warpgroup's register slot `slot`, B from a descriptor (N-major when trans_b)
 struct WgOp { float* d; int n; unsigned long long da, db; bool a_reg; int slot; bool trans_b; int scale_d; };
@@ -45,18 +45,12 @@ struct Fiber {
     ucontext_t ctx; std::vector<char> stack; Dim3 tid; bool done;
     std::vector<std::vector<Copy>> groups; std::vector<Copy> open;
     std::vector<std::vector<WgOp>> wg_groups; std::vector<WgOp> wg_open;
-    bool wg_fenced; int wg_issued;
-    std::vector<Copy> dirty;  // landed cp.async copies that no fence.proxy.async of this thread has covered yet
+    bool wg_fenced, proxy_dirty; int wg_issued;
 };
 extern Fiber* g_cur;
 extern Dim3 gridDim, blockIdx, blockDim;
 extern size_t g_smem_size;
 extern unsigned char g_smem[];
-extern unsigned char g_dirty[];  // per shared byte: written by a cp.async not yet covered by its thread's proxy fence
-inline void land(const Copy& c) {  // a cp.async copy arrives in shared memory (generic proxy)
-    memset(g_smem + c.dst, 0, c.size); if (c.n) memcpy(g_smem + c.dst, c.src, c.n);
-    memset(g_dirty + c.dst, 1, c.size); g_cur->dirty.push_back(c);
-}
 #define threadIdx (g_cur->tid)
 void yield_();
 extern const char* g_error;  // the first failure; the launch then reports it instead of crashing
@@ -111,7 +105,8 @@ inline void cp_async16(unsigned dst, const void* src, int n) {
     if (dst % 16 || (uintptr_t)src % 16) fail("misaligned cp.async");
     if (dst + 16 > g_smem_size) { fail("cp.async past the dynamic shared memory"); return; }
     if (g_eager) {
-        land({dst, src, n}); return;
+        memset(g_smem + dst, 0, 16); if (n) memcpy(g_smem + dst, src, n);
+        g_cur->proxy_dirty = true; return;
     }
     g_cur->open.push_back({dst, src, n});
 }
@@ -119,7 +114,8 @@ inline void cp_async_commit() { g_cur->groups.push_back(g_cur->open); g_cur->ope
 template <int N> inline void cp_async_wait() {  // copies land only now, so a missing wait shows
     auto& gs = g_cur->groups;
     while ((int)gs.size() > N) {
-        for (auto& c : gs.front()) land(c);  // generic-proxy writes: a wgmma reading them needs a proxy fence
+        for (auto& c : gs.front()) { memset(g_smem + c.dst, 0, 16); if (c.n) memcpy(g_smem + c.dst, c.src, c.n); }
+        if (!gs.front().empty()) g_cur->proxy_dirty = true;  // generic-proxy writes: wgmma needs a proxy fence
         gs.erase(gs.begin());
     }
 }
@@ -182,22 +178,11 @@ inline void named_arrive(int id, int n) {
     Barrier& b = g_named[id];
     if (++b.arrived == n) { b.arrived = 0; b.gen++; g_progress++; }
 }
-inline void fence_proxy_async() {  // this thread's landed copies become visible to wgmma
-    for (const Copy& c : g_cur->dirty) memset(g_dirty + c.dst, 0, c.size);
-    g_cur->dirty.clear();
-}
-struct alignas(8) float2 { float x, y; };
-inline void cp_async4(unsigned dst, const void* src, int n) {
-    if (dst % 4 || (uintptr_t)src % 4) fail("misaligned cp.async");
-    if (dst + 4 > g_smem_size) { fail("cp.async past the dynamic shared memory"); return; }
-    if (g_eager) { land({dst, src, n, 4}); return; }
-    g_cur->open.push_back({dst, src, n, 4});
-}
-inline bool g_wg_check = false;  // wg_run only checks its operands' bytes for an unfenced cp.async (at issue)
-inline void wg_run(const WgOp& op);
+inline void fence_proxy_async() { g_cur->proxy_dirty = false; }
 inline void wg_issue(float* d, int n, unsigned long long da, const unsigned* a, unsigned long long db, bool trans_b,
                      int scale_d) {
     if (!g_cur->wg_fenced) fail("wgmma.mma_async without a wgmma.fence since the last wait");
+    if (g_cur->proxy_dirty) fail("wgmma reads shared memory that cp.async wrote, without fence.proxy.async");
     WarpGroupX& w = wg_();
     const int slot = g_cur->wg_issued++;
     if (a) {
@@ -205,9 +190,6 @@ inline void wg_issue(float* d, int n, unsigned long long da, const unsigned* a, 
         memcpy(&w.a[((size_t)slot * 128 + (threadIdx.x & 127)) * 4], a, 16);
     }
     g_cur->wg_open.push_back({d, n, da, db, a != nullptr, slot, trans_b, scale_d});
-    g_wg_check = true;
-    wg_run(g_cur->wg_open.back());
-    g_wg_check = false;
     barrier_wait(w.bar, 128);  // .sync.aligned: the warpgroup issues together
 }
 template <int N> inline void wgmma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, int scale_d) {
@@ -222,8 +204,6 @@ inline void wgmma_commit() { g_cur->wg_groups.push_back(g_cur->wg_open); g_cur->
 inline float sw128_at(unsigned addr) {
     const unsigned a = addr ^ (((addr >> 7) & 7u) << 4);
     if (a + 2 > g_smem_size) { fail("wgmma operand past the dynamic shared memory"); return 0.f; }
-    if (g_wg_check && (g_dirty[a] | g_dirty[a + 1]))
-        fail("wgmma reads shared memory that cp.async wrote, without fence.proxy.async");
     return __bfloat162float({sm16(a)});
 }
 struct Desc { unsigned start, lbo, sbo; };
@@ -253,7 +233,7 @@ inline void wg_run(const WgOp& op) {  // this thread's accumulators of one m64nN
                                        : sw128_at(B.start + (col >> 3) * B.sbo + (col & 7) * 128 + 2 * k);
             acc += a * b;
         }
-        if (!g_wg_check) op.d[i] = acc;
+        op.d[i] = acc;
     }
 }
 template <int N> inline void wgmma_wait() {  // accumulators land only now, so a missing wait shows
@@ -283,7 +263,6 @@ int g_eager;
 Dim3 gridDim, blockIdx, blockDim;
 size_t g_smem_size;
 alignas(1024) unsigned char g_smem[232448];
-unsigned char g_dirty[232448];
 WarpX g_warps[32];
 WarpGroupX g_wgs[8];
 Barrier g_block_bar;
@@ -312,7 +291,6 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
         blockIdx = {x, y, z};
         memset(g_smem, 0xff, sizeof(g_smem));  // NaN: reading shared memory nobody wrote shows up
-        memset(g_dirty, 0, sizeof(g_dirty));
         g_block_bar = Barrier();
         for (WarpX& w : g_warps) w.bar = Barrier();
         for (WarpGroupX& w : g_wgs) { w.bar = Barrier(); w.a.clear(); }
@@ -320,7 +298,7 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
         std::vector<Fiber> f(block);
         for (unsigned i = 0; i < block; ++i) {
             f[i].stack.resize(128 * 1024); f[i].tid = {i, 0, 0}; f[i].done = false;
-            f[i].wg_fenced = false; f[i].wg_issued = 0;
+            f[i].wg_fenced = f[i].proxy_dirty = false; f[i].wg_issued = 0;
             getcontext(&f[i].ctx);
             f[i].ctx.uc_stack.ss_sp = f[i].stack.data(); f[i].ctx.uc_stack.ss_size = f[i].stack.size();
             f[i].ctx.uc_link = &sched_ctx;
@@ -380,13 +358,8 @@ KERNELS = {
         for k in ("forward_simt", "backward_dot", "backward_dq_simt", "backward_dkdv_simt")
     ],  # fmt: skip
     "attention_sm90": [f"wgmma_probe_hs{hs}_bc{bc}" for hs, bc in ((64, 64), (128, 64), (128, 128))]
-    + [f"attention_forward_sm90{v}_hs{hs}_bf16" for hs in (64, 128) for v in ("", "v1")]
-    + [
-        f"attention_backward_{k}_sm90{v}_hs{hs}_bf16"
-        for hs in (64, 128)
-        for k in ("dq", "dkdv")
-        for v in ("", "v1", "v2", "v3", "v4", "v5")
-    ],
+    + [f"attention_forward_sm90_hs{hs}_bf16" for hs in (64, 128)]
+    + [f"attention_backward_{k}_sm90_hs{hs}_bf16" for hs in (64, 128) for k in ("dq", "dkdv")],
 }
 
 

@@ -612,28 +612,6 @@ def test_gpu_wgmma_probe(hs, bc):
     _run_probe(launch, dev, hs, bc, lambda x, name: ce.Tensor.from_numpy(x, dev, name=name))
 
 
-# The session's sweep variants of attention_sm90.cu (attention._SM90_VARIANT): each on the cases above
-SM90_VARIANTS = [{"fwd": "v1", "dq": "v1", "dkdv": "v1"}] + [
-    {"fwd": "", "dq": v, "dkdv": v} for v in ("v2", "v3", "v4", "v5")
-]
-
-
-@pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: "-".join(f"{k}{x or 0}" for k, x in v.items()))
-@pytest.mark.parametrize("case", EMU_SM90_CASES, ids=str)
-def test_emulated_sm90_variants_match_twin(emulator, monkeypatch, case, variant):
-    monkeypatch.setattr(A, "_SM90_VARIANT", variant)
-    test_emulated_kernels_match_twin(emulator, monkeypatch, case)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", SM90_VARIANTS, ids=lambda v: "-".join(f"{k}{x or 0}" for k, x in v.items()))
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[1] in (1, 17, 1000, 2048)], ids=str)
-def test_gpu_sm90_variants_match_twin(case, variant, monkeypatch):
-    _needs_sm90()
-    monkeypatch.setattr(A, "_SM90_VARIANT", variant)
-    _check_against_twin(case, "bf16", "raw")
-
-
 @pytest.mark.parametrize("case", EMU_CASES + EMU_SM90_CASES, ids=str)
 def test_emulated_kernels_match_twin(emulator, monkeypatch, case):
     B, T, Hq, Hkv, hs, dtype_name, eager = case

@@ -49,9 +49,6 @@ _FWD_WARPS = 8  # flash forward: 16 query rows per warp, 128 per block (NW_FWD i
 SM90_FORWARD: tuple[int, ...] = (64, 128)
 SM90_BACKWARD: tuple[int, ...] = (64, 128)
 _SM90_KEY_BLOCK = {64: 64, 128: 128}
-# The attention_sm90.cu instantiation per kernel ("" or "v1".."v5", the kernel name's suffix after
-# "sm90"): set only by the session's sweep; the shipped choice is compiled into the plain names.
-_SM90_VARIANT = {"fwd": "", "dq": "", "dkdv": ""}
 _BLOCK = 64  # flash backward rows per block (queries and keys)
 _SIMT_THREADS = 128  # warp-per-row kernels: 4 rows per block (__launch_bounds__(128) in attention.cu)
 _ALIGN = 256
@@ -305,9 +302,8 @@ def attention_forward(att, lse, qkv, n_q_heads: int, n_kv_heads: int, backend: s
     if flash and hs in SM90_FORWARD and _is_sm90(dev):
         bc = _SM90_KEY_BLOCK[hs]
         smem = (128 + 4 * bc) * hs * 2 + 1024  # Q, double-buffered K and V, room to align to 1024
-        name = kernel_name(f"attention_forward_sm90{_SM90_VARIANT['fwd']}_hs{hs}", qkv)
-        launch("attention_sm90", name, (ceil_div(T, 128), n_q_heads, B), 256, (att, lse, qkv, *sizes, scale), dev,
-               stream, shared_mem=smem)  # fmt: skip
+        launch("attention_sm90", kernel_name(f"attention_forward_sm90_hs{hs}", qkv), (ceil_div(T, 128), n_q_heads, B),
+               256, (att, lse, qkv, *sizes, scale), dev, stream, shared_mem=smem)  # fmt: skip
     elif flash:
         rows = 16 * _FWD_WARPS
         smem = (rows + 4 * _BLOCK) * hs * 2  # Q tile, double-buffered K and V tiles
@@ -372,13 +368,11 @@ def attention_backward(dqkv, datt, att, lse, qkv, n_q_heads: int, n_kv_heads: in
     args = (dqkv, datt, qkv, lse, dsum)
     if flash and hs in SM90_BACKWARD and _is_sm90(dev):
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
+        smem = (2 * 128 + 4 * 64) * hs * 2 + 1024  # dq: Q, dO [128], 2 x K, V [64]; dkdv: K, V [128], 2 x Q, dO
         nblk = ceil_div(T, 128)
-        for kernel, heads in (("dq", n_q_heads), ("dkdv", n_kv_heads)):
-            st = 3 if _SM90_VARIANT[kernel] in ("v4", "v5") else 2
-            # dq: Q, dO [128], st x K, V [64]; dkdv: K, V [128], st x Q, dO [64] and lse, D [64] fp32
-            smem = (2 * 128 + st * 2 * 64) * hs * 2 + 1024 + (st * 2 * 64 * 4 if kernel == "dkdv" else 0)
-            name = kernel_name(f"attention_backward_{kernel}_sm90{_SM90_VARIANT[kernel]}_hs{hs}", qkv)
-            launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem)
+        for kernel, heads, extra in (("dq", n_q_heads, 0), ("dkdv", n_kv_heads, 4 * 64 * 4)):  # dkdv: lse, D
+            name = kernel_name(f"attention_backward_{kernel}_sm90_hs{hs}", qkv)
+            launch("attention_sm90", name, (nblk, heads, B), 256, (*args, *sizes), dev, stream, shared_mem=smem + extra)
     elif flash:
         sizes = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), scale)
         smem = 6 * _BLOCK * hs * 2  # dq: Q, dO, 2 x K, 2 x V; dkdv: K, V, 2 x Q, 2 x dO (+ lse, D)
