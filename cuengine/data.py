@@ -367,15 +367,17 @@ def stdlib_files() -> tuple[list[Path], list[Path]]:
     return train, val
 
 
+def stdlib_tokens(files) -> np.ndarray:
+    """The bytes of `files` (from stdlib_files) one after another, as uint8 token ids (vocabulary 256):
+    the default corpus as `cuengine train` reads it, and the skewed ids kernel tests and benchmarks use."""
+    return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
+
+
 def stdlib_sources(seed: int = 0) -> tuple[TokenSource, TokenSource]:
     """(train, val) byte-level sources over `stdlib_files()`: real text every Python install has,
     so `cuengine train` needs no download. Vocabulary 256."""
     train, val = stdlib_files()
-
-    def tokens(files):
-        return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
-
     return (
-        TokenSource([tokens(train)], f"stdlib corpus ({len(train)} files)", seed=seed, vocab_size=256),
-        TokenSource([tokens(val)], f"stdlib corpus, held out ({len(val)} files)", seed, False, vocab_size=256),
+        TokenSource([stdlib_tokens(train)], f"stdlib corpus ({len(train)} files)", seed=seed, vocab_size=256),
+        TokenSource([stdlib_tokens(val)], f"stdlib corpus, held out ({len(val)} files)", seed, False, vocab_size=256),
     )

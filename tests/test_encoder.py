@@ -460,17 +460,11 @@ def test_cuda_every_run_length_and_offset(dwte_dtype, dout_dtype, c):
 
 
 def _byte_corpus(n):
-    """The first n bytes of the default training corpus (cuengine.data.stdlib_files: the standard
-    library's own sources, vocabulary 256), as ids: one byte (the space) is a quarter of them."""
+    """The first n bytes of the default training corpus (vocabulary 256): one byte (the space) is a
+    quarter of them."""
     from cuengine import data
 
-    chunks, size = [], 0
-    for f in data.stdlib_files()[0]:
-        chunks.append(f.read_bytes())
-        size += len(chunks[-1])
-        if size >= n:
-            break
-    return np.frombuffer(b"".join(chunks)[:n], np.uint8).astype(np.int32)
+    return data.stdlib_tokens(data.stdlib_files()[0])[:n].astype(np.int32)
 
 
 def _distribution(name):

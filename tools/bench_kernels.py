@@ -175,13 +175,7 @@ def stdlib_bytes(n: int) -> np.ndarray:
     """The first n bytes of the default training corpus (cuengine.data.stdlib_files), as int32 ids."""
     from cuengine import data
 
-    chunks, size = [], 0
-    for f in data.stdlib_files()[0]:
-        chunks.append(f.read_bytes())
-        size += len(chunks[-1])
-        if size >= n:
-            break
-    return np.frombuffer(b"".join(chunks)[:n], np.uint8).astype(np.int32)
+    return data.stdlib_tokens(data.stdlib_files()[0])[:n].astype(np.int32)
 
 
 def rmsnorm_cases(dev, shrink):
