@@ -522,7 +522,7 @@ def test_persistent_generation_graph_equals_eager(cuda):
     assert out[0] == out[1]
 
 
-def test_decode_layers_launcher_errors():
+def test_decode_layers_launcher_errors(monkeypatch):
     """The persistent launcher's own checks (the state always passes consistent tensors)."""
     from cuengine.kernels import decode_layers as dl
 
@@ -543,3 +543,6 @@ def test_decode_layers_launcher_errors():
         call([dict(L, qkv_scale=st.rstd.rows(0, 1)) for L in st.layer_weights])
     with pytest.raises(ValueError, match="layer 0 o_w"):
         call([dict(L, o_w=L["up_w"]) for L in st.layer_weights])
+    monkeypatch.setattr(dl, "STAGE_BYTES", 256)  # a stage smaller than this model's rows
+    with pytest.raises(ValueError, match="decode_layers: a down row of 768 bytes does not fit a 256-byte stage"):
+        call(st.layer_weights)

@@ -156,6 +156,11 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
             expect(L[f], f"{what} layer {i} {f}", dt, (C,))
         for f in ("k_cache", "v_cache"):
             expect(L[f], f"{what} layer {i} {f}", dt, k0.shape)
+    # on the cpu too, as `unsupported`: the arm takes the same models on every device
+    for name, row in (("down", I), ("gate and up pair", 2 * C), ("output", A)):
+        if row * wdt.itemsize > STAGE_BYTES:
+            raise ValueError(f"{what}: a {name} row of {row * wdt.itemsize} bytes does not fit a {STAGE_BYTES}-byte "
+                             "stage")  # fmt: skip
     dev = same_device(residual, qkv, att, up, scratch, sync, table, lengths, freqs)
     if dev.is_cpu:
         arrays = [{f: (None if L.get(f) is None else L[f].array()) for f in LAYER_FIELDS} for L in layers]
@@ -168,10 +173,6 @@ def decode_layers(residual, qkv, att, up, scratch, sync, table, layers: list[dic
     layout = _layout(dt, hs)
     if layout is None:
         raise ValueError(f"{what}: no variant for {dt} with head size {hs}")
-    for name, row in (("down", I), ("gate and up pair", 2 * C), ("output", A)):
-        if row * wdt.itemsize > STAGE_BYTES:
-            raise ValueError(f"{what}: a {name} row of {row * wdt.itemsize} bytes does not fit a {STAGE_BYTES}-byte "
-                             "stage")  # fmt: skip
     tiles, tile_heads = da.tile_heads(1, Hq, Hkv, dev.num_sms)
     counter_rows = da._counter_rows(hs)
     S = max(1, min(da._splits(1, max_seq, Hkv * tiles, dev.num_sms), scratch.shape[0] - counter_rows,
