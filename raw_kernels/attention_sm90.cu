@@ -9,7 +9,7 @@
 // each GEMM a wgmma with the operands below.
 //
 // Block: NWG = 2 warpgroups (128 threads each), 64 query rows per warpgroup, BR = 128 rows per block
-// (heaviest causal blocks first), key blocks of BC rows, K/V double-buffered by cp.async (all threads
+// (heaviest causal blocks of the whole grid first: longest_first), key blocks of BC rows, K/V double-buffered by cp.async (all threads
 // copy; no producer warpgroup). Every tile sits in shared memory in wgmma's 128-byte-swizzle layout:
 // per 64-column half of the head dim, rows of 128 bytes whose 16-byte chunk c sits at c ^ (row & 7),
 // halves one after the other, each tile 1024-byte aligned (the swizzle repeats every 8 rows).
@@ -110,6 +110,20 @@ extern __shared__ __align__(128) unsigned char att_smem[];
 __device__ __forceinline__ bf16* smem_base() {
     const unsigned a = smem_u32(att_smem);
     return reinterpret_cast<bf16*>(att_smem + (((a + 1023u) & ~1023u) - a));
+}
+
+// The grid's blocks, longest first across the whole grid: the hardware starts blocks in launch
+// order (x fastest), so the tile index is read as the slowest-varying one and every (head, batch)'s
+// longest causal tile starts before any shorter tile (tile 0 = the longest). Read in x-fastest order
+// the way the grid is laid out, the last heads' long tiles would start last and leave a tail.
+struct GridTile {
+    int tile, y, z;
+};
+__device__ __forceinline__ GridTile longest_first() {
+    const int yz = gridDim.y * gridDim.z;
+    const int id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int rest = id % yz;
+    return {id / yz, rest % (int)gridDim.y, rest / (int)gridDim.y};
 }
 
 // Element offset of 16-byte chunk ch (8 elements) of row r in a [HS/64][ROWS][64] swizzled tile.
@@ -258,8 +272,9 @@ __device__ __forceinline__ void flash_forward_sm90(bf16* __restrict__ att, float
     bf16* sK = sQ + BR * HS;
     bf16* sV = sK + 2 * BC * HS;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
+    const GridTile at = longest_first();
+    const int q0 = (gridDim.x - 1 - at.tile) * BR;
+    const int h = at.y, b = at.z, kvh = h / (Hq / Hkv);
     const long ld = (long)(Hq + 2 * Hkv) * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gK = base + (long)(Hq + kvh) * HS;
@@ -379,8 +394,9 @@ __device__ __forceinline__ void flash_backward_dq_sm90(bf16* __restrict__ dqkv, 
     bf16* sK = sdO + BQ * HS;    // [2][BC][HS]
     bf16* sV = sK + 2 * BC * HS;  // [2][BC][HS]
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
+    const GridTile at = longest_first();
+    const int q0 = (gridDim.x - 1 - at.tile) * BQ;
+    const int h = at.y, b = at.z, kvh = h / (Hq / Hkv);
     const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gK = base + (long)(Hq + kvh) * HS;
@@ -468,7 +484,8 @@ __device__ __forceinline__ void flash_backward_dkdv_sm90(bf16* __restrict__ dqkv
     float* sL = reinterpret_cast<float*>(sdO + 2 * BQ * HS);  // [2][BQ]
     float* sD = sL + 2 * BQ;                                   // [2][BQ]
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
-    const int k0 = blockIdx.x * BK, kvh = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const GridTile at = longest_first();
+    const int k0 = at.tile * BK, kvh = at.y, b = at.z, G = Hq / Hkv;
     const long ld = (long)(Hq + 2 * Hkv) * HS, ld_o = (long)Hq * HS;
     const bf16* base = qkv + (long)b * T * ld;
     const bf16* gdO = datt + (long)b * T * ld_o;
