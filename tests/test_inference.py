@@ -546,3 +546,17 @@ def test_decode_layers_launcher_errors(monkeypatch):
     monkeypatch.setattr(dl, "STAGE_BYTES", 256)  # a stage smaller than this model's rows
     with pytest.raises(ValueError, match="decode_layers: a down row of 768 bytes does not fit a 256-byte stage"):
         call(st.layer_weights)
+
+
+@pytest.mark.gpu
+def test_persistent_launch_shape_needs_room_for_two_stages(cuda):
+    """The persistent arm's ring needs two stages beside the kernel's static arrays and its staged
+    input; no shipped model comes near that, so the refusal is reached through the launch shape itself."""
+    from cuengine.kernels import decode_layers as dl
+
+    name = f"decode_layers<{dl._CTYPE['bf16']}, {dl._CTYPE['bf16']}, 8, 1, 8, 1>"
+    grid, stages = dl._launch_shape(cuda, name, 1024, dl.STAGE_BYTES)
+    assert grid == cuda.num_sms and 2 <= stages <= dl._MAX_STAGES
+    rest = dl._MAX_SHARED - dl.STAGE_BYTES  # leaves room for one stage at most
+    with pytest.raises(ValueError, match="leave no room for two 32768-byte stages"):
+        dl._launch_shape(cuda, name, rest, dl.STAGE_BYTES)
