@@ -128,6 +128,12 @@ def test_fp8_loss_curve_gap(tmp_path):
     log.write_text('{"step": 1, "loss": 3.0}\n{"step": 3, "loss": 2.5}\n')
     with pytest.raises(ValueError, match="step 3 follows step 1"):
         f8.read_log(log)
+    # two seeds drifting 10% either way around bf16: each seed's gap is 10%, the mean curves' is 0
+    up, down = [2.2] * 10, [1.8] * 10
+    assert f8.seed_mean_gap([(up, ref), (down, ref)], 2, 0) == (pytest.approx(0.0), pytest.approx(0.0))
+    assert f8.seed_mean_gap([(up, ref), (up, ref)], 2, 0) == (pytest.approx(0.1), pytest.approx(0.1))
+    with pytest.raises(ValueError, match="differ in length"):
+        f8.seed_mean_gap([(up, ref), (up[:-1], ref[:-1])], 2, 0)
 
 
 def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):

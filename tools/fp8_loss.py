@@ -6,7 +6,8 @@ One seed's final validation loss is a noisy judge: at 200 steps bf16 alone moves
 to seed, and two runs that differ in the last bit of one GEMM drift apart by a few percent in a
 few dozen steps. So beside the final validation loss this prints the curve's gap: the train loss
 averaged over a sliding window of steps, FP8 over bf16, at its worst point after the warm-up, and
-the mean of those gaps over the seeds.
+the mean of those gaps over the seeds, and the gap between the seeds' mean curves (the
+criterion's reading here: FP8's expected curve against bf16's).
 
     python3 tools/fp8_loss.py --seeds 0 1 2 3 4                   # bf16, fp8, fp8-e4m3-grads
     python3 tools/fp8_loss.py --recipes bf16 bf16-nd fp8          # with the noise control (cuda only)
@@ -82,6 +83,7 @@ def analyse(root: Path, seeds: list[int], recipes: list[str], window: int, skip:
     print(f"window {window} steps, gaps counted after step {skip}; gaps are each recipe over bf16 of the same seed")
     print(f"{'recipe':<16}{'seed':>5}{'val':>9}{'val gap':>9}{'last-window gap':>17}{'worst curve gap':>17}")
     sums: dict[str, list[tuple[float, float, float]]] = {}
+    curves: dict[str, list[tuple[list[float], list[float]]]] = {}  # recipe -> (its curve, bf16's) per seed
     missing = 0
     for seed in seeds:
         logs = {}
@@ -102,12 +104,31 @@ def analyse(root: Path, seeds: list[int], recipes: list[str], window: int, skip:
             worst, last = curve_gap(losses, ref, window, skip)
             vgap = val / ref_val - 1.0 if val is not None and ref_val is not None else float("nan")
             sums.setdefault(r, []).append((vgap, last, worst))
+            curves.setdefault(r, []).append((losses, ref))
             print(f"{r:<16}{seed:>5}{val:>9.4f}{vgap:>+9.1%}{last:>+17.1%}{worst:>+17.1%}")
     for r, rows in sums.items():
         n = len(rows)
         means = [sum(row[i] for row in rows) / n for i in range(3)]
         print(f"{r:<16}{'mean':>5}{'':>9}{means[0]:>+9.1%}{means[1]:>+17.1%}{means[2]:>+17.1%}  ({n} seeds)")
+    for r, pairs in curves.items():
+        worst, last = seed_mean_gap(pairs, window, skip)
+        print(
+            f"{r:<16} the seeds' mean curve over bf16's: last-window gap {last:+.1%}, worst {worst:+.1%} "
+            f"({len(pairs)} seeds)"
+        )
     return missing
+
+
+def seed_mean_gap(pairs: list[tuple[list[float], list[float]]], window: int, skip: int) -> tuple[float, float]:
+    """curve_gap of the mean over seeds of a recipe's per-step losses against the mean of bf16's on the
+    same seeds: the recipe's expected curve, with most of one seed's rounding drift averaged out (a
+    bf16 run that differs only in the order of one sum drifts by a few percent either way)."""
+    steps = len(pairs[0][0])
+    lengths = sorted({len(c) for p in pairs for c in p})
+    if lengths != [steps]:
+        raise ValueError(f"the runs differ in length: {', '.join(map(str, lengths))} steps")
+    mean = [sum(p[k][i] for p in pairs) / len(pairs) for k in (0, 1) for i in range(steps)]
+    return curve_gap(mean[:steps], mean[steps:], window, skip)
 
 
 def main(argv=None) -> int:
