@@ -96,6 +96,20 @@ static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per pa
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
 static_assert(COUNT_THREADS == 256, "the plan's block scan sums 8 warp totals");
 
+// ---- PTX helpers (tests/test_encoder.py's host emulation replaces them) ----
+// A row of `bytes` (a multiple of 16) at p (16-byte aligned) into L2, fire and forget: no register waits
+// on it. Mode 2: one bulk prefetch by the SM's TMA unit; mode 1: a prefetch per 128-byte line; 0: none.
+__device__ __forceinline__ void prefetch_row(const void* p, int bytes, int mode) {
+    if (mode == 2) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+    } else if (mode == 1) {
+        const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+        for (unsigned long long l = a & ~127ull; l < a + bytes; l += 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
+    }
+}
+// ---- end of PTX helpers ----
+
 __device__ __forceinline__ int* hash_table(int* scratch) { return scratch + HEAD_INTS; }
 __device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative hash, mapped onto [0, H)
     return (unsigned)(((unsigned long long)((unsigned)t * 2654435769u) * (unsigned)H) >> 32);
@@ -174,14 +188,20 @@ __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, 
 // rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
 // The last block to finish (a fenced counter) plans the hot sums (encoder_backward_plan).
 extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
-    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, int N, int V, int H,
-                           int rows, int qcap) {
+    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, const char* dout,
+                           const char* dwte, int N, int V, int H, int rows, int qcap, int dout_row, int dwte_row,
+                           int prefetch, int flags) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % 32;
     const int t = n < N ? tokens[n] : -1;
-    grid_dependency_wait();
-    launch_dependents();
     const bool valid = t >= 0 && t < V;
+    if (flags & 4) launch_dependents();
+    if (n < prefetch) {  // the first positions' rows, for the sum's first blocks (written before step 0)
+        prefetch_row(dout + (size_t)n * dout_row, dout_row, flags & 3);
+        if (valid) prefetch_row(dwte + (size_t)t * dwte_row, dwte_row, flags & 3);
+    }
+    grid_dependency_wait();
+    if (!(flags & 4)) launch_dependents();
     const unsigned group = __match_any_sync(0xffffffffu, valid ? t : -1);
     const int leader = __ffs(group) - 1;
     int* table = hash_table(scratch);
@@ -510,7 +530,7 @@ __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, cons
 template <typename TG, typename TD>
 __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot,
                                           int* qinfo, const int* items, float* partials, int N, int V, int C, int H,
-                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp) {
+                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp, int pf) {
     const int* table = hash_table(scratch);
     if ((int)blockIdx.x < hot_blocks) {
         grid_dependency_wait();
@@ -523,6 +543,10 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
     const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
     // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
     const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
+    if (t0 >= 0 && t0 < V) {  // the rows into L2 (written before step 0): every position of the batch at once
+        prefetch_row(dout + (size_t)(begin + lane) * C, C * (int)sizeof(TD), pf);
+        prefetch_row(dwte + (size_t)t0 * C, C * (int)sizeof(TG), pf);
+    }
     grid_dependency_wait();
     const bool hot_units = scratch[HEAD_MEDIUM] + scratch[HEAD_TILES] > 0;
     for (int b = begin; b < end; b += 32) {
@@ -531,6 +555,10 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
         const int n = b + lane;
         const int t = b == begin ? t0 : n < end ? tokens[n] : -1;
         int cnt = 0, p[INLINE];
+        if (b != begin && t >= 0 && t < V) {
+            prefetch_row(dout + (size_t)n * C, C * (int)sizeof(TD), pf);
+            prefetch_row(dwte + (size_t)t * C, C * (int)sizeof(TG), pf);
+        }
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
             for (;;) {
@@ -597,9 +625,9 @@ ENCODER_FORWARD(f16, half)
     extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(      \
         TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot, int* qinfo, const int* items, \
         float* partials, int N, int V, int C, int H, int rows, int qcap, int hot_blocks, int ychunks,         \
-        int per_warp) {                                                                                     \
+        int per_warp, int pf) {                                                                             \
         encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, V, C, H, \
-                                          rows, qcap, hot_blocks, ychunks, per_warp);                        \
+                                          rows, qcap, hot_blocks, ychunks, per_warp, pf);                    \
     }
 #define ENCODER_BACKWARD_SUM_ALL(SUFG, TG)          \
     ENCODER_BACKWARD_SUM(SUFG, TG, f32, float)      \

@@ -8,6 +8,8 @@ order, so cpu and cuda agree bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
@@ -29,6 +31,15 @@ _ROWS = 128  # a hot token with more positions is "big": summed by position tile
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
 _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
+_SLOTS = 2  # hash slots per position (at most one token each: at most half full)
+# Sweep knobs (helper enc4, .session/enc4_sweep.py; the losers go after the sweep): L2 prefetch of the rows
+# 0 none, 1 per 128-byte line, 2 one bulk (TMA) prefetch per row; _PREFETCH_BYTES of the first positions'
+# dout and dwte rows by the count kernel before its wait, each sum warp's batch at its start
+# (_BLOCK_PREFETCH); _EARLY: the count lets the sum launch before its own wait, not after.
+_PREFETCH_MODE = int(os.environ.get("CUENGINE_ENC4_PREFETCH", "2"))  # the sweep's fallback to lines (1)
+_PREFETCH_BYTES = 32 << 20
+_BLOCK_PREFETCH = True
+_EARLY = True
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -117,7 +128,7 @@ def _layout(n: int, c: int) -> dict[str, int]:
     the item lists (medium tokens, then tiles: fewer than 2n / _ROWS, since a big token has
     ceil(n / _tile_width(k, n)) <= ceil(k / _ROWS) < 2k / _ROWS of them), and an fp32 row of c per tile,
     16-byte aligned."""
-    slots = 2 * n
+    slots = _SLOTS * n
     zeroed = _HEAD_INTS + slots * _SLOT_INTS
     qcap, tcap = n // (_INLINE + 1) + 1, 2 * n // _ROWS + 1
     hot = zeroed
@@ -209,7 +220,11 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     args = (flat, np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
-    args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
+    dout_row, dwte_row = C * dout.dtype.itemsize, C * dwte.dtype.itemsize
+    prefetch = min(N, _PREFETCH_BYTES // (dout_row + dwte_row)) if _PREFETCH_MODE else 0
+    flags = _PREFETCH_MODE | (4 if _EARLY else 0)
+    args = (flat, hot, qinfo, items, tokens, dout, dwte, n_, v_, h_, rows, qcap, np.int32(dout_row),
+            np.int32(dwte_row), np.int32(prefetch), np.int32(flags))  # fmt: skip
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
@@ -218,5 +233,6 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
     args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
-            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
+            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp),
+            np.int32(_PREFETCH_MODE if _BLOCK_PREFETCH else 0))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
