@@ -196,9 +196,13 @@ extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
     const int t = n < N ? tokens[n] : -1;
     const bool valid = t >= 0 && t < V;
     if (flags & 4) launch_dependents();
-    if (n < prefetch) {  // the first positions' rows, for the sum's first blocks (written before step 0)
-        prefetch_row(dout + (size_t)n * dout_row, dout_row, flags & 3);
-        if (valid) prefetch_row(dwte + (size_t)t * dwte_row, dwte_row, flags & 3);
+    // the rows of the first `prefetch` positions (the sum's first blocks; written before step 0), spread
+    // over every block: this thread takes position threadIdx.x * gridDim.x + blockIdx.x
+    const int m = threadIdx.x * gridDim.x + blockIdx.x;
+    if (m < prefetch) {
+        const int tm = tokens[m];
+        prefetch_row(dout + (size_t)m * dout_row, dout_row, flags & 3);
+        if (tm >= 0 && tm < V) prefetch_row(dwte + (size_t)tm * dwte_row, dwte_row, flags & 3);
     }
     grid_dependency_wait();
     if (!(flags & 4)) launch_dependents();
@@ -496,20 +500,30 @@ __device__ __forceinline__ void encoder_backward_few(TG* __restrict__ dwte, cons
 
 // An id that occurs once, at position n: dwte row += (0.f + dout row); two vectors per lane in flight
 // (dout and dwte for each), the second one zero where it falls past the row.
+// A dout vector, read once: with `cs`, marked first to evict from L2 (ld.global.cs), which leaves the
+// room to rows prefetched and not read yet.
+template <typename T>
+__device__ __forceinline__ Pack16<T> load_once(const T* p, bool cs) {
+    if (!cs) return Pack16<T>::load(p);
+    Pack16<T> v;
+    *reinterpret_cast<uint4*>(&v) = __ldcs(reinterpret_cast<const uint4*>(p));
+    return v;
+}
+
 template <typename TG, typename TD>
 __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
-                                                     int n, int C, int lane) {
+                                                     int n, int C, int lane, bool cs) {
     constexpr int VN = Pack16<TD>::N;
     const int vecs = C / VN;
     TG* row = dwte + (size_t)key * C;
     const TD* src = dout + (size_t)n * C;
     for (int cv = lane; cv < vecs; cv += 64) {
         const bool second = cv + 32 < vecs;
-        Pack16<TD> d0 = Pack16<TD>::load(src + cv * VN), d1;
+        Pack16<TD> d0 = load_once(src + cv * VN, cs), d1;
         Elems<TG, VN> o0, o1;
         o0.load(row + cv * VN);
         if (second) {
-            d1 = Pack16<TD>::load(src + (cv + 32) * VN);
+            d1 = load_once(src + (cv + 32) * VN, cs);
             o1.load(row + (cv + 32) * VN);
         } else {
 #pragma unroll
@@ -544,8 +558,8 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
     // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
     const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
     if (t0 >= 0 && t0 < V) {  // the rows into L2 (written before step 0): every position of the batch at once
-        prefetch_row(dout + (size_t)(begin + lane) * C, C * (int)sizeof(TD), pf);
-        prefetch_row(dwte + (size_t)t0 * C, C * (int)sizeof(TG), pf);
+        prefetch_row(dout + (size_t)(begin + lane) * C, C * (int)sizeof(TD), pf & 3);
+        prefetch_row(dwte + (size_t)t0 * C, C * (int)sizeof(TG), pf & 3);
     }
     grid_dependency_wait();
     const bool hot_units = scratch[HEAD_MEDIUM] + scratch[HEAD_TILES] > 0;
@@ -556,8 +570,8 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
         const int t = b == begin ? t0 : n < end ? tokens[n] : -1;
         int cnt = 0, p[INLINE];
         if (b != begin && t >= 0 && t < V) {
-            prefetch_row(dout + (size_t)n * C, C * (int)sizeof(TD), pf);
-            prefetch_row(dwte + (size_t)t * C, C * (int)sizeof(TG), pf);
+            prefetch_row(dout + (size_t)n * C, C * (int)sizeof(TD), pf & 3);
+            prefetch_row(dwte + (size_t)t * C, C * (int)sizeof(TG), pf & 3);
         }
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
@@ -587,7 +601,7 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
             const int key = __shfl_sync(0xffffffffu, t, src);
             const int k = __shfl_sync(0xffffffffu, cnt, src);
             if (k == 1) {
-                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane);
+                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane, pf & 4);
             } else {
                 int q[INLINE];
 #pragma unroll

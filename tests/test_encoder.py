@@ -178,6 +178,7 @@ inline void __threadfence() {}
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
+
 inline unsigned __match_any_sync(unsigned, int v) {
     WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
     w.u[l] = (unsigned)v; wbar(); unsigned r = 0;

@@ -40,6 +40,7 @@ _PREFETCH_MODE = int(os.environ.get("CUENGINE_ENC4_PREFETCH", "2"))  # the sweep
 _PREFETCH_BYTES = 32 << 20
 _BLOCK_PREFETCH = True
 _EARLY = True
+_STREAM_HINT = False  # single rows' dout loads marked evict-first (ld.global.cs)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -234,5 +235,5 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     name = kernel_name("encoder_backward_sum", dwte, dout)
     args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
             np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp),
-            np.int32(_PREFETCH_MODE if _BLOCK_PREFETCH else 0))  # fmt: skip
+            np.int32((_PREFETCH_MODE if _BLOCK_PREFETCH else 0) | (4 if _STREAM_HINT else 0)))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
