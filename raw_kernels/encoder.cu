@@ -10,7 +10,7 @@
 //   0. encoder_backward_clear: zero the counters and the hash table at the head of the scratch. Steps 1
 //      and 2 are dependent launches (programmatic, sm_90): each starts while the one before finishes.
 //   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
-//      (2N slots, linear probing, claimed by a 64-bit atomicCAS of key and count; a warp's lanes with
+//      (4N slots, linear probing, claimed by a 64-bit atomicCAS of key and count; a warp's lanes with
 //      one id as one atomic), count it, and keep its first INLINE positions in arrival order. The
 //      INLINE + 1st arrival puts the slot on the "hot" queue. Which slot an id lands in, the arrival
 //      order and the queue order depend on timing; what is read from the table (the count, the set of
@@ -35,7 +35,13 @@
 //   `rows` positions adds sum4(its rows by position) to dwte; a big id adds sum4(its tiles' sum4s, by
 //   tile; an empty tile is +0.f, which leaves every sum unchanged: none of them is -0.f). One rounding
 //   to dwte's dtype per row. Ids outside [0, V) are skipped and touch no memory.
-// Scratch (int32, see encoder_scratch_shape): 8 counters, the table (2N slots of 8 ints), the hot queue,
+// Why 4N slots (at most a quarter full), not 2N: shorter linear-probing chains, each link a dependent
+// atomic. A CPU simulation (32768 uniform ids of 151936, inserted in order) gave the slowest insert 14-16
+// chained atomics at 2N, 5-6 at 4N; on the H200, clear + count went from 16.0 to 11.5 us at 32768 uniform
+// ids (the whole backward 70.3 -> 64.8 us), for 16 more zeroed ints per position. Prefetching the rows
+// into L2 ahead of the sum (by the count kernel or by each sum warp, bulk or per line, 24-48 MB) and
+// evict-first dout loads were all slower (the H200 sweep, tools/PERF_NOTES.md).
+// Scratch (int32, see encoder_scratch_shape): 8 counters, the table (4N slots of 8 ints), the hot queue,
 // per queued id its first tile and an arrival count, the item lists, then one fp32 row of C per tile.
 // Sizes: C a multiple of the 16-byte vector width of dout / wte.
 #include "common.cuh"
@@ -95,20 +101,6 @@ static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE position
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
 static_assert(COUNT_THREADS == 256, "the plan's block scan sums 8 warp totals");
-
-// ---- PTX helpers (tests/test_encoder.py's host emulation replaces them) ----
-// A row of `bytes` (a multiple of 16) at p (16-byte aligned) into L2, fire and forget: no register waits
-// on it. Mode 2: one bulk prefetch by the SM's TMA unit; mode 1: a prefetch per 128-byte line; 0: none.
-__device__ __forceinline__ void prefetch_row(const void* p, int bytes, int mode) {
-    if (mode == 2) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-    } else if (mode == 1) {
-        const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-        for (unsigned long long l = a & ~127ull; l < a + bytes; l += 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
-    }
-}
-// ---- end of PTX helpers ----
 
 __device__ __forceinline__ int* hash_table(int* scratch) { return scratch + HEAD_INTS; }
 __device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative hash, mapped onto [0, H)
@@ -180,7 +172,7 @@ __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, 
     if (threadIdx.x == 0) scratch[HEAD_MEDIUM] = medium, scratch[HEAD_TILES] = tiles;
 }
 
-// Step 1: count the ids and keep their first INLINE positions. H = 2N slots: at most half are used.
+// Step 1: count the ids and keep their first INLINE positions. H = 4N slots: at most a quarter are used.
 // The token is read before the wait: it was written before step 0 started (an ordinary launch).
 // A slot's key + 1 and count are one 64-bit word (key low: the sum reads them as two ints). The lanes
 // of a warp with the same id act as one: the lowest one probes, claiming an empty slot with the group's
@@ -188,24 +180,14 @@ __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, 
 // rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
 // The last block to finish (a fenced counter) plans the hot sums (encoder_backward_plan).
 extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
-    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, const char* dout,
-                           const char* dwte, int N, int V, int H, int rows, int qcap, int dout_row, int dwte_row,
-                           int prefetch, int flags) {
+    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, int N, int V, int H,
+                           int rows, int qcap) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % 32;
     const int t = n < N ? tokens[n] : -1;
-    const bool valid = t >= 0 && t < V;
-    if (flags & 4) launch_dependents();
-    // the rows of the first `prefetch` positions (the sum's first blocks; written before step 0), spread
-    // over every block: this thread takes position threadIdx.x * gridDim.x + blockIdx.x
-    const int m = threadIdx.x * gridDim.x + blockIdx.x;
-    if (m < prefetch) {
-        const int tm = tokens[m];
-        prefetch_row(dout + (size_t)m * dout_row, dout_row, flags & 3);
-        if (tm >= 0 && tm < V) prefetch_row(dwte + (size_t)tm * dwte_row, dwte_row, flags & 3);
-    }
     grid_dependency_wait();
-    if (!(flags & 4)) launch_dependents();
+    launch_dependents();
+    const bool valid = t >= 0 && t < V;
     const unsigned group = __match_any_sync(0xffffffffu, valid ? t : -1);
     const int leader = __ffs(group) - 1;
     int* table = hash_table(scratch);
@@ -500,30 +482,20 @@ __device__ __forceinline__ void encoder_backward_few(TG* __restrict__ dwte, cons
 
 // An id that occurs once, at position n: dwte row += (0.f + dout row); two vectors per lane in flight
 // (dout and dwte for each), the second one zero where it falls past the row.
-// A dout vector, read once: with `cs`, marked first to evict from L2 (ld.global.cs), which leaves the
-// room to rows prefetched and not read yet.
-template <typename T>
-__device__ __forceinline__ Pack16<T> load_once(const T* p, bool cs) {
-    if (!cs) return Pack16<T>::load(p);
-    Pack16<T> v;
-    *reinterpret_cast<uint4*>(&v) = __ldcs(reinterpret_cast<const uint4*>(p));
-    return v;
-}
-
 template <typename TG, typename TD>
 __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
-                                                     int n, int C, int lane, bool cs) {
+                                                     int n, int C, int lane) {
     constexpr int VN = Pack16<TD>::N;
     const int vecs = C / VN;
     TG* row = dwte + (size_t)key * C;
     const TD* src = dout + (size_t)n * C;
     for (int cv = lane; cv < vecs; cv += 64) {
         const bool second = cv + 32 < vecs;
-        Pack16<TD> d0 = load_once(src + cv * VN, cs), d1;
+        Pack16<TD> d0 = Pack16<TD>::load(src + cv * VN), d1;
         Elems<TG, VN> o0, o1;
         o0.load(row + cv * VN);
         if (second) {
-            d1 = load_once(src + (cv + 32) * VN, cs);
+            d1 = Pack16<TD>::load(src + (cv + 32) * VN);
             o1.load(row + (cv + 32) * VN);
         } else {
 #pragma unroll
@@ -544,7 +516,7 @@ __device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, cons
 template <typename TG, typename TD>
 __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot,
                                           int* qinfo, const int* items, float* partials, int N, int V, int C, int H,
-                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp, int pf) {
+                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp) {
     const int* table = hash_table(scratch);
     if ((int)blockIdx.x < hot_blocks) {
         grid_dependency_wait();
@@ -557,10 +529,6 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
     const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
     // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
     const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
-    if (t0 >= 0 && t0 < V) {  // the rows into L2 (written before step 0): every position of the batch at once
-        prefetch_row(dout + (size_t)(begin + lane) * C, C * (int)sizeof(TD), pf & 3);
-        prefetch_row(dwte + (size_t)t0 * C, C * (int)sizeof(TG), pf & 3);
-    }
     grid_dependency_wait();
     const bool hot_units = scratch[HEAD_MEDIUM] + scratch[HEAD_TILES] > 0;
     for (int b = begin; b < end; b += 32) {
@@ -569,10 +537,6 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
         const int n = b + lane;
         const int t = b == begin ? t0 : n < end ? tokens[n] : -1;
         int cnt = 0, p[INLINE];
-        if (b != begin && t >= 0 && t < V) {
-            prefetch_row(dout + (size_t)n * C, C * (int)sizeof(TD), pf & 3);
-            prefetch_row(dwte + (size_t)t * C, C * (int)sizeof(TG), pf & 3);
-        }
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
             for (;;) {
@@ -601,7 +565,7 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
             const int key = __shfl_sync(0xffffffffu, t, src);
             const int k = __shfl_sync(0xffffffffu, cnt, src);
             if (k == 1) {
-                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane, pf & 4);
+                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane);
             } else {
                 int q[INLINE];
 #pragma unroll
@@ -639,9 +603,9 @@ ENCODER_FORWARD(f16, half)
     extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(      \
         TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot, int* qinfo, const int* items, \
         float* partials, int N, int V, int C, int H, int rows, int qcap, int hot_blocks, int ychunks,         \
-        int per_warp, int pf) {                                                                             \
+        int per_warp) {                                                                                     \
         encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, V, C, H, \
-                                          rows, qcap, hot_blocks, ychunks, per_warp, pf);                    \
+                                          rows, qcap, hot_blocks, ychunks, per_warp);                        \
     }
 #define ENCODER_BACKWARD_SUM_ALL(SUFG, TG)          \
     ENCODER_BACKWARD_SUM(SUFG, TG, f32, float)      \

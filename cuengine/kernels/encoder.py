@@ -8,8 +8,6 @@ order, so cpu and cuda agree bit for bit.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
@@ -23,6 +21,8 @@ _PARTIALS = 4  # partial sums per token and channel (PARTIALS in encoder.cu); th
 _INLINE = 6  # positions a hash slot keeps (INLINE); a token with more is "hot", summed by a whole block
 _SLOT_INTS = 8  # key, count, INLINE positions (SLOT_INTS)
 _HEAD_INTS = 8  # counters before the table (HEAD_INTS)
+_SLOTS = 4  # hash slots per position (the kernels take the table size H): at most a quarter full, short probe
+# chains (32768 uniform ids: the slowest insert 5-6 chained atomics, 14-16 at 2; H200 clear + count 11.5 us, 16.0)
 _SUM_THREADS = 512  # SUM_THREADS: 16 warps
 _HOT_VECS = 128  # 16-byte vectors per hot block (HOT_VECS)
 _TILE_ALIGN = 32  # TILE_ALIGN: a big token's tile width is a multiple of it
@@ -31,16 +31,6 @@ _ROWS = 128  # a hot token with more positions is "big": summed by position tile
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
 _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
-_SLOTS = 2  # hash slots per position (at most one token each: at most half full)
-# Sweep knobs (helper enc4, .session/enc4_sweep.py; the losers go after the sweep): L2 prefetch of the rows
-# 0 none, 1 per 128-byte line, 2 one bulk (TMA) prefetch per row; _PREFETCH_BYTES of the first positions'
-# dout and dwte rows by the count kernel before its wait, each sum warp's batch at its start
-# (_BLOCK_PREFETCH); _EARLY: the count lets the sum launch before its own wait, not after.
-_PREFETCH_MODE = int(os.environ.get("CUENGINE_ENC4_PREFETCH", "2"))  # the sweep's fallback to lines (1)
-_PREFETCH_BYTES = 32 << 20
-_BLOCK_PREFETCH = True
-_EARLY = True
-_STREAM_HINT = False  # single rows' dout loads marked evict-first (ld.global.cs)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -123,9 +113,9 @@ def encoder_backward_np(dwte: np.ndarray, dout: np.ndarray, tokens: np.ndarray) 
 
 # ---- sizes --------------------------------------------------------------------------------
 def _layout(n: int, c: int) -> dict[str, int]:
-    """Offsets (ints) of the scratch's parts for n positions and C = c: the counters and a table of 2n
-    slots (at most n tokens: half full at most) are zeroed per call; then the hot queue (at most
-    n // 7 tokens have more than INLINE positions), 2 ints per queued token (first tile, tiles done),
+    """Offsets (ints) of the scratch's parts for n positions and C = c: the counters and a table of
+    _SLOTS * n slots (at most n tokens: a quarter full at most) are zeroed per call; then the hot queue
+    (at most n // 7 tokens have more than INLINE positions), 2 ints per queued token (first tile, tiles done),
     the item lists (medium tokens, then tiles: fewer than 2n / _ROWS, since a big token has
     ceil(n / _tile_width(k, n)) <= ceil(k / _ROWS) < 2k / _ROWS of them), and an fp32 row of c per tile,
     16-byte aligned."""
@@ -143,10 +133,11 @@ def _layout(n: int, c: int) -> dict[str, int]:
 def encoder_scratch_shape(B: int, T: int, C: int) -> tuple[int]:
     """Shape of the int32 scratch encoder_backward needs for (B, T) tokens and C channels.
 
-    Holds 8 counters, a hash table of 2 * B * T slots of 8 ints (a token, its count and its first 6
-    positions), the plan of the tokens with more positions (0.6 ints per position), and an fp32 partial
-    row of C per tile of the big tokens (2 * B * T / 128 rows at most): about 16.6 + C / 64 ints per
-    position (4.0 MB at B * T = 32768, C = 896).
+    Holds 8 counters, a hash table of 4 * B * T slots of 8 ints (a token, its count and its first 6
+    positions; a quarter full at most, which keeps the count's probe chains short), the plan of the
+    tokens with more positions (0.6 ints per position), and an fp32 partial row of C per tile of the big
+    tokens (2 * B * T / 128 rows at most): about 32.6 + C / 64 ints per position (6.1 MB at
+    B * T = 32768, C = 896).
     """
     return (_layout(B * T, C)["total"],)
 
@@ -221,11 +212,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     args = (flat, np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
-    dout_row, dwte_row = C * dout.dtype.itemsize, C * dwte.dtype.itemsize
-    prefetch = min(N, _PREFETCH_BYTES // (dout_row + dwte_row)) if _PREFETCH_MODE else 0
-    flags = _PREFETCH_MODE | (4 if _EARLY else 0)
-    args = (flat, hot, qinfo, items, tokens, dout, dwte, n_, v_, h_, rows, qcap, np.int32(dout_row),
-            np.int32(dwte_row), np.int32(prefetch), np.int32(flags))  # fmt: skip
+    args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
@@ -234,6 +221,5 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
     args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
-            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp),
-            np.int32((_PREFETCH_MODE if _BLOCK_PREFETCH else 0) | (4 if _STREAM_HINT else 0)))  # fmt: skip
+            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
