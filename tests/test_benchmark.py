@@ -143,7 +143,7 @@ def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
     assert bench.main(["--device", "cpu", "--shrink", "2048", "--family", "rope", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("rope ")]
-    assert len(rows) == 2 and "% same-size copy" in out
+    assert len(rows) == 3 and "% same-size copy" in out
     for row in rows:
         pct, same = (float(x.rstrip("%")) for x in row.split()[-2:])
         assert pct > 0 and same > 0

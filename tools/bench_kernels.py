@@ -220,6 +220,8 @@ def rope_cases(dev, shrink):
     out = ce.Tensor.empty(ce.BF16, qkv.shape, dev)
     yield "rope", f"forward {qkv.shape} bf16", 2 * qkv.nbytes, lambda: rope_forward(out, qkv, freqs, hq, hkv)
     qk = 2 * qkv.nbytes * (hq + hkv) // (hq + 2 * hkv)  # in place, the v heads are neither read nor written
+    # the train step and prefill rotate in place (blocks.py, prefill.py): the form the engine runs
+    yield "rope", "forward in place", qk, lambda: rope_forward(out, out, freqs, hq, hkv)
     yield "rope", f"backward in place {qkv.shape} bf16", qk, lambda: rope_backward(out, out, freqs, hq, hkv)
 
 
