@@ -763,7 +763,7 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
     auto* s_one = reinterpret_cast<int(*)[2]>(enc_stage);  // unstaged from the front, staged from the back
     auto* s_few = reinterpret_cast<int(*)[SLOT_INTS]>(enc_stage + FUSED_CHUNK * 2 * 4);
     const TD* stage = reinterpret_cast<const TD*>(enc_stage + FUSED_LISTS);
-    // tokens, dout and dwte were written before step 0 started (an ordinary launch): read before the wait
+    // dout and dwte were written before step 0 started (an ordinary launch): read them before the wait
     for (int j = tid; j < staged * vecs; j += SUM_THREADS)
         cp_async16(smem_u32(enc_stage + FUSED_LISTS + (size_t)j * 16), dout + (size_t)begin * C + (size_t)j * VN, 16);
     cp_async_commit();
@@ -772,11 +772,10 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
         if (t >= 0 && t < V) prefetch_l2(dwte + (size_t)t * C, C * (int)sizeof(TG));
         prefetch_l2(dout + (size_t)n * C, C * (int)sizeof(TD));
     }
-    const int t0 = begin + tid < end ? tokens[begin + tid] : -1;  // the first count round's id
     grid_dependency_wait();
     for (int b = begin; b < end; b += SUM_THREADS) {  // step 1
         const int n = b + tid;
-        encoder_backward_insert(scratch, hot, n, b == begin ? t0 : n < end ? tokens[n] : -1, V, H);
+        encoder_backward_insert(scratch, hot, n, n < end ? tokens[n] : -1, V, H);
     }
     // grid barrier: the block's table and queue writes, then (fenced) its arrival
     __shared__ int s_last;
@@ -808,7 +807,7 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
         if (tid < 3) s_counts[tid] = 0;
         __syncthreads();
         const int n = b + tid;
-        const int t = tid >= FUSED_CHUNK || n >= end ? -1 : b == begin ? t0 : tokens[n];
+        const int t = tid < FUSED_CHUNK && n < end ? tokens[n] : -1;
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
             int4 a, z;
