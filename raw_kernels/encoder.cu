@@ -741,8 +741,7 @@ __device__ __noinline__ void encoder_backward_ones(TG* __restrict__ dwte, const 
 // Steps 1 and 2 in one launch of resident blocks (the launcher checks that every block fits at once:
 // the grid barrier below waits for all of them). Block b owns positions [b per_block, (b + 1) per_block):
 //  - before step 0 is done (dependent launch): its first `stage_rows` dout rows into shared memory
-//    (cp.async), and the dout and dwte rows of the next `pf_rows` positions (the first ones it streams
-//    from global memory) into L2;
+//    (cp.async), and the dwte rows (and unstaged dout rows) of its first `pf_rows` positions into L2;
 //  - step 1 for its positions, then a grid barrier (a fenced counter, HEAD_DONE); the block that arrives
 //    last plans the hot items (encoder_backward_plan) and sets HEAD_PLANNED;
 //  - the stream role for its positions, FUSED_CHUNK at a time: a thread per position looks its id up
@@ -767,10 +766,10 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
     for (int j = tid; j < staged * vecs; j += SUM_THREADS)
         cp_async16(smem_u32(enc_stage + FUSED_LISTS + (size_t)j * 16), dout + (size_t)begin * C + (size_t)j * VN, 16);
     cp_async_commit();
-    for (int n = begin + staged + tid; n < min(end, begin + staged + pf_rows); n += SUM_THREADS) {
+    for (int n = begin + tid; n < min(end, begin + pf_rows); n += SUM_THREADS) {
         const int t = tokens[n];
         if (t >= 0 && t < V) prefetch_l2(dwte + (size_t)t * C, C * (int)sizeof(TG));
-        prefetch_l2(dout + (size_t)n * C, C * (int)sizeof(TD));
+        if (n - begin >= staged) prefetch_l2(dout + (size_t)n * C, C * (int)sizeof(TD));
     }
     grid_dependency_wait();
     for (int b = begin; b < end; b += SUM_THREADS) {  // step 1

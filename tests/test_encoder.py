@@ -450,15 +450,12 @@ def test_emulated_random_distributions(enc_lib, path, monkeypatch):
         assert clean and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (case, E._ROWS, n, v, c)
 
 
-@pytest.mark.parametrize("rows,pf_mb", [(0, 0), (300, 0), (100, 1)])
-def test_emulated_fused_long_slices(enc_lib, monkeypatch, rows, pf_mb):
+@pytest.mark.parametrize("rows", [0, 300])
+def test_emulated_fused_long_slices(enc_lib, monkeypatch, rows):
     """2100 positions over the emulator's 4 blocks: 525 a block, so two count rounds of 512 and three
-    lookup chunks of 256 each, ids of 2..6 positions spread across chunks and blocks, staged rows past the
-    first chunk (rows = 300), and (pf_mb = 1) every unstaged dout row and its dwte row prefetched into L2
-    first (the emulator reads each prefetched row's first and last byte): the fused kernel's bits are the
-    twin's."""
+    lookup chunks of 256 each, ids of 2..6 positions spread across chunks and blocks, and (rows = 300)
+    staged rows past the first chunk: the fused kernel's bits are the twin's."""
     monkeypatch.setattr(E, "_FUSED", True)
-    monkeypatch.setattr(E, "_PF_MB", pf_mb)
     monkeypatch.setattr(E, "_fused_shape", lambda dev, name, dout_row: (1, rows))
     r = rng(35)
     v = 3000

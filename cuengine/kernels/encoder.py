@@ -38,9 +38,8 @@ _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of 
 
 # The fused kernel (steps 1 and 2 in one launch of resident blocks; helper enc5's sweep knobs, the losers go
 # after the sweep): _FUSED off runs the count and sum kernels; each fused block stages at most _STAGE of its
-# first dout rows in its shared memory while it counts (as many as fit, 98 at C = 896 bf16); _PF_MB: MB of dout
-# and dwte rows prefetched into L2 before the count (each block's first unstaged positions: the first rows it
-# streams from global memory after the grid barrier).
+# first dout rows in its shared memory while it counts (as many as fit, 98 at C = 896 bf16); _PF_MB: MB of the
+# first positions' dwte (and unstaged dout) rows prefetched into L2 before the count.
 _FUSED = os.environ.get("CUENGINE_ENC5_FUSED", "1") != "0"  # the GPU script turns it off after a hang
 _STAGE = 1 << 20
 _PF_MB = 0
@@ -240,7 +239,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         grid = per_sm * dev.num_sms
         per_block = ceil_div(N, grid)
         stage_rows = min(room, _STAGE, per_block)
-        pf_rows = min(per_block - stage_rows, (_PF_MB << 20) // (grid * (dout_row + C * dwte.dtype.itemsize)))
+        pf_rows = min(per_block, (_PF_MB << 20) // (grid * (dout_row + C * dwte.dtype.itemsize)))
         args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
                 np.int32(ychunks), np.int32(per_block), np.int32(stage_rows), np.int32(pf_rows),
                 np.int32(_UNROLL))  # fmt: skip
