@@ -810,12 +810,12 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
         if (t >= 0 && t < V) {
             unsigned s = hash_slot(t, H);
             int4 a, z;
-            for (;;) {  // written by other blocks in this launch: through L2; the slot's halves together
+            for (;;) {  // written by other blocks in this launch: through L2
                 a = __ldcg(reinterpret_cast<const int4*>(table + s * SLOT_INTS));
-                z = __ldcg(reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4));
                 if (a.x == t + 1) break;
                 s = s + 1 == (unsigned)H ? 0 : s + 1;
             }
+            z = __ldcg(reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4));
             const int cnt = a.y;
             if (cnt == 1) {
                 if (n - begin < staged) {
@@ -849,11 +849,7 @@ __device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int*
         }
         cp_async_wait<0>();
         __syncthreads();  // the staged rows have landed
-        if (unroll == 8) {
-            encoder_backward_ones<TG, TD, 8>(dwte, stage, s_one + FUSED_CHUNK - stg, stg, C);
-        } else {
-            encoder_backward_ones<TG, TD, FUSED_UNROLL>(dwte, stage, s_one + FUSED_CHUNK - stg, stg, C);
-        }
+        encoder_backward_ones<TG, TD, FUSED_UNROLL>(dwte, stage, s_one + FUSED_CHUNK - stg, stg, C);
         __syncthreads();  // the lists are read before the next chunk refills them
     }
     // the hot role, once the plan is written

@@ -310,10 +310,9 @@ def enc_lib(tmp_path_factory):
 
 
 # How the emulated tests run the backward: the count and sum kernels; the fused kernel without staged
-# dout rows (8 single-row vectors in flight per thread); with 3 of each block's rows staged (the rest read
-# from dout; 4 in flight); with every row staged (8).
+# dout rows (8 vectors in flight per thread); with 3 of each block's rows staged (the rest read from
+# dout); with every row staged.
 PATHS = {"kernels": None, "fused": 0, "staged3": 3, "staged": 1 << 20}
-UNROLLS = {"kernels": 4, "fused": 8, "staged3": 4, "staged": 8}
 
 
 @pytest.fixture(params=list(PATHS))
@@ -322,7 +321,7 @@ def path(request, monkeypatch):
     rows = PATHS[request.param]
     monkeypatch.setattr(E, "_FUSED", rows is not None)
     monkeypatch.setattr(E, "_fused_shape", lambda dev, name, dout_row: (1, rows))
-    monkeypatch.setattr(E, "_UNROLL", UNROLLS[request.param])
+    monkeypatch.setattr(E, "_UNROLL", 8 if request.param == "fused" else 4)
     return request.param
 
 

@@ -43,7 +43,7 @@ _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of 
 _FUSED = os.environ.get("CUENGINE_ENC5_FUSED", "1") != "0"  # the GPU script turns it off after a hang
 _STAGE = 1 << 20
 _PF_MB = 0
-_UNROLL = 4  # single rows' vectors in flight per thread (4 or 8)
+_UNROLL = 4  # unstaged single rows' vectors in flight per thread (4 or 8)
 _FUSED_LISTS = 256 * (2 + _SLOT_INTS) * 4  # FUSED_LISTS in encoder.cu: the stream role's lists of a chunk
 _MAX_SHARED = 227 * 1024  # shared memory one block may take on sm_90
 
