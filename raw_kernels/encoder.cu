@@ -41,14 +41,10 @@
 // ids (the whole backward 70.3 -> 64.8 us), for 16 more zeroed ints per position. Prefetching the rows
 // into L2 ahead of the sum (by the count kernel or by each sum warp, bulk or per line, 24-48 MB) and
 // evict-first dout loads were all slower (the H200 sweep, tools/PERF_NOTES.md).
-// Steps 1 and 2 fused (encoder_backward_fused, the launcher's choice where one of its blocks fits an SM):
-// one launch after step 0, a block per SM, every block resident, a grid barrier between counting and
-// summing; each block stages its first dout rows in shared memory while it counts. Same sums, same bits.
 // Scratch (int32, see encoder_scratch_shape): 8 counters, the table (4N slots of 8 ints), the hot queue,
 // per queued id its first tile and an arrival count, the item lists, then one fp32 row of C per tile.
 // Sizes: C a multiple of the 16-byte vector width of dout / wte.
 #include "common.cuh"
-#include "cp_async.cuh"
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -89,8 +85,7 @@ constexpr int HEAD_QUEUED = 0;  // hot ids queued (step 1)
 constexpr int HEAD_MEDIUM = 1;  // medium items listed (step 1's last block)
 constexpr int HEAD_TILES = 2;   // tile items listed (step 1's last block)
 constexpr int HEAD_NEXT = 3;    // the next hot unit to take (step 2)
-constexpr int HEAD_DONE = 4;    // count blocks finished (step 1; the fused kernel's grid barrier)
-constexpr int HEAD_PLANNED = 5;  // the fused kernel's plan is written (1)
+constexpr int HEAD_DONE = 4;    // count blocks finished (step 1)
 constexpr int PARTIALS = 4;     // partial sums per id and vector (the twin's summation order)
 constexpr int SUM_THREADS = 512;
 constexpr int SUM_WARPS = SUM_THREADS / 32;
@@ -102,25 +97,10 @@ constexpr int HOT_UNROLL = 4;   // dout rows in flight per thread in a hot sum
 constexpr int COMBINE_UNROLL = 4;  // tile partials in flight per thread where a big id's tiles are added
 constexpr int COUNT_THREADS = 256;
 constexpr int TILE_ALIGN = 32;  // a tile's width is a multiple of this
-constexpr int FUSED_CHUNK = 256;  // positions the fused kernel looks up at once (a thread each)
-constexpr int FUSED_UNROLL = 4;   // single rows' 16-byte vectors in flight per thread in the fused kernel
 static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
-static_assert(FUSED_CHUNK <= SUM_THREADS, "a fused block looks a chunk up with a thread per position");
-
-// ---- PTX helpers (tests/test_encoder.py's host emulation replaces them) ----
-// A counter other blocks of this grid add to, read at gpu scope with acquire semantics.
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// A row of `bytes` (a multiple of 16, 16-byte aligned) into L2 by the SM's TMA unit, fire and forget.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-// ---- end of PTX helpers ----
+static_assert(COUNT_THREADS == 256, "the plan's block scan sums 8 warp totals");
 
 __device__ __forceinline__ int* hash_table(int* scratch) { return scratch + HEAD_INTS; }
 __device__ __forceinline__ unsigned hash_slot(int t, int H) {  // multiplicative hash, mapped onto [0, H)
@@ -144,15 +124,14 @@ extern "C" __global__ void __launch_bounds__(256) encoder_backward_clear(int4* h
 // (items[0, medium)) if k <= rows, else ceil(N / tile_width(k)) tile items from first[q] =
 // qinfo[2q] on (items[qcap + first[q] + t] = q for tile t); qinfo[2q + 1] counts the id's finished tiles.
 // Everything read here was written by other blocks of this grid: through L2.
-template <int THREADS>
 __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, int* items, int N, int rows,
                                       int qcap) {
-    __shared__ int s_warp[2][THREADS / 32];
+    __shared__ int s_warp[2][COUNT_THREADS / 32];
     const int* table = hash_table(scratch);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int queued = __ldcg(&scratch[HEAD_QUEUED]);
     int medium = 0, tiles = 0;  // items listed by earlier rounds
-    for (int q0 = 0; q0 < queued; q0 += THREADS) {
+    for (int q0 = 0; q0 < queued; q0 += COUNT_THREADS) {
         const int q = q0 + threadIdx.x;
         int m = 0, b = 0;
         if (q < queued) {
@@ -174,7 +153,7 @@ __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, 
         __syncthreads();
         int om = im - m, ob = ib - b, tm = 0, tb = 0;
 #pragma unroll
-        for (int v = 0; v < THREADS / 32; ++v) {
+        for (int v = 0; v < COUNT_THREADS / 32; ++v) {
             om += v < warp ? s_warp[0][v] : 0;
             ob += v < warp ? s_warp[1][v] : 0;
             tm += s_warp[0][v];
@@ -193,9 +172,21 @@ __device__ void encoder_backward_plan(int* scratch, const int* hot, int* qinfo, 
     if (threadIdx.x == 0) scratch[HEAD_MEDIUM] = medium, scratch[HEAD_TILES] = tiles;
 }
 
-// Position n's id t (-1: none) into the table, by a whole warp (every lane calls it): see step 1.
-__device__ __forceinline__ void encoder_backward_insert(int* scratch, int* hot, int n, int t, int V, int H) {
+// Step 1: count the ids and keep their first INLINE positions. H = 4N slots: at most a quarter are used.
+// The token is read before the wait: it was written before step 0 started (an ordinary launch).
+// A slot's key + 1 and count are one 64-bit word (key low: the sum reads them as two ints). The lanes
+// of a warp with the same id act as one: the lowest one probes, claiming an empty slot with the group's
+// count by one compare-and-swap or adding the group's count to the id's slot, and each lane takes the
+// rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
+// The last block to finish (a fenced counter) plans the hot sums (encoder_backward_plan).
+extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
+    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, int N, int V, int H,
+                           int rows, int qcap) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x % 32;
+    const int t = n < N ? tokens[n] : -1;
+    grid_dependency_wait();
+    launch_dependents();
     const bool valid = t >= 0 && t < V;
     const unsigned group = __match_any_sync(0xffffffffu, valid ? t : -1);
     const int leader = __ffs(group) - 1;
@@ -226,23 +217,6 @@ __device__ __forceinline__ void encoder_backward_insert(int* scratch, int* hot, 
             hot[atomicAdd(&scratch[HEAD_QUEUED], 1)] = (int)s;
         }
     }
-}
-
-// Step 1: count the ids and keep their first INLINE positions. H = 4N slots: at most a quarter are used.
-// The token is read before the wait: it was written before step 0 started (an ordinary launch).
-// A slot's key + 1 and count are one 64-bit word (key low: the sum reads them as two ints). The lanes
-// of a warp with the same id act as one: the lowest one probes, claiming an empty slot with the group's
-// count by one compare-and-swap or adding the group's count to the id's slot, and each lane takes the
-// rank base + (its place among the group's lanes). A hot id costs one atomic a warp, not two a position.
-// The last block to finish (a fenced counter) plans the hot sums (encoder_backward_plan).
-extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
-    encoder_backward_count(int* scratch, int* hot, int* qinfo, int* items, const int* tokens, int N, int V, int H,
-                           int rows, int qcap) {
-    const int n = blockIdx.x * blockDim.x + threadIdx.x;
-    const int t = n < N ? tokens[n] : -1;
-    grid_dependency_wait();
-    launch_dependents();
-    encoder_backward_insert(scratch, hot, n, t, V, H);
     // the block's table and queue writes, then (fenced, as cooperative groups' grid sync does) its count
     __shared__ int s_last;
     __syncthreads();
@@ -252,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
         if (s_last) __threadfence();
     }
     __syncthreads();
-    if (s_last) encoder_backward_plan<COUNT_THREADS>(scratch, hot, qinfo, items, N, rows, qcap);
+    if (s_last) encoder_backward_plan(scratch, hot, qinfo, items, N, rows, qcap);
 }
 
 // VN elements of T kept as loaded (16-byte packs where VN elements fill them): a dwte vector beside
@@ -286,14 +260,6 @@ __device__ __forceinline__ void sort2(int& a, int& b) {
     const int lo = min(a, b);
     b = max(a, b);
     a = lo;
-}
-// q ascending: a sorting network for 6 (12 comparators)
-__device__ __forceinline__ void sort6(int (&q)[INLINE]) {
-    sort2(q[0], q[5]), sort2(q[1], q[3]), sort2(q[2], q[4]);
-    sort2(q[1], q[2]), sort2(q[3], q[4]);
-    sort2(q[0], q[3]), sort2(q[2], q[5]);
-    sort2(q[0], q[1]), sort2(q[2], q[3]), sort2(q[4], q[5]);
-    sort2(q[1], q[2]), sort2(q[3], q[4]);
 }
 
 // The positions n in [lo, hi) with tokens[n] == key, summed by the whole block: thread (partial w,
@@ -607,257 +573,17 @@ __device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* t
                     q[r] = __shfl_sync(0xffffffffu, p[r], src);
                     if (r >= k) q[r] = 0x7fffffff;
                 }
-                sort6(q);
+                // sorting network for 6 (12 comparators)
+                sort2(q[0], q[5]), sort2(q[1], q[3]), sort2(q[2], q[4]);
+                sort2(q[1], q[2]), sort2(q[3], q[4]);
+                sort2(q[0], q[3]), sort2(q[2], q[5]);
+                sort2(q[0], q[1]), sort2(q[2], q[3]), sort2(q[4], q[5]);
+                sort2(q[1], q[2]), sort2(q[3], q[4]);
                 encoder_backward_few<TG, TD>(dwte, dout, key, q, k, C, lane);
             }
         }
     }
     if (hot_units)
-        encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
-                                          ychunks, qcap);
-}
-
-// ---- the fused kernel (one launch after step 0: steps 1 and 2 with a grid barrier between) ----------
-
-// The dynamic shared memory of encoder_backward_fused: the stream role's lists of a chunk (FUSED_LISTS
-// bytes: single ids' key and row, few ids' key, count and sorted positions), then the block's first
-// dout rows, staged. (The hot role's static arrays leave too little of the 48 KB static limit.)
-extern __shared__ __align__(16) unsigned char enc_stage[];
-constexpr int FUSED_LISTS = FUSED_CHUNK * (2 + SLOT_INTS) * 4;
-
-// A few id's vector c: dwte row += sum4 of its k = 2..INLINE rows at positions q[0] < ... < q[k-1]
-// (encoder_backward_few's sum, one vector).
-template <typename TG, typename TD>
-__device__ __forceinline__ void encoder_backward_few_vector(TG* __restrict__ row, const TD* __restrict__ dout,
-                                                            const int* q, int k, int C, int c) {
-    constexpr int VN = Pack16<TD>::N;
-    Pack16<TD> d[INLINE];
-#pragma unroll
-    for (int r = 0; r < INLINE; ++r) {
-        if (r < k) {
-            d[r] = Pack16<TD>::load(dout + (size_t)q[r] * C + c);
-        } else {
-#pragma unroll
-            for (int e = 0; e < VN; ++e) d[r].v[e] = from_float<TD>(0.f);
-        }
-    }
-    Elems<TG, VN> old;
-    old.load(row + c);
-#pragma unroll
-    for (int e = 0; e < VN; ++e) {
-        float total = 0.f;
-#pragma unroll
-        for (int p = 0; p < PARTIALS; ++p) {
-            float part = 0.f;
-#pragma unroll
-            for (int r = p; r < INLINE; r += PARTIALS)
-                if (r < k) part += to_float(d[r].v[e]);
-            total = p == 0 ? part : total + part;
-        }
-        old.v[e] = from_float<TG>(to_float(old.v[e]) + total);
-    }
-    old.store(row + c);
-}
-
-// Few ids' rows, (item, vector) pairs [0, items * vecs) over the block; item i: key, count, sorted positions.
-// Not inlined (nor encoder_backward_ones): the fused kernel keeps fewer registers live around them.
-template <typename TG, typename TD>
-__device__ __noinline__ void encoder_backward_fews(TG* __restrict__ dwte, const TD* __restrict__ dout,
-                                                   const int (*item)[SLOT_INTS], int items, int C) {
-    constexpr int VN = Pack16<TD>::N;
-    const int vecs = C / VN;
-    for (int j = threadIdx.x; j < items * vecs; j += SUM_THREADS) {
-        const int i = j / vecs;
-        encoder_backward_few_vector<TG, TD>(dwte + (size_t)item[i][0] * C, dout, &item[i][2], item[i][1], C,
-                                            (j - i * vecs) * VN);
-    }
-}
-
-// BYTES (a multiple of 8) of raw data, loaded and stored as 16- or 8-byte words and converted only where
-// used: held as elements, four 16-bit ones in flight would take a register each and spill.
-template <int BYTES>
-struct alignas(BYTES % 16 == 0 ? 16 : 8) Words {
-    unsigned w[BYTES / 4];
-    __device__ __forceinline__ void load(const void* p) {
-        if constexpr (BYTES % 16 == 0) {
-#pragma unroll
-            for (int q = 0; q < BYTES / 16; ++q) reinterpret_cast<uint4*>(w)[q] = reinterpret_cast<const uint4*>(p)[q];
-        } else {
-#pragma unroll
-            for (int q = 0; q < BYTES / 8; ++q) reinterpret_cast<uint2*>(w)[q] = reinterpret_cast<const uint2*>(p)[q];
-        }
-    }
-    __device__ __forceinline__ void store(void* p) const {
-        if constexpr (BYTES % 16 == 0) {
-#pragma unroll
-            for (int q = 0; q < BYTES / 16; ++q) reinterpret_cast<uint4*>(p)[q] = reinterpret_cast<const uint4*>(w)[q];
-        } else {
-#pragma unroll
-            for (int q = 0; q < BYTES / 8; ++q) reinterpret_cast<uint2*>(p)[q] = reinterpret_cast<const uint2*>(w)[q];
-        }
-    }
-    template <typename T> __device__ __forceinline__ T& at(int e) { return reinterpret_cast<T*>(w)[e]; }
-};
-
-// Single ids' rows, (item, vector) pairs [0, items * vecs) over the block, U per thread in flight:
-// dwte row += (0.f + dout row). Item i: id item[i][0], its dout row at src + item[i][1] * C (dout, or
-// the staged rows in shared memory).
-template <typename TG, typename TD, int U>
-__device__ __noinline__ void encoder_backward_ones(TG* __restrict__ dwte, const TD* __restrict__ src,
-                                                   const int (*item)[2], int items, int C) {
-    constexpr int VN = Pack16<TD>::N;
-    const int vecs = C / VN, di = SUM_THREADS / vecs, dv = SUM_THREADS - di * vecs;  // a step of SUM_THREADS pairs
-    int i = threadIdx.x / vecs, v = threadIdx.x - i * vecs;  // this thread's pair: item i, vector v
-    while (i < items) {
-        Words<16> d[U];
-        Words<VN * sizeof(TG)> o[U];
-        size_t at[U];
-        bool on[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            on[u] = i < items;
-            at[u] = 0;
-            if (on[u]) {
-                const int c = v * VN;
-                at[u] = (size_t)item[i][0] * C + c;
-                d[u].load(src + (size_t)item[i][1] * C + c);
-                o[u].load(dwte + at[u]);
-            }
-            i += di, v += dv;
-            if (v >= vecs) v -= vecs, ++i;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (!on[u]) continue;
-#pragma unroll
-            for (int e = 0; e < VN; ++e)
-                o[u].template at<TG>(e) =
-                    from_float<TG>(to_float(o[u].template at<TG>(e)) + (0.f + to_float(d[u].template at<TD>(e))));
-            o[u].store(dwte + at[u]);
-        }
-    }
-}
-
-// Steps 1 and 2 in one launch of resident blocks (the launcher checks that every block fits at once:
-// the grid barrier below waits for all of them). Block b owns positions [b per_block, (b + 1) per_block):
-//  - before step 0 is done (dependent launch): its first `stage_rows` dout rows into shared memory
-//    (cp.async), and the dwte rows (and unstaged dout rows) of its first `pf_rows` positions into L2;
-//  - step 1 for its positions, then a grid barrier (a fenced counter, HEAD_DONE); the block that arrives
-//    last plans the hot items (encoder_backward_plan) and sets HEAD_PLANNED;
-//  - the stream role for its positions, FUSED_CHUNK at a time: a thread per position looks its id up
-//    and lists it if it acts (a single id: key and row; an id with 2..INLINE positions at its first
-//    one: key, count and sorted positions); then the block sums the listed few ids and the unstaged
-//    single rows, waits for the staged rows, and sums those;
-//  - the hot role, once the plan is written.
-// The same sums in the same order as step 2: the same bits.
-template <typename TG, typename TD>
-__device__ void encoder_backward_fused_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, int* hot,
-                                            int* qinfo, int* items, float* partials, int N, int V, int C, int H,
-                                            int rows, int qcap, int ychunks, int per_block, int stage_rows,
-                                            int pf_rows, int unroll) {
-    constexpr int VN = Pack16<TD>::N;
-    const int vecs = C / VN, tid = threadIdx.x;
-    const int begin = (int)min((long long)blockIdx.x * per_block, (long long)N), end = min(begin + per_block, N);
-    const int staged = min(stage_rows, end - begin);
-    auto* s_one = reinterpret_cast<int(*)[2]>(enc_stage);  // unstaged from the front, staged from the back
-    auto* s_few = reinterpret_cast<int(*)[SLOT_INTS]>(enc_stage + FUSED_CHUNK * 2 * 4);
-    const TD* stage = reinterpret_cast<const TD*>(enc_stage + FUSED_LISTS);
-    // dout and dwte were written before step 0 started (an ordinary launch): read them before the wait
-    for (int j = tid; j < staged * vecs; j += SUM_THREADS)
-        cp_async16(smem_u32(enc_stage + FUSED_LISTS + (size_t)j * 16), dout + (size_t)begin * C + (size_t)j * VN, 16);
-    cp_async_commit();
-    for (int n = begin + tid; n < min(end, begin + pf_rows); n += SUM_THREADS) {
-        const int t = tokens[n];
-        if (t >= 0 && t < V) prefetch_l2(dwte + (size_t)t * C, C * (int)sizeof(TG));
-        if (n - begin >= staged) prefetch_l2(dout + (size_t)n * C, C * (int)sizeof(TD));
-    }
-    grid_dependency_wait();
-    for (int b = begin; b < end; b += SUM_THREADS) {  // step 1
-        const int n = b + tid;
-        encoder_backward_insert(scratch, hot, n, n < end ? tokens[n] : -1, V, H);
-    }
-    // grid barrier: the block's table and queue writes, then (fenced) its arrival
-    __shared__ int s_last;
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        const bool last = atomicAdd(&scratch[HEAD_DONE], 1) == (int)gridDim.x - 1;
-        if (!last)
-            while (load_acquire(&scratch[HEAD_DONE]) < (int)gridDim.x) {
-            }
-        __threadfence();
-        s_last = last;
-    }
-    __syncthreads();
-    const bool last = s_last;
-    launch_dependents();  // only now: every block of this grid is resident, a dependent kernel takes no SM it needs
-    if (last) {
-        encoder_backward_plan<SUM_THREADS>(scratch, hot, qinfo, items, N, rows, qcap);
-        __syncthreads();
-        if (tid == 0) {
-            __threadfence();
-            atomicAdd(&scratch[HEAD_PLANNED], 1);
-        }
-    }
-    // the stream role
-    __shared__ int s_counts[3];  // unstaged singles, staged singles, few ids
-    const int* table = hash_table(scratch);
-    for (int b = begin; b < end; b += FUSED_CHUNK) {
-        if (tid < 3) s_counts[tid] = 0;
-        __syncthreads();
-        const int n = b + tid;
-        const int t = tid < FUSED_CHUNK && n < end ? tokens[n] : -1;
-        if (t >= 0 && t < V) {
-            unsigned s = hash_slot(t, H);
-            int4 a, z;
-            for (;;) {  // written by other blocks in this launch: through L2
-                a = __ldcg(reinterpret_cast<const int4*>(table + s * SLOT_INTS));
-                if (a.x == t + 1) break;
-                s = s + 1 == (unsigned)H ? 0 : s + 1;
-            }
-            z = __ldcg(reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4));
-            const int cnt = a.y;
-            if (cnt == 1) {
-                if (n - begin < staged) {
-                    const int i = atomicAdd(&s_counts[1], 1);
-                    s_one[FUSED_CHUNK - 1 - i][0] = t, s_one[FUSED_CHUNK - 1 - i][1] = n - begin;
-                } else {
-                    const int i = atomicAdd(&s_counts[0], 1);
-                    s_one[i][0] = t, s_one[i][1] = n;
-                }
-            } else if (cnt <= INLINE) {
-                int q[INLINE] = {a.z, a.w, z.x, z.y, z.z, z.w};
-#pragma unroll
-                for (int r = 0; r < INLINE; ++r)
-                    if (r >= cnt) q[r] = 0x7fffffff;
-                sort6(q);
-                if (q[0] == n) {
-                    const int i = atomicAdd(&s_counts[2], 1);
-                    s_few[i][0] = t, s_few[i][1] = cnt;
-#pragma unroll
-                    for (int r = 0; r < INLINE; ++r) s_few[i][2 + r] = q[r];
-                }
-            }
-        }
-        __syncthreads();
-        const int ones = s_counts[0], stg = s_counts[1], fews = s_counts[2];
-        encoder_backward_fews<TG, TD>(dwte, dout, s_few, fews, C);
-        if (unroll == 8) {
-            encoder_backward_ones<TG, TD, 8>(dwte, dout, s_one, ones, C);
-        } else {
-            encoder_backward_ones<TG, TD, FUSED_UNROLL>(dwte, dout, s_one, ones, C);
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // the staged rows have landed
-        encoder_backward_ones<TG, TD, FUSED_UNROLL>(dwte, stage, s_one + FUSED_CHUNK - stg, stg, C);
-        __syncthreads();  // the lists are read before the next chunk refills them
-    }
-    // the hot role, once the plan is written
-    if (tid == 0)
-        while (load_acquire(&scratch[HEAD_PLANNED]) == 0) {
-        }
-    __syncthreads();
-    if (__ldcg(&scratch[HEAD_MEDIUM]) + __ldcg(&scratch[HEAD_TILES]) > 0)
         encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
                                           ychunks, qcap);
 }
@@ -888,19 +614,3 @@ ENCODER_FORWARD(f16, half)
 ENCODER_BACKWARD_SUM_ALL(f32, float)
 ENCODER_BACKWARD_SUM_ALL(bf16, bf16)
 ENCODER_BACKWARD_SUM_ALL(f16, half)
-
-#define ENCODER_BACKWARD_FUSED(SUFG, TG, SUFD, TD)                                                              \
-    extern "C" __global__ void __launch_bounds__(SUM_THREADS, 1) encoder_backward_fused_##SUFG##_##SUFD(        \
-        TG* dwte, const TD* dout, const int* tokens, int* scratch, int* hot, int* qinfo, int* items,             \
-        float* partials, int N, int V, int C, int H, int rows, int qcap, int ychunks, int per_block,              \
-        int stage_rows, int pf_rows, int unroll) {                                                                          \
-        encoder_backward_fused_impl<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, V, C, H, \
-                                            rows, qcap, ychunks, per_block, stage_rows, pf_rows, unroll);                \
-    }
-#define ENCODER_BACKWARD_FUSED_ALL(SUFG, TG)          \
-    ENCODER_BACKWARD_FUSED(SUFG, TG, f32, float)      \
-    ENCODER_BACKWARD_FUSED(SUFG, TG, bf16, bf16)      \
-    ENCODER_BACKWARD_FUSED(SUFG, TG, f16, half)
-ENCODER_BACKWARD_FUSED_ALL(f32, float)
-ENCODER_BACKWARD_FUSED_ALL(bf16, bf16)
-ENCODER_BACKWARD_FUSED_ALL(f16, half)

@@ -1,6 +1,5 @@
 """Token embedding: gather forward and the deterministic scatter-add backward, cpu and cuda."""
 
-import attention_emulator as AE
 import kernel_emulator as emu
 import numpy as np
 import pytest
@@ -187,142 +186,21 @@ inline unsigned __match_any_sync(unsigned, int v) {
 }
 """
 
-# encoder.cu's PTX helpers: a counter read at gpu scope lets the other blocks run (the fused kernel's
-# grid barrier spins on it); an L2 prefetch of a row reads its first and last byte (a wild address faults)
-_EMU_PTX = r"""
-inline int load_acquire(const int* p) { yield_(); return *(volatile const int*)p; }
-inline void prefetch_l2(const void* p, int bytes) {
-    volatile char a = ((const char*)p)[0], b = ((const char*)p)[bytes - 1]; (void)a; (void)b;
-}
-"""
-# The emulator's launch, with the blocks of a grid resident at once (the fused kernel's grid barrier).
-_EMU_LAUNCH = r"""
-extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned block, size_t smem,
-                          void** args) {
-    // Blocks as resident at once (the fused kernel's grid barrier): a block runs until it finishes or makes
-    // no progress for a few passes (its threads wait at a barrier or spin on a counter), then the next
-    // one runs; its shared memory and barriers are kept aside meanwhile. Static shared arrays are plain
-    // statics: a kernel must not keep one across a grid barrier (encoder.cu's are set after it).
-    const Entry* k = nullptr;
-    for (const Entry& e : kernels) if (std::string(e.name) == name) k = &e;
-    if (!k) return -1;
-    if (smem > sizeof(g_smem) || block > 1024 || block % 32) return -2;
-    g_error = nullptr;
-    gridDim = {gx, gy, gz}; blockDim = {block, 1, 1}; g_smem_size = smem;
-    g_body = [&] { k->call(args); };
-    struct Blk {
-        Dim3 idx; std::vector<Fiber> f; std::vector<char*> stacks; unsigned left = 0; bool started = false;
-        Barrier bar; std::vector<WarpX> warps; std::vector<WarpU> wu; std::vector<unsigned char> smem;
-    };
-    const unsigned nb = gx * gy * gz;
-    std::vector<Blk> blocks(nb);
-    for (unsigned b = 0; b < nb; ++b) blocks[b].idx = {b % gx, b / gx % gy, b / (gx * gy)};
-    unsigned finished = 0, stuck = 0;
-    for (unsigned cur = 0; finished < nb && !g_error; cur = (cur + 1) % nb) {
-        Blk& B = blocks[cur];
-        if (B.started && B.left == 0) continue;
-        blockIdx = B.idx;
-        if (!B.started) {
-            B.started = true;
-            memset(g_smem, 0xff, sizeof(g_smem));  // NaN: reading shared memory nobody wrote shows up
-            g_block_bar = Barrier();
-            for (WarpX& w : g_warps) w.bar = Barrier();
-            B.f.resize(block); B.stacks.resize(block); B.left = block;
-            for (unsigned i = 0; i < block; ++i) {
-                Fiber& f = B.f[i];
-                B.stacks[i] = (char*)malloc(128 * 1024);
-                f.tid = {i, 0, 0}; f.done = false; f.wg_fenced = f.proxy_dirty = false; f.wg_issued = 0;
-                getcontext(&f.ctx);
-                f.ctx.uc_stack.ss_sp = B.stacks[i]; f.ctx.uc_stack.ss_size = 128 * 1024;
-                f.ctx.uc_link = &sched_ctx;
-                makecontext(&f.ctx, trampoline, 0);
-            }
-        } else {
-            memcpy(g_smem, B.smem.data(), B.smem.size());
-            g_block_bar = B.bar;
-            memcpy(g_warps, B.warps.data(), sizeof(g_warps));
-            memcpy(g_wu, B.wu.data(), sizeof(g_wu));
-        }
-        const long at_start = g_progress;
-        for (unsigned idle = 0; B.left && idle < 4 && !g_error;) {
-            long before = g_progress;
-            for (unsigned i = 0; i < block; ++i) {
-                if (B.f[i].done) continue;
-                g_cur = &B.f[i];
-                swapcontext(&sched_ctx, &B.f[i].ctx);
-                if (B.f[i].done) {
-                    B.left--;
-                    g_progress++;
-                    for (auto& gr : B.f[i].groups)
-                        if (!gr.empty()) fail("thread exits with cp.async copies never waited for");
-                }
-            }
-            idle = g_progress == before ? idle + 1 : 0;
-        }
-        if (B.left == 0) {
-            finished++;
-            for (char* s : B.stacks) free(s);
-            B.stacks.clear();
-        } else {
-            B.smem.assign(g_smem, g_smem + smem);
-            B.bar = g_block_bar;
-            B.warps.assign(g_warps, g_warps + 32);
-            B.wu.assign(g_wu, g_wu + 32);
-        }
-        stuck = g_progress == at_start ? stuck + 1 : 0;
-        if (stuck > 2 * nb) fail("deadlock: every block waits at a barrier that never releases");
-    }
-    for (Blk& B : blocks)
-        for (char* s : B.stacks) free(s);  // after a failure: fibers left suspended
-    if (g_error) return -3;
-    return 0;
-}
-"""
-
-
-def _emu_main():
-    """attention_emulator's EMU_MAIN with _EMU_LAUNCH for its emu_launch."""
-    main = AE.EMU_MAIN
-    a, b = main.index('extern "C" int emu_launch('), main.index('extern "C" const char* emu_error()')
-    return main[:a] + _EMU_LAUNCH.lstrip("\n") + main[b:]
-
 
 @pytest.fixture(scope="module")
 def enc_lib(tmp_path_factory):
     src_dir = tmp_path_factory.mktemp("encoder_src")
     inc = '#include "common.cuh"'
-    src = (kernel_dir() / "encoder.cu").read_text().replace(inc, inc + _EMU_HELPERS)
-    a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
-    src = src[:a] + _EMU_PTX + src[b:]
-    decl = "extern __shared__ __align__(16) unsigned char enc_stage[];"
-    assert decl in src
-    (src_dir / "encoder.cu").write_text(src.replace(decl, "#define enc_stage g_smem"))
+    (src_dir / "encoder.cu").write_text((kernel_dir() / "encoder.cu").read_text().replace(inc, inc + _EMU_HELPERS))
     names = ["encoder_backward_clear", "encoder_backward_count"] + [
-        f"encoder_backward_{k}_{g}_{d}" for k in ("sum", "fused") for g in ("f32", "bf16") for d in ("f32", "bf16")
+        f"encoder_backward_sum_{g}_{d}" for g in ("f32", "bf16") for d in ("f32", "bf16")
     ]
     mp = pytest.MonkeyPatch()
     mp.setattr(emu, "kernel_dir", lambda: src_dir)
-    mp.setattr(AE, "EMU_MAIN", _emu_main())
     try:
         return emu.or_skip(emu.build("encoder", names, tmp_path_factory.mktemp("encoder_emu")))
     finally:
         mp.undo()
-
-
-# How the emulated tests run the backward: the count and sum kernels; the fused kernel without staged
-# dout rows (8 vectors in flight per thread); with 3 of each block's rows staged (the rest read from
-# dout); with every row staged.
-PATHS = {"kernels": None, "fused": 0, "staged3": 3, "staged": 1 << 20}
-
-
-@pytest.fixture(params=list(PATHS))
-def path(request, monkeypatch):
-    """One of PATHS: the launcher's fused kernel on or off, and the dout rows a fused block stages."""
-    rows = PATHS[request.param]
-    monkeypatch.setattr(E, "_FUSED", rows is not None)
-    monkeypatch.setattr(E, "_fused_shape", lambda dev, name, dout_row: (1, rows))
-    monkeypatch.setattr(E, "_UNROLL", 8 if request.param == "fused" else 4)
-    return request.param
 
 
 def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
@@ -339,19 +217,15 @@ def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
     shape = encoder_scratch_shape(*tokens.shape, dout.shape[-1])
     t["scratch"] = emu.tensor(np.full(shape, fill, np.int32), "int32", "scratch")
     encoder_backward(t["dwte"], t["dout"], t["tokens"], t["scratch"])
-    if calls[1].startswith("encoder_backward_fused_"):
-        assert E._FUSED and len(calls) == 2 and calls[0] == "encoder_backward_clear", calls
-        assert calls[1].startswith("encoder_backward_fused_"), calls
-    else:
-        assert calls[:2] == ["encoder_backward_clear", "encoder_backward_count"], calls
-        assert len(calls) == 3 and calls[2].startswith("encoder_backward_sum_"), calls
+    assert calls[:2] == ["encoder_backward_clear", "encoder_backward_count"], calls
+    assert len(calls) == 3 and calls[2].startswith("encoder_backward_sum_"), calls
     return t["dwte"].numpy(), all(emu.margins_ok(x) for x in t.values())
 
 
 @pytest.mark.parametrize(
     "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 24), ("fp32", "bf16", 8), ("bf16", "fp32", 12)]
 )
-def test_emulated_backward_equals_the_twin(enc_lib, path, monkeypatch, dwte_dtype, dout_dtype, c):
+def test_emulated_backward_equals_the_twin(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c):
     """Tokens with 1..13 positions (inline: 1..6, hot: 7..13, each at several offsets), invalid ids,
     C over more than one 128-vector hot block (1040 bf16 = 130 vectors) and under one warp: the
     kernels' bits are the twin's, and nothing outside dwte and scratch is written."""
@@ -366,7 +240,7 @@ def test_emulated_backward_equals_the_twin(enc_lib, path, monkeypatch, dwte_dtyp
     assert clean
 
 
-def test_emulated_backward_spread_ids_and_signed_zeros(enc_lib, path, monkeypatch):
+def test_emulated_backward_spread_ids_and_signed_zeros(enc_lib, monkeypatch):
     """Ids spread over a large vocabulary (hash probing, several stream blocks), and -0.0 rows: the
     twin adds 0.f + d, so a -0.0 dwte plus a -0.0 dout gives +0.0."""
     r = rng(32)
@@ -382,7 +256,7 @@ def test_emulated_backward_spread_ids_and_signed_zeros(enc_lib, path, monkeypatc
     assert clean and not np.signbit(got[v - 2 :]).any()
 
 
-def test_emulated_backward_warp_groups(enc_lib, path, monkeypatch):
+def test_emulated_backward_warp_groups(enc_lib, monkeypatch):
     """Ids repeated within a warp (the count kernel's lanes with one id take one atomic and ranks by
     lane): a run of 100 of one id over whole warps, an id on every other lane, an id in two lanes of
     many warps (5 inline positions spread, then hot), and singletons between them."""
@@ -414,7 +288,7 @@ def _skewed_tokens(r, v):
 @pytest.mark.parametrize(
     "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 24), ("fp32", "bf16", 8), ("bf16", "fp32", 12)]
 )
-def test_emulated_big_tokens_by_tiles(enc_lib, path, monkeypatch, dwte_dtype, dout_dtype, c):
+def test_emulated_big_tokens_by_tiles(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c):
     """With _ROWS = 8 every token with more than 8 positions is summed by position tiles: tile partials
     in the scratch, the last tile's block adding them (with 2 channel chunks at 1040 bf16); the bits are
     the twin's and nothing outside dwte and scratch is written."""
@@ -430,7 +304,7 @@ def test_emulated_big_tokens_by_tiles(enc_lib, path, monkeypatch, dwte_dtype, do
     assert clean
 
 
-def test_emulated_random_distributions(enc_lib, path, monkeypatch):
+def test_emulated_random_distributions(enc_lib, monkeypatch):
     """Random sizes, vocabularies, Zipf / uniform-with-invalid / single-id tokens, _ROWS from _INLINE
     up and both hot-block settings, one or two channel chunks: the kernels' bits are the twin's."""
     r = np.random.default_rng(7)
@@ -447,39 +321,6 @@ def test_emulated_random_distributions(enc_lib, path, monkeypatch):
         got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
         want = encoder_backward_np(dwte, dout, tokens)
         assert clean and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (case, E._ROWS, n, v, c)
-
-
-@pytest.mark.parametrize("rows", [0, 300])
-def test_emulated_fused_long_slices(enc_lib, monkeypatch, rows):
-    """2100 positions over the emulator's 4 blocks: 525 a block, so two count rounds of 512 and three
-    lookup chunks of 256 each, ids of 2..6 positions spread across chunks and blocks, and (rows = 300)
-    staged rows past the first chunk: the fused kernel's bits are the twin's."""
-    monkeypatch.setattr(E, "_FUSED", True)
-    monkeypatch.setattr(E, "_fused_shape", lambda dev, name, dout_row: (1, rows))
-    r = rng(35)
-    v = 3000
-    tokens = r.integers(0, v, 2100)
-    tokens[r.integers(0, 2100, 300)] = r.integers(0, 40, 300)  # ids of a few positions, and hot ones
-    tokens = tokens.astype(np.int32)[None]
-    dout = r.standard_normal((1, 2100, 8)).astype(np.float32)
-    dwte = r.standard_normal((v, 8)).astype(ce.BF16.np)
-    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
-    np.testing.assert_array_equal(got.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
-    assert clean
-
-
-def test_launcher_falls_back_where_a_fused_block_does_not_fit(enc_lib, monkeypatch):
-    """_fused_shape (0, 0): a fused block does not fit an SM (its grid barrier would wait forever), so
-    the launcher runs the count and sum kernels."""
-    monkeypatch.setattr(E, "_FUSED", True)
-    monkeypatch.setattr(E, "_fused_shape", lambda dev, name, dout_row: (0, 0))
-    names = []
-    real = emu.launch
-    monkeypatch.setattr(emu, "launch", lambda lib, family, name, *a: (names.append(name), real(lib, family, name, *a)))
-    tokens, dout, dwte = make(40, 60, 8, seed=6)
-    got, clean = _emulated_backward(enc_lib, monkeypatch, dwte, dout, tokens)
-    assert names[1:] == ["encoder_backward_count", "encoder_backward_sum_f32_f32"], names
-    np.testing.assert_array_equal(got, encoder_backward_np(dwte, dout, tokens))
 
 
 def test_sorting_network_sorts():
@@ -684,22 +525,3 @@ def test_cuda_skewed_ids_match_the_twin(dist, dwte_dtype, dout_dtype):
     dwte[touched] = r.standard_normal((touched.size, 896))  # the rows that are added to (the rest stay 0)
     gpu = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=-3)
     np.testing.assert_array_equal(gpu.view(np.uint8), encoder_backward_np(dwte, dout, tokens).view(np.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dist", ["uniform", "zipf", "bytes32768", "one_id8192"])
-def test_cuda_fused_kernel_and_the_count_sum_kernels_agree(monkeypatch, dist):
-    """The fused kernel (one launch of resident blocks; the default where a block fits an SM) and the
-    count + sum kernels it replaces give the twin's bits, from scratch garbage."""
-    tokens, v = _distribution(dist)
-    tokens = tokens.astype(np.int32)[None]
-    r = rng(43)
-    dout = (r.standard_normal((1, tokens.size, 896)) * 1e-2).astype(ce.BF16.np)
-    dwte = np.zeros((v, 896), ce.BF16.np)
-    touched = np.unique(tokens[(tokens >= 0) & (tokens < v)])
-    dwte[touched] = r.standard_normal((touched.size, 896))
-    want = encoder_backward_np(dwte, dout, tokens).view(np.uint8)
-    for fused in (True, False):
-        monkeypatch.setattr(E, "_FUSED", fused)
-        got = backward(ce.device("cuda"), dwte, dout, tokens, scratch_fill=-5)
-        np.testing.assert_array_equal(got.view(np.uint8), want, err_msg=f"fused={fused}")

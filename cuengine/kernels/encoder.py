@@ -8,14 +8,10 @@ order, so cpu and cuda agree bit for bit.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
 from ..dtypes import BF16, FP16, FP32, INT32
-from . import _build
 from ._build import ceil_div, grid_size, kernel_name, launch
 
 FAMILY = "encoder"
@@ -35,17 +31,6 @@ _ROWS = 128  # a hot token with more positions is "big": summed by position tile
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
 _RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
-
-# The fused kernel (steps 1 and 2 in one launch of resident blocks; helper enc5's sweep knobs, the losers go
-# after the sweep): _FUSED off runs the count and sum kernels; each fused block stages at most _STAGE of its
-# first dout rows in its shared memory while it counts (as many as fit, 98 at C = 896 bf16); _PF_MB: MB of the
-# first positions' dwte (and unstaged dout) rows prefetched into L2 before the count.
-_FUSED = os.environ.get("CUENGINE_ENC5_FUSED", "1") != "0"  # the GPU script turns it off after a hang
-_STAGE = 1 << 20
-_PF_MB = 0
-_UNROLL = 4  # unstaged single rows' vectors in flight per thread (4 or 8)
-_FUSED_LISTS = 256 * (2 + _SLOT_INTS) * 4  # FUSED_LISTS in encoder.cu: the stream role's lists of a chunk
-_MAX_SHARED = 227 * 1024  # shared memory one block may take on sm_90
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -202,11 +187,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable, no host sync: the clear kernel, then the fused kernel (count and sum in one launch of
-    resident blocks, a grid barrier between; a programmatic dependent launch) where one of its blocks
-    fits an SM, else the count and sum kernels (both dependent launches). The fused kernel needs every
-    block resident at once: not concurrently with another kernel that holds SMs until it ends (another
-    grid-barrier kernel on a second stream).
+    Capturable: 3 kernels (the last two programmatic dependent launches), no host sync.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
     expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
@@ -223,7 +204,6 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     if N == 0:
         return
     check_aligned("encoder_backward", dout, dwte, scratch)
-    dout_row = C * dout.dtype.itemsize
     lay = _layout(N, C)
     flat = scratch.flat()
     hot, qinfo = flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"])
@@ -232,44 +212,14 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     args = (flat, np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
-    ychunks = ceil_div(dout_row // 16, _HOT_VECS)
-    fused = kernel_name("encoder_backward_fused", dwte, dout)
-    per_sm, room = _fused_shape(dev, fused, dout_row) if _FUSED else (0, 0)
-    if per_sm:
-        grid = per_sm * dev.num_sms
-        per_block = ceil_div(N, grid)
-        stage_rows = min(room, _STAGE, per_block)
-        pf_rows = min(per_block, (_PF_MB << 20) // (grid * (dout_row + C * dwte.dtype.itemsize)))
-        args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
-                np.int32(ychunks), np.int32(per_block), np.int32(stage_rows), np.int32(pf_rows),
-                np.int32(_UNROLL))  # fmt: skip
-        smem = _FUSED_LISTS + stage_rows * dout_row
-        launch(FAMILY, fused, grid, _SUM_THREADS, args, dev, stream, shared_mem=smem, dependent=True)
-        return
     args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
     stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
+    ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
     args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
             np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
-
-
-@functools.cache
-def _fused_shape(dev, name: str, dout_row: int) -> tuple[int, int]:
-    """(blocks per SM, dout rows a block can stage) of the fused kernel `name`; (0, 0) where a block does not
-    fit an SM: its grid barrier needs every block resident at once (a grid that did not fit would wait
-    forever), so the launcher then runs the count and sum kernels instead."""
-    import cupy
-
-    fn = _build.function(FAMILY, name, dev.index)
-    room = _MAX_SHARED - fn.shared_size_bytes - _FUSED_LISTS
-    stage_rows = max(0, room // dout_row)
-    smem = _FUSED_LISTS + stage_rows * dout_row
-    fn.max_dynamic_shared_size_bytes = smem
-    with dev.activate():
-        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, _SUM_THREADS, smem)
-    return (1, stage_rows) if per_sm >= 1 else (0, 0)
