@@ -19,11 +19,26 @@ before a capture: call `init(allocator)` first (the model does, with its own all
 
 The workspace is shared by every matmul on a device: matmuls that may run at the same time on two
 streams would race on it. Issue them on one stream.
+
+Tuned algorithms. cuBLASLt's first heuristic choice is up to 23% slower than the best of its top 8
+at some of the train step's shapes (0.5B on the H200: the step's GEMMs 36.5 ms against 33.6 ms,
+PERF_NOTES 23). `gemm_tuning.json`, written by `tools/tune_gemm.py` on the GPU it describes, names
+for a plan key (dtypes, modes, M, N, K, alignments) the algorithm to take among the heuristic's
+top `CANDIDATES`, by its configuration (algorithm id, tile, stages, split-K, ...). The tool only
+names an algorithm whose output it found bitwise equal to the first choice's, so the table changes
+speed, never results: a run is the same bits with or without it. An entry applies only on the GPU
+model and cuBLASLt version it was tuned on, and only when the heuristic still offers that
+configuration; otherwise the first choice is used. `CUENGINE_GEMM_TUNING=0` or
+`use_tuned_algorithms(False)` turns the table off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +47,11 @@ from .alloc import TensorAllocator
 from .dtypes import BF16, BYTE, FP8_E4M3, FP8_E5M2, FP16, FP32
 from .tensor import Tensor
 
+TUNING_PATH = Path(__file__).with_name("gemm_tuning.json")
+CANDIDATES = 8  # the heuristic's top choices a tuned entry may pick among (cuBLASLt returns 8 at most here)
+# a cublasLtMatmulAlgo_t's configuration: what identifies an algorithm among the heuristic's results
+ALGO_CONFIG = ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CTA_SWIZZLING", "CUSTOM_OPTION",
+               "INNER_SHAPE_ID", "CLUSTER_SHAPE_ID")  # fmt: skip
 WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper (split-K and stream-K reductions)
 ROW_ALIGN = VECTOR_BYTES  # rows (leading dimensions) and pointers; below it FP8 fails and 16-bit types go slow
 
@@ -205,13 +225,15 @@ def _check(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum) -> tuple[i
 class _Plan:
     """A cached cuBLASLt matmul: descriptor, layouts and algorithm, plus the pointers last set."""
 
-    __slots__ = ("desc", "layouts", "algo", "algo_ptr", "ptr_buf", "ptr_buf_addr", "ptrs")
+    __slots__ = ("desc", "layouts", "pref", "results", "algo_ptr", "tuned", "ptr_buf", "ptr_buf_addr", "ptrs")
 
     def __init__(self, desc):
         self.desc = desc
         self.layouts: tuple = ()  # (A, B, C, D) in cuBLASLt's naming: A = our b, B = our a
-        self.algo = None  # MatmulHeuristicResult, kept alive: cuBLASLt reads its algo struct (offset 0) by pointer
+        self.pref = None  # the heuristic's preference (workspace, alignments), kept for a tuning tool's re-query
+        self.results: list = []  # MatmulHeuristicResult arrays, kept alive: cuBLASLt reads algo_ptr's struct
         self.algo_ptr = 0
+        self.tuned = False  # the algorithm came from the tuning table
         self.ptr_buf = np.zeros(1, np.int64)  # staging for pointer attributes (cuBLASLt copies the value)
         self.ptr_buf_addr = self.ptr_buf.ctypes.data
         self.ptrs: dict[int, int] = {}
@@ -237,7 +259,20 @@ class _Plan:
     def destroy(self, lt) -> None:
         for layout in self.layouts:
             lt.matrix_layout_destroy(layout)
+        if self.pref is not None:
+            lt.matmul_preference_destroy(self.pref)
         lt.matmul_desc_destroy(self.desc)
+
+    def candidates(self, state, count: int):
+        """The heuristic's top `count` results for this plan (a MatmulHeuristicResult array) and how
+        many it returned."""
+        lt = _lt()
+        results = lt.MatmulHeuristicResult(count)
+        found = np.zeros(1, np.int32)
+        with state.device.activate():
+            lt.matmul_algo_get_heuristic(state.handle, self.desc, *self.layouts, self.pref, count, results.ptr,
+                                         found.ctypes.data)  # fmt: skip
+        return results, int(found[0])
 
 
 class _DeviceState:
@@ -258,6 +293,15 @@ class _DeviceState:
             with self.device.activate():
                 self.handle = lt.create()
         self.plans: dict[tuple, _Plan] = {}
+        self._tuned: dict[str, dict] | None = None
+
+    def tuned_entries(self) -> dict[str, dict]:
+        """This GPU's and cuBLASLt version's entries of the tuning table, read once ({} when off)."""
+        if self._tuned is None:
+            self._tuned = {}
+            if _TUNING["enabled"] and self.device.is_cuda:
+                self._tuned = tuning_entries(_TUNING["path"], self.device.name, _lt().get_version())
+        return self._tuned
 
     def clear_plans(self) -> None:
         if self.plans:
@@ -268,6 +312,103 @@ class _DeviceState:
 
 
 _STATES: dict[tuple[str, int], _DeviceState] = {}
+_TUNING = {"enabled": os.environ.get("CUENGINE_GEMM_TUNING", "1").lower() not in ("0", "off", "false"),
+           "path": TUNING_PATH}  # fmt: skip
+_RECORDING: list | None = None  # record_plans()'s list while it is open
+
+
+# ---- the tuning table ---------------------------------------------------------------------------
+def key_text(key: tuple) -> str:
+    """A plan key as the tuning table writes it: "bf16,bf16,bf16,-,0,1,8192,1152,896,0,0,256,256,256,0"
+    (a, b and out dtypes, bias dtype or "-", trans_a, trans_b, M, N, K, accumulate, fast_accum,
+    then the alignments of a, b, out and bias)."""
+    return ",".join("-" if v is None else str(int(v)) if isinstance(v, bool) else str(v) for v in key)
+
+
+def tuning_entries(path, gpu: str, cublaslt_version: int) -> dict[str, dict]:
+    """The entries of the table at `path` for `gpu` (a device name) and `cublaslt_version`: plan key
+    text -> algorithm configuration. {} when the file or that table does not exist.
+
+    Raises ValueError naming the file for a malformed table: a table or entry without the fields
+    below, or a configuration that does not give every ALGO_CONFIG field as an integer.
+        {"tables": [{"gpu": "NVIDIA H200", "cublaslt": 130400, "entries": {"<key text>": {"ID": 66, ...}}}]}
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        for table in data["tables"]:
+            if table["gpu"] == gpu and int(table["cublaslt"]) == int(cublaslt_version):
+                entries = table["entries"]
+                for key, config in entries.items():
+                    if sorted(config) != sorted(ALGO_CONFIG) or not all(type(v) is int for v in config.values()):
+                        raise ValueError(f"entry {key!r} has {config}; it needs exactly {ALGO_CONFIG} as integers")
+                return dict(entries)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"matmul tuning table {path}: malformed ({err!r})") from err
+    return {}
+
+
+def use_tuned_algorithms(enabled: bool = True, path=None) -> None:
+    """Turn the tuning table on or off (or point it at another file) for plans made from now on.
+
+    Drops every cached plan, as `init` does when it replaces a workspace: graphs captured before
+    must not be replayed. Results do not change either way (see the module docstring)."""
+    _TUNING["enabled"] = bool(enabled)
+    _TUNING["path"] = TUNING_PATH if path is None else Path(path)
+    for state in _STATES.values():
+        state.clear_plans()
+        state._tuned = None
+
+
+def num_tuned_plans(device) -> int:
+    """How many of `device`'s cached plans took their algorithm from the tuning table."""
+    state = _STATES.get((device.kind, device.index))
+    return 0 if state is None else sum(plan.tuned for plan in state.plans.values())
+
+
+def algo_config(algo_ptr: int) -> dict[str, int]:
+    """The ALGO_CONFIG fields of the cublasLtMatmulAlgo_t at `algo_ptr` (a heuristic result's first
+    member)."""
+    lt = _lt()
+    config = {}
+    written = np.zeros(1, np.uint64)
+    for name in ALGO_CONFIG:
+        kind = getattr(lt.MatmulAlgoConfigAttribute, name)
+        buf = np.zeros(1, dtype=lt.get_matmul_algo_config_attribute_dtype(kind))
+        lt.matmul_algo_config_get_attribute(algo_ptr, kind, buf.ctypes.data, buf.itemsize, written.ctypes.data)
+        config[name] = int(buf[0])
+    return config
+
+
+@contextlib.contextmanager
+def record_plans():
+    """Collect the calls that make new plans while open, for `tools/tune_gemm.py`: a list of
+    (key, matmul arguments as a dict) in the order the plans were made, the tensors included (so
+    the tool can run each plan again on the same operands)."""
+    global _RECORDING
+    calls: list = []
+    _RECORDING = calls
+    try:
+        yield calls
+    finally:
+        _RECORDING = None
+
+
+def plan_candidates(device, key: tuple) -> list[tuple[dict[str, int], int]]:
+    """(configuration, algo pointer) of each usable algorithm among the heuristic's top CANDIDATES
+    for `device`'s cached plan `key`, the heuristic's order; the pointers live until the next call."""
+    state = _state(device)
+    plan = state.plans[key]
+    results, found = plan.candidates(state, CANDIDATES)
+    plan.results.append(results)
+    return [(algo_config(results[i].ptr), results[i].ptr) for i in range(found) if results[i].state == 0]
+
+
+def set_plan_algorithm(device, key: tuple, algo_ptr: int) -> None:
+    """Point `device`'s cached plan `key` at another algorithm (from plan_candidates): for tuning."""
+    _state(device).plans[key].algo_ptr = algo_ptr
 
 
 def _lt():
@@ -316,7 +457,7 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 0
 
 
-def _make_plan(state: _DeviceState, out, a, b, bias, M, N, K, trans_a, trans_b, fast_accum) -> _Plan:
+def _make_plan(state: _DeviceState, key, out, a, b, bias, M, N, K, trans_a, trans_b, fast_accum) -> _Plan:
     from nvmath.bindings.cublas import ComputeType
 
     lt = _lt()
@@ -348,33 +489,31 @@ def _make_plan(state: _DeviceState, out, a, b, bias, M, N, K, trans_a, trans_b, 
             layouts.append(lt.matrix_layout_create(dt.cuda_type, rows, cols, ld))
             plan.layouts = tuple(layouts)
 
-        pref = lt.matmul_preference_create()
+        pref = plan.pref = lt.matmul_preference_create()
+
+        def set_pref(name, value):
+            kind = getattr(lt.MatmulPreferenceAttribute, name)
+            buf = np.array([value], dtype=lt.get_matmul_preference_attribute_dtype(kind))
+            lt.matmul_preference_set_attribute(pref, kind, buf.ctypes.data, buf.itemsize)
+
+        set_pref("MAX_WORKSPACE_BYTES", state.workspace_bytes)
+        set_pref("MIN_ALIGNMENT_A_BYTES", _alignment(b.ptr))
+        set_pref("MIN_ALIGNMENT_B_BYTES", _alignment(a.ptr))
+        set_pref("MIN_ALIGNMENT_C_BYTES", _alignment(out.ptr))
+        set_pref("MIN_ALIGNMENT_D_BYTES", _alignment(out.ptr))
+        wanted = state.tuned_entries().get(key_text(key))
+        why = "no algorithm returned"
         try:
-
-            def set_pref(name, value):
-                kind = getattr(lt.MatmulPreferenceAttribute, name)
-                buf = np.array([value], dtype=lt.get_matmul_preference_attribute_dtype(kind))
-                lt.matmul_preference_set_attribute(pref, kind, buf.ctypes.data, buf.itemsize)
-
-            set_pref("MAX_WORKSPACE_BYTES", state.workspace_bytes)
-            set_pref("MIN_ALIGNMENT_A_BYTES", _alignment(b.ptr))
-            set_pref("MIN_ALIGNMENT_B_BYTES", _alignment(a.ptr))
-            set_pref("MIN_ALIGNMENT_C_BYTES", _alignment(out.ptr))
-            set_pref("MIN_ALIGNMENT_D_BYTES", _alignment(out.ptr))
-            plan.algo = lt.MatmulHeuristicResult(1)
-            plan.algo_ptr = plan.algo.ptr
-            found = np.zeros(1, np.int32)
-            why = "no algorithm returned"
-            try:
-                with state.device.activate():
-                    lt.matmul_algo_get_heuristic(state.handle, plan.desc, *plan.layouts, pref, 1, plan.algo.ptr,
-                                                 found.ctypes.data)  # fmt: skip
-            except lt.cuBLASLtError as err:
-                found[0] = 0
-                why = str(err)
-        finally:
-            lt.matmul_preference_destroy(pref)
-        if found[0] == 0 or plan.algo.state != 0:
+            results, found = plan.candidates(state, CANDIDATES if wanted else 1)
+        except lt.cuBLASLtError as err:
+            results, found, why = None, 0, str(err)
+        pick = 0
+        if wanted and found:
+            match = [i for i in range(found) if results[i].state == 0 and algo_config(results[i].ptr) == wanted]
+            pick, plan.tuned = (match[0], True) if match else (0, False)
+        if found:
+            plan.results, plan.algo_ptr = [results], results[pick].ptr
+        if found == 0 or results[pick].state != 0:
             raise RuntimeError(
                 f"matmul: cuBLASLt has no algorithm ({why}) for out {_describe(out)} = op(a) @ op(b) with a "
                 f"{_describe(a)}, b {_describe(b)}, M={M} N={N} K={K}, trans_a={trans_a}, trans_b={trans_b}, "
@@ -385,6 +524,23 @@ def _make_plan(state: _DeviceState, out, a, b, bias, M, N, K, trans_a, trans_b, 
         plan.destroy(lt)
         raise
     return plan
+
+
+def _plan_key(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum, M, N, K, ptrs) -> tuple:
+    """What a plan is cached (and tuned) by. `accumulate` is in it because candidates that agree bit
+    for bit on `out = product` need not on `out += product` (beta = 1 in their epilogues)."""
+    out_ptr, a_ptr, b_ptr, bias_ptr = ptrs
+    bias_name = None if bias is None else bias.dtype.name
+    return (a.dtype.name, b.dtype.name, out.dtype.name, bias_name, trans_a, trans_b, M, N, K, accumulate,
+            fast_accum, _alignment(a_ptr), _alignment(b_ptr), _alignment(out_ptr), _alignment(bias_ptr))  # fmt: skip
+
+
+def plan_key(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None, *, trans_a: bool = False,
+             trans_b: bool = True, accumulate: bool = False, fast_accum: bool = False,
+             stream=None) -> tuple:  # fmt: skip
+    """The plan key of `matmul` with these arguments (after its checks): for tools/tune_gemm.py."""
+    M, N, K, ptrs = _check(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum)
+    return _plan_key(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum, M, N, K, ptrs)
 
 
 # ---- the launcher -------------------------------------------------------------------------------
@@ -448,13 +604,14 @@ def matmul(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None, *, tra
 
     out_ptr, a_ptr, b_ptr, bias_ptr = ptrs
     state = _state(dev)
-    bias_name = None if bias is None else bias.dtype.name
-    key = (a.dtype.name, b.dtype.name, out.dtype.name, bias_name, trans_a, trans_b, M, N, K, fast_accum,
-           _alignment(a_ptr), _alignment(b_ptr), _alignment(out_ptr), _alignment(bias_ptr))  # fmt: skip
+    key = _plan_key(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum, M, N, K, ptrs)
     lt = _lt()
     plan = state.plans.get(key)
     if plan is None:
-        plan = state.plans[key] = _make_plan(state, out, a, b, bias, M, N, K, trans_a, trans_b, fast_accum)
+        plan = state.plans[key] = _make_plan(state, key, out, a, b, bias, M, N, K, trans_a, trans_b, fast_accum)
+        if _RECORDING is not None:
+            _RECORDING.append((key, dict(out=out, a=a, b=b, bias=bias, trans_a=trans_a, trans_b=trans_b,
+                                         accumulate=accumulate, fast_accum=fast_accum, stream=stream)))  # fmt: skip
     plan.set_pointers(lt, out, a, b, bias_ptr)
     la, lb, lc, ld = plan.layouts
     c_ptr = 0 if out.dtype.is_fp8 else out_ptr  # C = D in place; an FP8 D has no C (beta = 0), as in nvmath

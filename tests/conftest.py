@@ -147,3 +147,16 @@ def check_op(op, inputs: dict, outputs: dict, dtypes: dict | None = None, compar
         for k, v in run("cuda").items():
             assert_bitwise(v, cuda[k], f"{k}: a second cuda run")
     return cpu, cuda
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package): for testing a tool's functions."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_tool", Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_tool
 
 import cuengine as ce
 from cuengine.benchmark import CEILINGS, mfu, stream_timeline, time_ms, time_phases_ms
@@ -87,30 +88,18 @@ def test_stream_timeline_finds_the_exposed_waits():
         stream_timeline([])
 
 
-def _tool(name):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_tool", Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "path", sorted((Path(__file__).resolve().parents[1] / "tools").glob("*.py")), ids=lambda p: p.name
 )
 def test_every_tool_imports(path):
     """A script that stopped importing (a helper it takes from another tool renamed) is found here,
     not on the GPU machine."""
-    _tool(path.stem)
+    load_tool(path.stem)
 
 
 def test_fp8_loss_curve_gap(tmp_path):
     """tools/fp8_loss.py: windowed curves, the worst gap after the warm-up and the last window's gap."""
-    f8 = _tool("fp8_loss")
+    f8 = load_tool("fp8_loss")
     assert f8.window_means([1, 2, 3, 4, 5], 2) == [1.5, 2.5, 3.5, 4.5]
     ref = [2.0] * 10
     test = [2.0] * 4 + [2.2, 2.2] + [2.0] * 3 + [2.1]  # a bump at steps 5-6, then 5% above at the end
@@ -139,7 +128,7 @@ def test_fp8_loss_curve_gap(tmp_path):
 def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
     """tools/bench_kernels.py on the cpu device (a smoke run of the script, not a measurement): every
     case gets its bandwidth against the 1 GiB copy and against a copy of the same bytes."""
-    bench = _tool("bench_kernels")
+    bench = load_tool("bench_kernels")
     assert bench.main(["--device", "cpu", "--shrink", "2048", "--family", "rope", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("rope ")]

@@ -1,12 +1,13 @@
 """cuengine.blas.matmul: the NumPy twin against float64, every error path, cuda against the twin,
 CUDA graph capture and the plan cache."""
 
+import json
 import math
 
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import TOL, assert_close, rng
+from conftest import TOL, assert_close, load_tool, rng
 
 import cuengine as ce
 from cuengine import blas
@@ -416,3 +417,134 @@ def test_first_call_inside_a_capture(cuda):
     graph = cuda.capture(lambda: matmul(y, a, b, trans_b=False))
     graph.launch()
     assert_close(y.numpy(), run(ce.device("cpu"), case)[0], "bf16")
+
+
+# ---- the tuning table (blas.tuning_entries, use_tuned_algorithms; tools/tune_gemm.py) -------------
+CONFIG = dict.fromkeys(blas.ALGO_CONFIG, 0) | {"ID": 66, "TILE_ID": 18}
+KEY = ("bf16", "bf16", "bf16", None, False, True, 8192, 1152, 896, False, False, 256, 256, 256, 0)
+
+
+def write_table(path, gpu="NVIDIA H200", version=130400, entries=None):
+    entries = {blas.key_text(KEY): CONFIG} if entries is None else entries
+    path.write_text(json.dumps({"tables": [{"gpu": gpu, "cublaslt": version, "entries": entries}]}))
+    return path
+
+
+def test_key_text_spells_every_field():
+    assert blas.key_text(KEY) == "bf16,bf16,bf16,-,0,1,8192,1152,896,0,0,256,256,256,0"
+
+
+def test_tuning_entries_by_gpu_and_version(tmp_path):
+    path = write_table(tmp_path / "t.json")
+    assert blas.tuning_entries(path, "NVIDIA H200", 130400) == {blas.key_text(KEY): CONFIG}
+    assert blas.tuning_entries(path, "NVIDIA H100 80GB HBM3", 130400) == {}  # another GPU
+    assert blas.tuning_entries(path, "NVIDIA H200", 130401) == {}  # another cuBLASLt
+    assert blas.tuning_entries(tmp_path / "none.json", "NVIDIA H200", 130400) == {}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        json.dumps({"tables": [{"gpu": "NVIDIA H200", "entries": {}}]}),  # no version
+        json.dumps({"tables": [{"gpu": "NVIDIA H200", "cublaslt": 130400, "entries": {"k": {"ID": 1}}}]}),
+        json.dumps({"tables": [{"gpu": "NVIDIA H200", "cublaslt": 130400, "entries": {"k": CONFIG | {"ID": 1.5}}}]}),
+    ],
+    ids=["json", "version", "fields", "float"],
+)
+def test_malformed_tuning_table_is_named(tmp_path, bad):
+    path = tmp_path / "bad.json"
+    path.write_text(bad)
+    with pytest.raises(ValueError, match="bad.json"):
+        blas.tuning_entries(path, "NVIDIA H200", 130400)
+
+
+def test_shipped_tuning_table_is_well_formed():
+    """Every table in cuengine/gemm_tuning.json parses, and every key names a plan key's 15 fields."""
+    data = json.loads(blas.TUNING_PATH.read_text())
+    assert data["tables"]
+    for table in data["tables"]:
+        entries = blas.tuning_entries(blas.TUNING_PATH, table["gpu"], table["cublaslt"])
+        assert entries and all(len(key.split(",")) == len(KEY) for key in entries)
+
+
+def test_tune_gemm_picks_the_fastest_bitwise_equal_candidate():
+    choose = load_tool("tune_gemm").choose
+    assert choose([1.0, 0.8, 0.9], [True, False, True], 0.02) == 2  # the faster #1 changes bits
+    assert choose([1.0, 0.99, 0.9], [True, True, False], 0.02) is None  # 1% is under min_gain
+    assert choose([1.0, 1.1], [True, True], 0.02) is None  # the first is fastest
+    with pytest.raises(ValueError):
+        choose([1.0], [True, False], 0.02)
+
+
+def test_tune_gemm_merges_into_its_gpu_and_version():
+    merge = load_tool("tune_gemm").merge
+    old = {
+        "tables": [
+            {"gpu": "A", "cublaslt": 1, "entries": {"k1": 1, "k2": 2}},
+            {"gpu": "B", "cublaslt": 1, "entries": {"k": 3}},
+        ]
+    }
+    new = merge(old, "A", 1, {"k2": 5, "k3": 6})
+    assert new["tables"][0] == {"gpu": "A", "cublaslt": 1, "entries": {"k1": 1, "k2": 5, "k3": 6}}
+    assert new["tables"][1] == old["tables"][1]
+    assert merge({}, "C", 2, {"k": 1}) == {"tables": [{"gpu": "C", "cublaslt": 2, "entries": {"k": 1}}]}
+
+
+@pytest.mark.gpu
+def test_tuned_entry_picks_its_algorithm_and_keeps_the_bits(cuda, tmp_path):
+    """A table entry naming one of the heuristic's other candidates is the one the plan takes
+    (num_tuned_plans), and the output is bitwise what the first choice gives, as tune_gemm checks."""
+    g = rng(7)
+    x = tensor(cuda, "x", g.standard_normal((8192, 896)), ce.BF16)  # the 0.5B attention output projection
+    w = tensor(cuda, "w", g.standard_normal((896, 896)), ce.BF16)
+    y = ce.Tensor.empty(ce.BF16, (8192, 896), cuda, name="y")
+    blas.use_tuned_algorithms(False)
+    try:
+        blas.init(ce.TensorAllocator(cuda))
+        matmul(y, x, w)
+        first = y.numpy().copy()
+        key = next(iter(blas._state(cuda).plans))
+        equal = []
+        for config, ptr in blas.plan_candidates(cuda, key)[1:]:
+            blas.set_plan_algorithm(cuda, key, ptr)
+            matmul(y, x, w)
+            if np.array_equal(y.numpy(), first):
+                equal.append(config)
+        assert equal, "no other candidate gives the first choice's bits at this shape"
+        blas.use_tuned_algorithms(True, path=write_table(tmp_path / "t.json", cuda.name, blas._lt().get_version(),
+                                                         {blas.key_text(key): equal[-1]}))  # fmt: skip
+        matmul(y, x, w)
+        assert blas.num_tuned_plans(cuda) == 1
+        plan = blas._state(cuda).plans[key]
+        assert blas.algo_config(plan.algo_ptr) == equal[-1]
+        assert np.array_equal(y.numpy(), first)
+    finally:
+        blas.use_tuned_algorithms(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_shipped_tuning_changes_no_bit_of_a_train_step(cuda, fp8):
+    """The 0.5B step (B = 8, T = 1024, the tuned shapes) gives the same losses, bit for bit, with the
+    shipped table and without it, and the table is in use on a GPU it has entries for."""
+    from cuengine.bench_train import random_batch
+
+    cfg = ce.TransformerConfig.preset("qwen2.5-0.5b")
+    x, t = random_batch(cfg.vocab_size, 8, 1024)
+    losses, tuned = {}, {}
+    try:
+        for on in (True, False):
+            blas.use_tuned_algorithms(on)
+            model = ce.LlamaModel(cfg, ce.TrainOptions(matmul_dtype="e4m3" if fp8 else None), device=cuda)
+            model.init_weights(42)
+            model.allocate_run_state(8, 1024)
+            losses[on] = [model.train_step(x, t, lr=1e-4) for _ in range(3)]
+            tuned[on] = blas.num_tuned_plans(cuda)
+            del model
+    finally:
+        blas.use_tuned_algorithms(True)
+    assert losses[True] == losses[False]
+    assert tuned[False] == 0
+    has_table = blas.tuning_entries(blas.TUNING_PATH, cuda.name, blas._lt().get_version())
+    assert tuned[True] > 0 or not has_table

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import reference_model as ref
-from conftest import TOL
+from conftest import TOL, load_tool
 from test_inference import SEQ, assert_logits_close, decode_logits, sequences
 from test_model import (
     FLAG_SETS,
@@ -573,12 +573,6 @@ def test_run_state_that_nothing_fits_says_so():
 
 def test_bench_train_long_context_lmhead_chunks():
     """tools/bench_train.py --lmhead-chunks auto: chunks of >= 1024 rows, a power of two dividing B*T."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train_tool", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("bench_train")
     assert [bench.lmhead_chunks("auto", n) for n in (1024, 8192, 16384, 3000)] == [1, 8, 16, 2]
     assert bench.lmhead_chunks("3", 8192) == 3

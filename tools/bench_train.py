@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"],
                    help="prints its update time and optimizer memory")  # fmt: skip
     p.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison")
+    p.add_argument("--no-gemm-tuning", action="store_true",
+                   help="cuBLASLt's first heuristic choice for every GEMM (cuengine/gemm_tuning.json off)")  # fmt: skip
     p.add_argument("--report", action="store_true", help="print the memory report of each engine run")
     p.add_argument("--gpus", type=int, default=1, help="also run each engine configuration on this many GPUs")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage of the --gpus runs")
@@ -207,6 +209,10 @@ def main(argv=None) -> int:
     if not ce.cuda_available():
         print("bench_train: no CUDA device; nothing to measure")
         return 0
+    if args.no_gemm_tuning:
+        from cuengine import blas
+
+        blas.use_tuned_algorithms(False)
     if args.long_context:
         args.batch = 1
         args.seq = args.seq or [1024, 8192, 16384]
