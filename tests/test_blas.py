@@ -491,6 +491,29 @@ def test_tune_gemm_merges_into_its_gpu_and_version():
     assert merge({}, "C", 2, {"k": 1}) == {"tables": [{"gpu": "C", "cublaslt": 2, "entries": {"k": 1}}]}
 
 
+def test_tune_gemm_never_picks_a_candidate_that_changes_bits(monkeypatch):
+    """tools/tune_gemm.tune_plan with the cuBLASLt calls stubbed on cpu: three candidates, the fastest of
+    which writes other bits (another order of sums); the one written is the fastest bitwise-equal one."""
+    tool = load_tool("tune_gemm")
+    cpu = ce.device("cpu")
+    a, b = (ce.Tensor.from_numpy(np.ones(s, np.float32), cpu) for s in ((4, 16), (8, 16)))
+    out = ce.Tensor.empty(ce.FP32, (4, 8), cpu)
+    chosen = {"algo": 0}
+    monkeypatch.setattr(blas, "plan_candidates", lambda dev, key: [({"ID": i}, i) for i in range(3)])
+    monkeypatch.setattr(blas, "set_plan_algorithm", lambda dev, key, ptr: chosen.update(algo=ptr))
+    monkeypatch.setattr(blas, "plan_key", lambda **call: KEY)
+
+    def matmul(out, a, b, **kw):
+        out.array()[...] = np.float32(16) + (np.float32(2**-19) if chosen["algo"] == 1 else 0)
+
+    monkeypatch.setattr(blas, "matmul", matmul)
+    monkeypatch.setattr(tool, "time_ms", lambda dev, fn, **kw: {0: 1.0, 1: 0.5, 2: 0.8}[chosen["algo"]])
+    call = dict(out=out, a=a, b=b, bias=None, trans_a=False, trans_b=True, accumulate=False, fast_accum=False,
+                stream=None)  # fmt: skip
+    config, line = tool.tune_plan(cpu, KEY, call, rounds=2, min_gain=0.02)
+    assert config == {"ID": 2} and "2/3 bitwise the first" in line
+
+
 @pytest.mark.gpu
 def test_tuned_entry_picks_its_algorithm_and_keeps_the_bits(cuda, tmp_path):
     """A table entry naming one of the heuristic's other candidates is the one the plan takes
