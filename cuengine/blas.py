@@ -20,16 +20,17 @@ before a capture: call `init(allocator)` first (the model does, with its own all
 The workspace is shared by every matmul on a device: matmuls that may run at the same time on two
 streams would race on it. Issue them on one stream.
 
-Tuned algorithms. cuBLASLt's first heuristic choice is up to 23% slower than the best of its top 8
-at some of the train step's shapes (0.5B on the H200: the step's GEMMs 36.5 ms against 33.6 ms,
-PERF_NOTES 23). `gemm_tuning.json`, written by `tools/tune_gemm.py` on the GPU it describes, names
-for a plan key (dtypes, modes, M, N, K, alignments) the algorithm to take among the heuristic's
-top `CANDIDATES`, by its configuration (algorithm id, tile, stages, split-K, ...). The tool only
-names an algorithm whose output it found bitwise equal to the first choice's, so the table changes
-speed, never results: a run is the same bits with or without it. An entry applies only on the GPU
-model and cuBLASLt version it was tuned on, and only when the heuristic still offers that
-configuration; otherwise the first choice is used. `CUENGINE_GEMM_TUNING=0` or
-`use_tuned_algorithms(False)` turns the table off.
+Tuned algorithms. cuBLASLt's first heuristic choice is up to a quarter slower than the best of its
+top 8 at some of the train step's shapes (on the H200: the 0.5B step's GEMMs 36.5 ms against 33.6
+ms measured alone; in the power-capped step the gain is smaller, PERF_NOTES 23).
+`gemm_tuning.json`, written by `tools/tune_gemm.py` on the GPU it describes, names for a plan key
+(dtypes, modes, M, N, K, alignments) the algorithm to take among the heuristic's top `CANDIDATES`,
+by its configuration (algorithm id, tile, stages, split-K, ...). The tool only names an algorithm
+whose output it found bitwise equal to the first choice's, so the table changes speed, never
+results: a run is the same bits with or without it. An entry applies only on the GPU model and
+cuBLASLt version it was tuned on, and only when the heuristic still offers that configuration;
+otherwise the first choice is used. `CUENGINE_GEMM_TUNING=0` or `use_tuned_algorithms(False)` turns
+the table off.
 """
 
 from __future__ import annotations

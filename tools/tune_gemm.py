@@ -1,7 +1,7 @@
 """Tune cuBLASLt's algorithm choice for the train step's GEMMs; write cuengine/gemm_tuning.json.
 
-cuBLASLt's first heuristic choice is up to 23% slower than the best of its top 8 at some of the
-train step's shapes (PERF_NOTES 23). For each preset, dtype and batch: a fresh model (random init,
+cuBLASLt's first heuristic choice is up to a quarter slower than the best of its top 8 at some of
+the train step's shapes (PERF_NOTES 23). For each preset, dtype and batch: a fresh model (random init,
 T = 1024 as bench_train) runs one eager train step with `blas.record_plans()` open, so every GEMM
 the step makes a plan for is recorded with its operands. Each plan's candidates (the heuristic's
 top `blas.CANDIDATES`) then run on fresh random operands of the recorded shapes, dtypes and
