@@ -365,8 +365,7 @@ def use_tuned_algorithms(enabled: bool = True, path=None) -> None:
 
 def num_tuned_plans(device) -> int:
     """How many of `device`'s cached plans took their algorithm from the tuning table."""
-    state = _STATES.get((device.kind, device.index))
-    return 0 if state is None else sum(plan.tuned for plan in state.plans.values())
+    return sum(plan.tuned for plan in _cached_plans(device))
 
 
 def algo_config(algo_ptr: int) -> dict[str, int]:
@@ -447,10 +446,14 @@ def _state(device) -> _DeviceState:
     return state
 
 
+def _cached_plans(device) -> list[_Plan]:
+    state = _STATES.get((device.kind, device.index))
+    return [] if state is None else list(state.plans.values())
+
+
 def num_plans(device) -> int:
     """How many matmul plans are cached for `device` (a Device); 0 on cpu."""
-    state = _STATES.get((device.kind, device.index))
-    return 0 if state is None else len(state.plans)
+    return len(_cached_plans(device))
 
 
 def _alignment(ptr: int) -> int:

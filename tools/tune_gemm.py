@@ -74,9 +74,9 @@ def _restore(out, snap) -> None:
 def _fresh_like(t, align: int):
     """A new tensor of t's dtype and shape at an address of alignment `align` (as blas reads it:
     capped at 256), so that it gives the same plan key as t."""
-    pad = align if 0 < align < 256 else 0
+    pad = (align if 0 < align < 256 else 0) // t.dtype.itemsize  # elements; every alignment here is >= 16 bytes
     base = ce.Tensor.empty(t.dtype, (t.nelem + 256 // t.dtype.itemsize,), t.device, name=t.name)
-    return base._derive(t.dtype, t.shape, pad)
+    return base.rows(pad, pad + t.nelem).reshape(t.shape)
 
 
 def _fill(call: dict, seed: int) -> None:
