@@ -355,7 +355,10 @@ def use_tuned_algorithms(enabled: bool = True, path=None) -> None:
     """Turn the tuning table on or off (or point it at another file) for plans made from now on.
 
     Drops every cached plan, as `init` does when it replaces a workspace: graphs captured before
-    must not be replayed. Results do not change either way (see the module docstring)."""
+    must not be replayed. Results do not change either way (see the module docstring).
+    Raises ValueError for a `path` that is not a file (the default table may be absent: no entries)."""
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"use_tuned_algorithms: no tuning table at {path}")
     _TUNING["enabled"] = bool(enabled)
     _TUNING["path"] = TUNING_PATH if path is None else Path(path)
     for state in _STATES.values():

@@ -459,6 +459,12 @@ def test_malformed_tuning_table_is_named(tmp_path, bad):
         blas.tuning_entries(path, "NVIDIA H200", 130400)
 
 
+def test_use_tuned_algorithms_refuses_a_missing_table(tmp_path):
+    with pytest.raises(ValueError, match="no tuning table at"):
+        blas.use_tuned_algorithms(True, path=tmp_path / "none.json")
+    assert blas._TUNING["path"] == blas.TUNING_PATH  # nothing changed
+
+
 def test_shipped_tuning_table_is_well_formed():
     """Every table in cuengine/gemm_tuning.json parses, and every key names a plan key's 15 fields."""
     data = json.loads(blas.TUNING_PATH.read_text())
