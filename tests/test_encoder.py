@@ -11,6 +11,8 @@ from cuengine.kernels._build import kernel_dir
 from cuengine.kernels.encoder import (
     encoder_backward,
     encoder_backward_np,
+    encoder_backward_plan,
+    encoder_backward_sum,
     encoder_forward,
     encoder_forward_np,
     encoder_scratch_shape,
@@ -111,6 +113,33 @@ def test_backward_accumulates(dev, dwte_dtype, dout_dtype):
     np.testing.assert_array_equal(t["dwte"].numpy(), once)  # the twin mirrors the kernel's order: same bits
     encoder_backward(t["dwte"], t["dout"], t["tokens"], scratch)
     np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(once, dout, tokens))
+
+
+def test_backward_plan_on_a_side_stream_then_sum(dev):
+    """The model's form: the token plan on its own stream as soon as the tokens are there, the sum on
+    the main stream behind an event, twice over one scratch (the second plan waits for the first sum):
+    the bits of the one-call backward, on cpu and cuda; on cuda also from a graph that forks and joins."""
+    tokens, dout, dwte = make(3 * 41, 300, 64, "bf16", "fp32", seed=4)
+    tokens, dout = tokens.reshape(3, 41), dout.reshape(3, 41, 64)
+    t = tensors(dev, dwte=dwte, dout=dout, tokens=tokens)
+    scratch = ce.Tensor.empty(ce.INT32, encoder_scratch_shape(3, 41, 64), dev, name="scratch")
+    side, fork, join = dev.new_stream(), dev.event(), dev.event()
+
+    def step():
+        side.wait(fork.record())
+        encoder_backward_plan(scratch, t["tokens"], *dwte.shape, stream=side)
+        side.record(join)
+        dev.stream.wait(join)
+        encoder_backward_sum(t["dwte"], t["dout"], t["tokens"], scratch)
+
+    step()
+    step()
+    once = encoder_backward_np(dwte, dout, tokens)
+    twice = encoder_backward_np(once, dout, tokens)
+    np.testing.assert_array_equal(t["dwte"].numpy(), twice)
+    graph = dev.capture(step)
+    graph.launch()
+    np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(twice, dout, tokens))
 
 
 def test_backward_skips_invalid_ids_without_touching_memory(dev):
@@ -371,6 +400,9 @@ I32, BF = np.int32, ce.BF16.np
             "scratch: expected dtype int32",
         ),
         (lambda: encoder_backward(_t((10, 8)), _t((2, 3, 9)), _t((2, 3), I32), _t(105, I32)), "dout: expected shape"),
+        (lambda: encoder_backward_plan(_t(7, I32), _t((2, 3), I32), 10, 8), "plan scratch: expected shape"),
+        (lambda: encoder_backward_plan(_t(105, I32), _t((2, 3)), 10, 8), "plan tokens: expected dtype int32"),
+        (lambda: encoder_backward_sum(_t((10, 8)), _t((2, 3, 8)), _t((2, 3), I32), _t(7, I32)), "scratch: expected"),
         (
             lambda: encoder_backward(
                 _t((10, 12), BF), _t((2, 3, 12), BF), _t((2, 3), I32), _t(encoder_scratch_shape(2, 3, 12), I32)

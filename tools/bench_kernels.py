@@ -137,7 +137,13 @@ def adamw_cases(dev, shrink):
 
 
 def encoder_cases(dev, shrink):
-    from cuengine.kernels.encoder import encoder_backward, encoder_forward, encoder_scratch_shape
+    from cuengine.kernels.encoder import (
+        encoder_backward,
+        encoder_backward_plan,
+        encoder_backward_sum,
+        encoder_forward,
+        encoder_scratch_shape,
+    )
 
     b, t, v, c = max(1, 32 // shrink), 1024, 151936, 896
     wte = tensor(dev, ce.BF16, (v, c), 0.02)
@@ -151,6 +157,17 @@ def encoder_cases(dev, shrink):
     unique = int(dev.xp.unique(tokens.array()).size)
     traffic = b * t * row + 2 * unique * row  # dout read; the touched dwte rows read and written
     yield "encoder", f"backward ({b}, {t}, {c}) bf16", traffic, lambda: encoder_backward(dwte, dout, tokens, scratch)
+    # its two halves: the token plan (what the train step runs beside the LM head; latency only) and the
+    # sum over dout (what the step waits for at the end of its backward), the plan made once first
+    plan = lambda: encoder_backward_plan(scratch, tokens, v, c)  # noqa: E731
+    yield "encoder", f"backward plan ({b}, {t}) (latency only)", 0, plan
+    plan()
+    yield (
+        "encoder",
+        f"backward sum ({b}, {t}, {c}) bf16",
+        traffic,
+        lambda: encoder_backward_sum(dwte, dout, tokens, scratch),
+    )
     # skewed ids, where few ids have most positions: the default corpus's bytes (the space is a quarter
     # of them), and one id at every position
     for label, ids, vocab in (

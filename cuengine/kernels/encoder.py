@@ -187,39 +187,91 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable: 3 kernels (the last two programmatic dependent launches), no host sync.
+    Capturable: 3 kernels (the last two programmatic dependent launches), no host sync. It is
+    encoder_backward_plan then encoder_backward_sum on one stream; a caller that has the tokens
+    before dout (the model, at the start of its backward) runs the plan early on another stream.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
-    expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
-    V, C = dwte.shape
-    expect(tokens, "encoder_backward tokens", INT32)
-    expect(dout, "encoder_backward dout", FLOATS, tokens.shape + (C,))
+    _check_backward(dwte, dout, tokens, scratch)  # before the plan writes anything
+    encoder_backward_plan(scratch, tokens, *dwte.shape, stream)
+    encoder_backward_sum(dwte, dout, tokens, scratch, stream)
+
+
+def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
+    """The half of encoder_backward that reads only the tokens: clear the scratch's hash table, count
+    each id's positions into it and plan the ids seen more than 6 times (2 kernels, the second a
+    programmatic dependent launch). It needs nothing from the backward, so it can run as soon as the
+    tokens are on the device, off the backward's critical path.
+
+    Args:
+        scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
+        tokens: (B, T) int32, the tokens encoder_backward_sum will be given.
+        V, C: dwte's shape (ids outside [0, V) are skipped; the scratch holds a partial row of C per
+            tile of a big id).
+    On cpu it does nothing: the twin in encoder_backward_sum needs no plan.
+    """
+    expect(tokens, "encoder_backward_plan tokens", INT32)
     N = tokens.nelem
-    expect(scratch, "encoder_backward scratch", INT32, encoder_scratch_shape(N, 1, C))
-    dev = same_device(dwte, dout, tokens, scratch)
-    check_vector_width("encoder_backward", "C", C, dout.dtype)
-    if dev.is_cpu:
-        dwte.array()[...] = encoder_backward_np(dwte.array(), dout.array(), tokens.array())
+    expect(scratch, "encoder_backward_plan scratch", INT32, encoder_scratch_shape(N, 1, C))
+    dev = same_device(tokens, scratch)
+    check_aligned("encoder_backward_plan", scratch)
+    if dev.is_cpu or N == 0:
         return
-    if N == 0:
-        return
-    check_aligned("encoder_backward", dout, dwte, scratch)
     lay = _layout(N, C)
     flat = scratch.flat()
-    hot, qinfo = flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"])
-    items, partials = flat.rows(lay["items"], lay["partials"]), flat.rows(lay["partials"], lay["total"])
+    hot, qinfo, items = _plan_views(flat, lay)
     n4 = lay["zeroed"] // 4  # _HEAD_INTS and _SLOT_INTS are multiples of 4
     args = (flat, np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
     args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
+
+
+def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
+    """The half of encoder_backward that reads dout: dwte[v, :] += the sum of v's rows of dout, in the
+    twin's order (one kernel, a programmatic dependent launch). `scratch` must hold the plan that
+    encoder_backward_plan made for these tokens, after it in stream order (or behind an event); arguments
+    as encoder_backward's.
+    """
+    dev = _check_backward(dwte, dout, tokens, scratch)
+    V, C = dwte.shape
+    N = tokens.nelem
+    if dev.is_cpu:
+        dwte.array()[...] = encoder_backward_np(dwte.array(), dout.array(), tokens.array())
+        return
+    if N == 0:
+        return
+    lay = _layout(N, C)
+    flat = scratch.flat()
+    hot, qinfo, items = _plan_views(flat, lay)
+    partials = flat.rows(lay["partials"], lay["total"])
     warps = _SUM_THREADS // 32
     per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
     stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
     ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
+    n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
     args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
             np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
+
+
+def _check_backward(dwte, dout, tokens, scratch):
+    """encoder_backward's argument checks; returns the device."""
+    expect(dwte, "encoder_backward dwte", FLOATS, (None, None))
+    C = dwte.shape[1]
+    expect(tokens, "encoder_backward tokens", INT32)
+    expect(dout, "encoder_backward dout", FLOATS, tokens.shape + (C,))
+    expect(scratch, "encoder_backward scratch", INT32, encoder_scratch_shape(tokens.nelem, 1, C))
+    dev = same_device(dwte, dout, tokens, scratch)
+    check_vector_width("encoder_backward", "C", C, dout.dtype)
+    check_aligned("encoder_backward", dout, dwte, scratch)
+    return dev
+
+
+def _plan_views(flat, lay):
+    """The hot queue, its per-id info and the item lists inside the scratch."""
+    return (flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"]),
+            flat.rows(lay["items"], lay["partials"]))  # fmt: skip

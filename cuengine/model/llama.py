@@ -343,6 +343,11 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             rs.losses.fill_zero()
         if dp is not None:
             dp.begin_backward(micro_step, grad_accum_steps, rs.d_loss)
+        # the encoder backward's token plan, beside the LM head: off the critical path (the last sum that
+        # read the scratch and this micro-batch's token upload are before the fork, on the main stream)
+        rs.enc_stream.wait(rs.enc_fork.record())
+        encoder.encoder_backward_plan(rs.enc_scratch, rs.inputs, *G["wte"].shape, stream=rs.enc_stream)
+        rs.enc_stream.record(rs.enc_join)
         self._blocks.lm_head(rs.d_loss, d_head=self._head_grad)
         top = rs.dacts[L - 1].d_res_ffn
         top.value.fill_zero()
@@ -372,7 +377,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                                          w["ln1_w"], a.ln1_rstd)  # fmt: skip
             if dp is not None:
                 dp.bucket_done(f"layers.{i}")
-        encoder.encoder_backward(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
+        self.device.stream.wait(rs.enc_join)
+        encoder.encoder_backward_sum(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
         if dp is not None:
             dp.bucket_done("embedding")
             dp.end_backward(rs.losses)

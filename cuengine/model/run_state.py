@@ -150,6 +150,9 @@ class RunState:
             self.rms_scratch = alloc.allocate(FP32, "rms_scratch", rmsnorm.rmsnorm_scratch_shape(N, C))
             self.bias_scratch = alloc.allocate(FP32, "bias_scratch", fp8.bias_backward_scratch_shape(N, Q))
             self.enc_scratch = alloc.allocate(INT32, "enc_scratch", encoder.encoder_scratch_shape(B, T, C))
+            # the encoder backward's plan reads only the tokens: it runs on its own stream beside the LM head
+            self.enc_stream = dev.new_stream()
+            self.enc_fork, self.enc_join = dev.event(), dev.event()
             self.qk_scratch = None
             if cfg.qk_norm:
                 shape = qknorm.qknorm_scratch_shape(N, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size)
