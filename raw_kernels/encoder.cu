@@ -7,8 +7,10 @@
 //
 // The backward gives the same bits on every run and is graph-capturable (no host sync, no allocation).
 // It does not sort: most ids of a batch occur once, so it counts them and streams dout in position order.
-//   0. encoder_backward_clear: zero the counters and the hash table at the head of the scratch. Steps 1
-//      and 2 are dependent launches (programmatic, sm_90): each starts while the one before finishes.
+// Steps 0-1b read only the tokens (the plan, encoder.py's encoder_backward_plan: the model runs it beside
+// its LM head); step 2 reads dout. Every step after 0 is a dependent launch (programmatic, sm_90): it
+// starts while the one before finishes.
+//   0. encoder_backward_clear: zero the counters and the hash table at the head of the scratch.
 //   1. encoder_backward_count, a thread per position: insert the id into an open-addressing hash table
 //      (4N slots, linear probing, claimed by a 64-bit atomicCAS of key and count; a warp's lanes with
 //      one id as one atomic), count it, and keep its first INLINE positions in arrival order. The
@@ -19,12 +21,14 @@
 //      `rows`) is cut into position tiles of tile_width(k) positions (about `rows` of its positions
 //      each when they are spread), one item per tile; the items are listed (medium first) by a block
 //      scan over the queue.
+//   1b. encoder_backward_mark, a thread per position: its part in step 2's stream role, one int (the id
+//      occurs once; it is the first of an id's 2..INLINE positions: the slot; or nothing).
 //   2. encoder_backward_sum, one kernel with two roles, stream then hot in every block (the first
 //      hot_blocks blocks only take the hot role):
-//      - stream: a warp per position, over a contiguous slice of positions per warp. A position whose
-//        id occurs once adds its row (the common case: 3 streams, dout read, the dwte row read and
-//        written); the smallest position of an id with 2..INLINE positions sums them all (sorted by
-//        position from the table's set); the other positions of such an id do nothing;
+//      - stream: the (position, 16-byte vector) pairs of a contiguous range per block, two per thread in
+//        flight. A position whose id occurs once adds its vector (dout read, the dwte vector read and
+//        written: the access pattern of a plain scatter); the first position of an id with 2..INLINE
+//        positions sums them all (sorted by position from the table's set); the others do nothing;
 //      - hot: the block takes hot items (x channel chunks) from a shared counter until none is left;
 //        it scans the item's token range in order, compacting the id's positions there (a block scan
 //        of per-thread match counts) into shared memory, and sums them over 128 vectors of channels; a
@@ -42,7 +46,8 @@
 // into L2 ahead of the sum (by the count kernel or by each sum warp, bulk or per line, 24-48 MB) and
 // evict-first dout loads were all slower (the H200 sweep, tools/PERF_NOTES.md).
 // Scratch (int32, see encoder_scratch_shape): 8 counters, the table (4N slots of 8 ints), the hot queue,
-// per queued id its first tile and an arrival count, the item lists, then one fp32 row of C per tile.
+// per queued id its first tile and an arrival count, the item lists, a mark per position, then one fp32
+// row of C per tile.
 // Sizes: C a multiple of the 16-byte vector width of dout / wte.
 #include "common.cuh"
 
@@ -97,6 +102,10 @@ constexpr int HOT_UNROLL = 4;   // dout rows in flight per thread in a hot sum
 constexpr int COMBINE_UNROLL = 4;  // tile partials in flight per thread where a big id's tiles are added
 constexpr int COUNT_THREADS = 256;
 constexpr int TILE_ALIGN = 32;  // a tile's width is a multiple of this
+constexpr int MARK_SKIP = -1;  // a position that adds nothing in the stream role (encoder_backward_mark)
+constexpr int MARK_ONE = -2;   // a position whose id occurs once: it adds its row
+constexpr int STREAM_U = 2;    // (position, vector) pairs per thread in flight in the stream role (at 4 the
+                               // bf16 kernel spills under __launch_bounds__(SUM_THREADS, 2)'s 64 registers)
 static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
@@ -227,6 +236,38 @@ extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
     }
     __syncthreads();
     if (s_last) encoder_backward_plan(scratch, hot, qinfo, items, N, rows, qcap);
+}
+
+// Step 1b: each position's part in the stream role, once the table is complete: MARK_ONE (its id occurs
+// once: it adds its row), its id's slot (it is the first of 2..INLINE positions: it sums them) or
+// MARK_SKIP (an invalid id, a hot id's position, a later position of a 2..INLINE id). The sum then reads
+// one coalesced int per position instead of probing the table before each row.
+extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
+    encoder_backward_mark(const int* scratch, int* marks, const int* tokens, int N, int V, int H) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = n < N ? tokens[n] : -1;
+    grid_dependency_wait();
+    launch_dependents();
+    if (n >= N) return;
+    int mark = MARK_SKIP;
+    if (t >= 0 && t < V) {
+        const int* table = scratch + HEAD_INTS;
+        unsigned s = hash_slot(t, H);
+        while (table[s * SLOT_INTS] != t + 1) s = s + 1 == (unsigned)H ? 0 : s + 1;
+        const int4 a = *reinterpret_cast<const int4*>(table + s * SLOT_INTS);
+        const int4 z = *reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4);
+        if (a.y == 1) {
+            mark = MARK_ONE;
+        } else if (a.y <= INLINE) {
+            const int p[INLINE] = {a.z, a.w, z.x, z.y, z.z, z.w};
+            int first = p[0];
+#pragma unroll
+            for (int r = 1; r < INLINE; ++r)
+                if (r < a.y) first = min(first, p[r]);
+            if (first == n) mark = (int)s;
+        }
+    }
+    marks[n] = mark;
 }
 
 // VN elements of T kept as loaded (16-byte packs where VN elements fill them): a dwte vector beside
@@ -442,147 +483,114 @@ __device__ __noinline__ void encoder_backward_hot_role(TG* __restrict__ dwte, co
     }
 }
 
-// An id with k = 2..INLINE positions q[0] < ... < q[k-1] (INT_MAX past k), summed by one warp.
+// Vector c..c + VN of an id with k = 2..INLINE positions, its slot's (sorted here), summed in the
+// twin's order: partial p takes ranks p and p + 4 from 0.f, total ((p0 + p1) + p2) + p3, one rounding.
+// Not inlined: the stream role keeps STREAM_U pairs in flight in the registers this would take.
 template <typename TG, typename TD>
-__device__ __forceinline__ void encoder_backward_few(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
-                                                     const int (&q)[INLINE], int k, int C, int lane) {
+__device__ __noinline__ void encoder_backward_few(TG* __restrict__ dwte, const TD* __restrict__ dout,
+                                                  const int* slot, int key, int C, int c) {
     constexpr int VN = Pack16<TD>::N;
-    const int vecs = C / VN;
-    TG* row = dwte + (size_t)key * C;
-    for (int cv = lane; cv < vecs; cv += 32) {
-        const int c = cv * VN;
-        Pack16<TD> d[INLINE];
+    const int4 a = *reinterpret_cast<const int4*>(slot), z = *reinterpret_cast<const int4*>(slot + 4);
+    const int k = a.y;
+    int q[INLINE] = {a.z, a.w, z.x, z.y, z.z, z.w};
 #pragma unroll
-        for (int r = 0; r < INLINE; ++r) {
-            if (r < k) {
-                d[r] = Pack16<TD>::load(dout + (size_t)q[r] * C + c);
-            } else {
+    for (int r = 0; r < INLINE; ++r)
+        if (r >= k) q[r] = 0x7fffffff;
+    // sorting network for 6 (12 comparators)
+    sort2(q[0], q[5]), sort2(q[1], q[3]), sort2(q[2], q[4]);
+    sort2(q[1], q[2]), sort2(q[3], q[4]);
+    sort2(q[0], q[3]), sort2(q[2], q[5]);
+    sort2(q[0], q[1]), sort2(q[2], q[3]), sort2(q[4], q[5]);
+    sort2(q[1], q[2]), sort2(q[3], q[4]);
+    Pack16<TD> d[INLINE];
 #pragma unroll
-                for (int e = 0; e < VN; ++e) d[r].v[e] = from_float<TD>(0.f);
-            }
-        }
-        Elems<TG, VN> old;
-        old.load(row + c);
-#pragma unroll
-        for (int e = 0; e < VN; ++e) {
-            float total = 0.f;
-#pragma unroll
-            for (int p = 0; p < PARTIALS; ++p) {
-                float part = 0.f;  // ranks p and p + 4 (INLINE <= 2 * PARTIALS), from 0.f as the twin
-#pragma unroll
-                for (int r = p; r < INLINE; r += PARTIALS)
-                    if (r < k) part += to_float(d[r].v[e]);
-                total = p == 0 ? part : total + part;
-            }
-            old.v[e] = from_float<TG>(to_float(old.v[e]) + total);
-        }
-        old.store(row + c);
-    }
-}
-
-// An id that occurs once, at position n: dwte row += (0.f + dout row); two vectors per lane in flight
-// (dout and dwte for each), the second one zero where it falls past the row.
-template <typename TG, typename TD>
-__device__ __forceinline__ void encoder_backward_one(TG* __restrict__ dwte, const TD* __restrict__ dout, int key,
-                                                     int n, int C, int lane) {
-    constexpr int VN = Pack16<TD>::N;
-    const int vecs = C / VN;
-    TG* row = dwte + (size_t)key * C;
-    const TD* src = dout + (size_t)n * C;
-    for (int cv = lane; cv < vecs; cv += 64) {
-        const bool second = cv + 32 < vecs;
-        Pack16<TD> d0 = Pack16<TD>::load(src + cv * VN), d1;
-        Elems<TG, VN> o0, o1;
-        o0.load(row + cv * VN);
-        if (second) {
-            d1 = Pack16<TD>::load(src + (cv + 32) * VN);
-            o1.load(row + (cv + 32) * VN);
+    for (int r = 0; r < INLINE; ++r) {
+        if (r < k) {
+            d[r] = Pack16<TD>::load(dout + (size_t)q[r] * C + c);
         } else {
 #pragma unroll
-            for (int e = 0; e < VN; ++e) d1.v[e] = from_float<TD>(0.f), o1.v[e] = from_float<TG>(0.f);
+            for (int e = 0; e < VN; ++e) d[r].v[e] = from_float<TD>(0.f);
         }
+    }
+    TG* row = dwte + (size_t)key * C + c;
+    Elems<TG, VN> old;
+    old.load(row);
 #pragma unroll
-        for (int e = 0; e < VN; ++e) {
-            o0.v[e] = from_float<TG>(to_float(o0.v[e]) + (0.f + to_float(d0.v[e])));
-            o1.v[e] = from_float<TG>(to_float(o1.v[e]) + (0.f + to_float(d1.v[e])));
+    for (int e = 0; e < VN; ++e) {
+        float total = 0.f;
+#pragma unroll
+        for (int p = 0; p < PARTIALS; ++p) {
+            float part = 0.f;  // ranks p and p + 4 (INLINE <= 2 * PARTIALS), from 0.f as the twin
+#pragma unroll
+            for (int r = p; r < INLINE; r += PARTIALS)
+                if (r < k) part += to_float(d[r].v[e]);
+            total = p == 0 ? part : total + part;
         }
-        o0.store(row + cv * VN);
-        if (second) o1.store(row + (cv + 32) * VN);
+        old.v[e] = from_float<TG>(to_float(old.v[e]) + total);
+    }
+    old.store(row);
+}
+
+// The stream role: the (position n, vector cv) pairs [begin, end) of the flat N x vecs range, one 16-byte
+// vector per pair, U pairs per thread in flight SUM_THREADS apart. A MARK_ONE position adds its dout
+// vector to its id's dwte vector as (0.f + d), rounded once; then, in a second pass over the same pairs,
+// the first position of a 2..INLINE id sums the id's vectors (encoder_backward_few: a call inside the
+// first loop made the compiler spill it); the rest touch nothing. Every dwte vector has one writer.
+template <typename TG, typename TD>
+__device__ void encoder_backward_stream(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens,
+                                        const int* marks, const int* table, int C, unsigned begin, unsigned end) {
+    constexpr int VN = Pack16<TD>::N;
+    constexpr int U = STREAM_U;
+    const unsigned vecs = (unsigned)(C / VN);
+    for (unsigned p0 = begin + threadIdx.x; p0 < end; p0 += U * SUM_THREADS) {
+        int c[U], mark[U], key[U];  // pair p0 + u * SUM_THREADS: dout element (p0 + u * SUM_THREADS) * VN
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned q = p0 + u * SUM_THREADS;
+            const int n = (int)(q / vecs);
+            c[u] = (int)(q - n * vecs) * VN;
+            mark[u] = q < end ? marks[n] : MARK_SKIP;
+            key[u] = q < end ? tokens[n] : 0;
+        }
+        Pack16<TD> d[U];
+        Elems<TG, VN> o[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (mark[u] == MARK_ONE) {
+                d[u] = Pack16<TD>::load(dout + (size_t)(p0 + u * SUM_THREADS) * VN);
+                o[u].load(dwte + (size_t)key[u] * C + c[u]);
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (mark[u] == MARK_ONE) {
+#pragma unroll
+                for (int e = 0; e < VN; ++e) o[u].v[e] = from_float<TG>(to_float(o[u].v[e]) + (0.f + to_float(d[u].v[e])));
+                o[u].store(dwte + (size_t)key[u] * C + c[u]);
+            }
+    }
+    for (unsigned q = begin + threadIdx.x; q < end; q += SUM_THREADS) {
+        const int n = (int)(q / vecs), mark = marks[n];
+        if (mark >= 0) encoder_backward_few<TG, TD>(dwte, dout, table + mark * SLOT_INTS, tokens[n], C, (int)(q - n * vecs) * VN);
     }
 }
 
-// Step 2. Blocks [0, hot_blocks) take hot units only; the others stream per_warp positions per warp, in
-// order, then take hot units too (if there are any: the counts are read before the stream loop).
+// Step 2. Blocks [0, hot_blocks) take hot units only; the others stream per_block pairs each, in order,
+// then take hot units too (if there are any: the counts are read before the stream).
 template <typename TG, typename TD>
-__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot,
-                                          int* qinfo, const int* items, float* partials, int N, int V, int C, int H,
-                                          int rows, int qcap, int hot_blocks, int ychunks, int per_warp) {
-    const int* table = hash_table(scratch);
+__device__ void encoder_backward_sum_impl(TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* marks,
+                                          const int* hot, int* qinfo, const int* items, float* partials, int N,
+                                          int C, int rows, int qcap, int hot_blocks, int ychunks, int per_block) {
+    grid_dependency_wait();
     if ((int)blockIdx.x < hot_blocks) {
-        grid_dependency_wait();
         encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
                                           ychunks, qcap);
         return;
     }
-    const int lane = threadIdx.x % 32;
-    const int gw = (blockIdx.x - hot_blocks) * SUM_WARPS + threadIdx.x / 32;
-    const int begin = (int)min((long long)gw * per_warp, (long long)N), end = min(begin + per_warp, N);
-    // the first ids before the wait: the tokens were written before step 0 (an ordinary launch) started
-    const int t0 = begin + lane < end ? tokens[begin + lane] : -1;
-    grid_dependency_wait();
     const bool hot_units = scratch[HEAD_MEDIUM] + scratch[HEAD_TILES] > 0;
-    for (int b = begin; b < end; b += 32) {
-        // lane l: position b + l, its id, the id's count and inline positions; act = this lane's
-        // position sums its id (the id occurs once, or 2..INLINE times and this is its first position)
-        const int n = b + lane;
-        const int t = b == begin ? t0 : n < end ? tokens[n] : -1;
-        int cnt = 0, p[INLINE];
-        if (t >= 0 && t < V) {
-            unsigned s = hash_slot(t, H);
-            for (;;) {
-                const int4 a = *reinterpret_cast<const int4*>(table + s * SLOT_INTS);
-                const int4 z = *reinterpret_cast<const int4*>(table + s * SLOT_INTS + 4);
-                if (a.x == t + 1) {
-                    cnt = a.y;
-                    p[0] = a.z, p[1] = a.w, p[2] = z.x, p[3] = z.y, p[4] = z.z, p[5] = z.w;
-                    break;
-                }
-                s = s + 1 == (unsigned)H ? 0 : s + 1;
-            }
-        }
-        bool act = cnt == 1;
-        if (cnt > 1 && cnt <= INLINE) {
-            int first = p[0];
-#pragma unroll
-            for (int r = 1; r < INLINE; ++r)
-                if (r < cnt) first = min(first, p[r]);
-            act = first == n;
-        }
-        unsigned todo = __ballot_sync(0xffffffffu, act);
-        while (todo) {
-            const int src = __ffs(todo) - 1;
-            todo &= todo - 1;
-            const int key = __shfl_sync(0xffffffffu, t, src);
-            const int k = __shfl_sync(0xffffffffu, cnt, src);
-            if (k == 1) {
-                encoder_backward_one<TG, TD>(dwte, dout, key, b + src, C, lane);
-            } else {
-                int q[INLINE];
-#pragma unroll
-                for (int r = 0; r < INLINE; ++r) {
-                    q[r] = __shfl_sync(0xffffffffu, p[r], src);
-                    if (r >= k) q[r] = 0x7fffffff;
-                }
-                // sorting network for 6 (12 comparators)
-                sort2(q[0], q[5]), sort2(q[1], q[3]), sort2(q[2], q[4]);
-                sort2(q[1], q[2]), sort2(q[3], q[4]);
-                sort2(q[0], q[3]), sort2(q[2], q[5]);
-                sort2(q[0], q[1]), sort2(q[2], q[3]), sort2(q[4], q[5]);
-                sort2(q[1], q[2]), sort2(q[3], q[4]);
-                encoder_backward_few<TG, TD>(dwte, dout, key, q, k, C, lane);
-            }
-        }
-    }
+    const unsigned pairs = (unsigned)N * (unsigned)(C / Pack16<TD>::N);
+    const unsigned begin = min((blockIdx.x - hot_blocks) * (unsigned)per_block, pairs);
+    const unsigned end = min(begin + (unsigned)per_block, pairs);
+    encoder_backward_stream<TG, TD>(dwte, dout, tokens, marks, hash_table(scratch), C, begin, end);
     if (hot_units)
         encoder_backward_hot_role<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, C, rows,
                                           ychunks, qcap);
@@ -601,11 +609,11 @@ ENCODER_FORWARD(f16, half)
 
 #define ENCODER_BACKWARD_SUM(SUFG, TG, SUFD, TD)                                                            \
     extern "C" __global__ void __launch_bounds__(SUM_THREADS, 2) encoder_backward_sum_##SUFG##_##SUFD(      \
-        TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* hot, int* qinfo, const int* items, \
-        float* partials, int N, int V, int C, int H, int rows, int qcap, int hot_blocks, int ychunks,         \
-        int per_warp) {                                                                                     \
-        encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, hot, qinfo, items, partials, N, V, C, H, \
-                                          rows, qcap, hot_blocks, ychunks, per_warp);                        \
+        TG* dwte, const TD* dout, const int* tokens, int* scratch, const int* marks, const int* hot, int* qinfo, \
+        const int* items, float* partials, int N, int C, int rows, int qcap, int hot_blocks, int ychunks,     \
+        int per_block) {                                                                                    \
+        encoder_backward_sum_impl<TG, TD>(dwte, dout, tokens, scratch, marks, hot, qinfo, items, partials, N, C, \
+                                          rows, qcap, hot_blocks, ychunks, per_block);                       \
     }
 #define ENCODER_BACKWARD_SUM_ALL(SUFG, TG)          \
     ENCODER_BACKWARD_SUM(SUFG, TG, f32, float)      \

@@ -160,16 +160,16 @@ def test_backward_skips_invalid_ids_without_touching_memory(dev):
 
 def test_scratch_shape():
     """8 counters, 4N hash slots of 8 ints (zeroed per call), the hot queue (N // 7 + 1), 2 ints per
-    queued token, the item lists (queue + 2N // 128 + 1 tiles), then 16-byte aligned, a C-float
+    queued token, the item lists (queue + 2N // 128 + 1 tiles), a mark per position, then 16-byte aligned, a C-float
     partial row per tile."""
 
     def want(n, c):
         q, t = n // 7 + 1, 2 * n // 128 + 1
-        lists = 8 + 32 * n + 4 * q + t
+        lists = 8 + 32 * n + 4 * q + t + n  # ... + a mark per position
         return (-(-lists // 4) * 4 + t * c,)
 
     assert encoder_scratch_shape(1, 1, 8) == want(1, 8) == (56,)
-    assert encoder_scratch_shape(8, 1024, 896) == want(8192, 896) == (266968 + 129 * 896,)
+    assert encoder_scratch_shape(8, 1024, 896) == want(8192, 896) == (275160 + 129 * 896,)
     assert encoder_scratch_shape(1, 2049, 4) == want(2049, 4)
     assert encoder_scratch_shape(4, 8192, 896) == encoder_scratch_shape(32768, 1, 896)  # only B * T matters
 
@@ -221,7 +221,7 @@ def enc_lib(tmp_path_factory):
     src_dir = tmp_path_factory.mktemp("encoder_src")
     inc = '#include "common.cuh"'
     (src_dir / "encoder.cu").write_text((kernel_dir() / "encoder.cu").read_text().replace(inc, inc + _EMU_HELPERS))
-    names = ["encoder_backward_clear", "encoder_backward_count"] + [
+    names = ["encoder_backward_clear", "encoder_backward_count", "encoder_backward_mark"] + [
         f"encoder_backward_sum_{g}_{d}" for g in ("f32", "bf16") for d in ("f32", "bf16")
     ]
     mp = pytest.MonkeyPatch()
@@ -246,18 +246,21 @@ def _emulated_backward(lib, monkeypatch, dwte, dout, tokens, fill=-7):
     shape = encoder_scratch_shape(*tokens.shape, dout.shape[-1])
     t["scratch"] = emu.tensor(np.full(shape, fill, np.int32), "int32", "scratch")
     encoder_backward(t["dwte"], t["dout"], t["tokens"], t["scratch"])
-    assert calls[:2] == ["encoder_backward_clear", "encoder_backward_count"], calls
-    assert len(calls) == 3 and calls[2].startswith("encoder_backward_sum_"), calls
+    assert calls[:3] == ["encoder_backward_clear", "encoder_backward_count", "encoder_backward_mark"], calls
+    assert len(calls) == 4 and calls[3].startswith("encoder_backward_sum_"), calls
     return t["dwte"].numpy(), all(emu.margins_ok(x) for x in t.values())
 
 
+@pytest.mark.parametrize("resident", [4, 1])
 @pytest.mark.parametrize(
     "dwte_dtype,dout_dtype,c", [("bf16", "bf16", 1040), ("fp32", "fp32", 24), ("fp32", "bf16", 8), ("bf16", "fp32", 12)]
 )
-def test_emulated_backward_equals_the_twin(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c):
+def test_emulated_backward_equals_the_twin(enc_lib, monkeypatch, dwte_dtype, dout_dtype, c, resident):
     """Tokens with 1..13 positions (inline: 1..6, hot: 7..13, each at several offsets), invalid ids,
     C over more than one 128-vector hot block (1040 bf16 = 130 vectors) and under one warp: the
-    kernels' bits are the twin's, and nothing outside dwte and scratch is written."""
+    kernels' bits are the twin's, and nothing outside dwte and scratch is written. With one stream
+    block per (emulated) SM, each stream thread takes its pairs in more than one round at 1040."""
+    monkeypatch.setattr(E, "_RESIDENT", resident)
     r = rng(31)
     v = 40
     tokens = np.concatenate([np.full(n, 3 * n) for n in range(1, 14)] + [[-1, v, 0, 1, 2, v + 9]])
@@ -414,6 +417,20 @@ I32, BF = np.int32, ce.BF16.np
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_backward_refuses_more_vectors_than_32_bit_pair_indices(monkeypatch):
+    """The sum indexes (position, vector) pairs in 32 bits: past the limit the call is refused before
+    anything is written (the limit lowered here; the real one is 2^31 - 1 vectors)."""
+    monkeypatch.setattr(E, "_MAX_PAIRS", 11)
+    dwte = _t((10, 8))
+    dout = ce.Tensor.from_numpy(np.ones((2, 3, 8), np.float32), "cpu")
+    with pytest.raises(ValueError, match="12 16-byte vectors of dout; at most 11"):
+        encoder_backward(dwte, dout, _t((2, 3), I32), _t(encoder_scratch_shape(2, 3, 8), I32))
+    assert not dwte.numpy().any()
+    monkeypatch.setattr(E, "_MAX_PAIRS", 12)
+    encoder_backward(dwte, dout, _t((2, 3), I32), _t(encoder_scratch_shape(2, 3, 8), I32))
+    assert dwte.numpy()[0].tolist() == [6.0] * 8  # at the limit: accepted
 
 
 # ---- gpu: determinism, capture, and cuda against the twin ----------------------------------------

@@ -5,6 +5,8 @@
 #   bash tools/gpu_check.sh tests           # tests only
 #   bash tools/gpu_check.sh bench kernels   # only tools/bench_kernels.py
 #   PYTEST_ARGS="-k rmsnorm" bash tools/gpu_check.sh tests
+#   bash tools/gpu_check.sh suite           # one GPU: the single-GPU tests in three processes side by
+#                                           # side (files dealt round-robin; about 4 min on an H200)
 #   bash tools/gpu_check.sh pair            # two GPUs: the NCCL tests on both, beside the single-GPU
 #                                           # suite split over GPU 0 and GPU 1 (about half the time)
 #   bash tools/gpu_check.sh dist            # two GPUs: the 2-GPU table (0.5B/1.5B, bf16/FP8, ZeRO-1,
@@ -34,6 +36,21 @@ if [ "$what" = pair ]; then
   for job in $n $a $b; do wait $job || status=1; done
   for f in "$out"/gpu_nccl.log "$out"/gpu_tests0.log "$out"/gpu_tests1.log; do
     echo "== $f"; grep -E "passed|skipped|failed|FAILED|ERROR|no tests ran" "$f" | tail -15
+  done
+  exit "$status"
+fi
+if [ "$what" = suite ]; then
+  # one process leaves the GPU idle between small kernels: three keep it busy and take about a third of the time
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+  files=$(ls tests/test_*.py | grep -v -e test_dist.py -e test_kernel_emulation.py)
+  p="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${PYTEST_ARGS:-}"
+  pids=()
+  for k in 0 1 2; do
+    $p $(echo "$files" | awk -v k=$k 'NR % 3 == k') > "$out/gpu_tests$k.log" 2>&1 & pids+=($!)
+  done
+  for job in "${pids[@]}"; do wait $job || status=1; done
+  for k in 0 1 2; do
+    echo "== $out/gpu_tests$k.log"; grep -E "passed|skipped|failed|FAILED|ERROR|no tests ran" "$out/gpu_tests$k.log" | tail -15
   done
   exit "$status"
 fi

@@ -29,7 +29,8 @@ _TILE_ALIGN = 32  # TILE_ALIGN: a big token's tile width is a multiple of it
 _ROWS = 128  # a hot token with more positions is "big": summed by position tiles of about this many of them
 # (at least _INLINE: a token with at most _INLINE positions is always summed by the stream role)
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
-_RESIDENT = 4  # the stream role's slices: 4 blocks' warps per SM, two waves of __launch_bounds__(SUM_THREADS, 2)
+_MAX_PAIRS = 2**31 - 1  # the sum's stream role indexes (position, 16-byte vector) pairs in 32 bits
+_RESIDENT = 4  # stream-role blocks per SM: two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
 
 
@@ -117,16 +118,17 @@ def _layout(n: int, c: int) -> dict[str, int]:
     _SLOTS * n slots (at most n tokens: a quarter full at most) are zeroed per call; then the hot queue
     (at most n // 7 tokens have more than INLINE positions), 2 ints per queued token (first tile, tiles done),
     the item lists (medium tokens, then tiles: fewer than 2n / _ROWS, since a big token has
-    ceil(n / _tile_width(k, n)) <= ceil(k / _ROWS) < 2k / _ROWS of them), and an fp32 row of c per tile,
-    16-byte aligned."""
+    ceil(n / _tile_width(k, n)) <= ceil(k / _ROWS) < 2k / _ROWS of them), a mark per position (its part in
+    the sum's stream role), and an fp32 row of c per tile, 16-byte aligned."""
     slots = _SLOTS * n
     zeroed = _HEAD_INTS + slots * _SLOT_INTS
     qcap, tcap = n // (_INLINE + 1) + 1, 2 * n // _ROWS + 1
     hot = zeroed
     qinfo = hot + qcap
     items = qinfo + 2 * qcap
-    partials = -(-(items + qcap + tcap) // 4) * 4
-    return dict(slots=slots, zeroed=zeroed, qcap=qcap, tcap=tcap, hot=hot, qinfo=qinfo, items=items,
+    marks = items + qcap + tcap
+    partials = -(-(marks + n) // 4) * 4
+    return dict(slots=slots, zeroed=zeroed, qcap=qcap, tcap=tcap, hot=hot, qinfo=qinfo, items=items, marks=marks,
                 partials=partials, total=partials + tcap * c)  # fmt: skip
 
 
@@ -135,9 +137,9 @@ def encoder_scratch_shape(B: int, T: int, C: int) -> tuple[int]:
 
     Holds 8 counters, a hash table of 4 * B * T slots of 8 ints (a token, its count and its first 6
     positions; a quarter full at most, which keeps the count's probe chains short), the plan of the
-    tokens with more positions (0.6 ints per position), and an fp32 partial row of C per tile of the big
-    tokens (2 * B * T / 128 rows at most): about 32.6 + C / 64 ints per position (6.1 MB at
-    B * T = 32768, C = 896).
+    tokens with more positions (0.6 ints per position), a mark per position, and an fp32 partial row of
+    C per tile of the big tokens (2 * B * T / 128 rows at most): about 33.6 + C / 64 ints per position
+    (6.3 MB at B * T = 32768, C = 896).
     """
     return (_layout(B * T, C)["total"],)
 
@@ -187,7 +189,7 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
         tokens: (B, T) int32. Ids outside [0, V) are skipped (the model validates ids first).
         scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
     Same bits on every run and on cpu and cuda (the twin mirrors the summation order).
-    Capturable: 3 kernels (the last two programmatic dependent launches), no host sync. It is
+    Capturable: 4 kernels (the last three programmatic dependent launches), no host sync. It is
     encoder_backward_plan then encoder_backward_sum on one stream; a caller that has the tokens
     before dout (the model, at the start of its backward) runs the plan early on another stream.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
@@ -199,9 +201,9 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
 
 def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
     """The half of encoder_backward that reads only the tokens: clear the scratch's hash table, count
-    each id's positions into it and plan the ids seen more than 6 times (2 kernels, the second a
-    programmatic dependent launch). It needs nothing from the backward, so it can run as soon as the
-    tokens are on the device, off the backward's critical path.
+    each id's positions into it, plan the ids seen more than 6 times and mark each position's part in
+    the sum (3 kernels, the last two programmatic dependent launches). It needs nothing from the
+    backward, so it can run as soon as the tokens are on the device, off the backward's critical path.
 
     Args:
         scratch: int32 of shape encoder_scratch_shape(B, T, C); overwritten.
@@ -226,6 +228,8 @@ def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
     args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
+    args = (flat, flat.rows(lay["marks"], lay["partials"]), tokens, n_, v_, h_)
+    launch(FAMILY, "encoder_backward_mark", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
 
 
 def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
@@ -246,15 +250,16 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
     flat = scratch.flat()
     hot, qinfo, items = _plan_views(flat, lay)
     partials = flat.rows(lay["partials"], lay["total"])
-    warps = _SUM_THREADS // 32
-    per_warp = ceil_div(N, min(N, dev.num_sms * _RESIDENT * warps))  # positions per warp, in order
-    stream_blocks = ceil_div(ceil_div(N, per_warp), warps)
+    pairs = N * (C // (16 // dout.dtype.itemsize))  # (position, 16-byte vector of dout) pairs
+    stream_blocks = min(dev.num_sms * _RESIDENT, ceil_div(pairs, _SUM_THREADS))
+    per_block = ceil_div(ceil_div(pairs, stream_blocks), _SUM_THREADS) * _SUM_THREADS
+    stream_blocks = ceil_div(pairs, per_block)
     ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
-    n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
-    args = (dwte, dout, tokens, flat, hot, qinfo, items, partials, n_, v_, np.int32(C), h_, rows, qcap,
-            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_warp))  # fmt: skip
+    args = (dwte, dout, tokens, flat, flat.rows(lay["marks"], lay["partials"]), hot, qinfo, items, partials,
+            np.int32(N), np.int32(C), np.int32(_ROWS), np.int32(lay["qcap"]), np.int32(hot_blocks),
+            np.int32(ychunks), np.int32(per_block))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
 
 
@@ -268,10 +273,14 @@ def _check_backward(dwte, dout, tokens, scratch):
     dev = same_device(dwte, dout, tokens, scratch)
     check_vector_width("encoder_backward", "C", C, dout.dtype)
     check_aligned("encoder_backward", dout, dwte, scratch)
+    pairs = tokens.nelem * (C // (16 // dout.dtype.itemsize))
+    if pairs > _MAX_PAIRS:
+        raise ValueError(f"encoder_backward: B*T = {tokens.nelem} positions of {C} channels are {pairs} 16-byte "
+                         f"vectors of dout; at most {_MAX_PAIRS} are supported")  # fmt: skip
     return dev
 
 
 def _plan_views(flat, lay):
     """The hot queue, its per-id info and the item lists inside the scratch."""
     return (flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"]),
-            flat.rows(lay["items"], lay["partials"]))  # fmt: skip
+            flat.rows(lay["items"], lay["marks"]))  # fmt: skip
