@@ -65,9 +65,11 @@ def time_ms(device, fn: Callable[[], object], warmup: int = 3, iters: int = 10, 
 
     `warmup` untimed calls, then `iters` samples, each `reps` back-to-back calls between two CUDA
     events (divide by reps: enough reps make a short kernel's sample outweigh Python's launch cost).
-    `hold_ms` > 0 first parks the stream in a spin kernel for about that long, so that the timed
-    calls queue up behind it and the GPU never waits for Python between them. On cpu the samples
-    are host wall-clock times (good for checking a script, not for numbers).
+    `hold_ms` > 0 parks the stream in a spin kernel for about that long before each sample, so that
+    the sample's calls queue up behind it and the GPU never waits for Python between them (one hold for
+    all the samples let a case of many short launches, whose Python side outlasted the hold, be timed
+    at Python's pace). On cpu the samples are host wall-clock times (good for checking a script, not
+    for numbers).
     """
     for _ in range(warmup):
         fn()
@@ -81,9 +83,9 @@ def time_ms(device, fn: Callable[[], object], warmup: int = 3, iters: int = 10, 
         return statistics.median(samples) / reps
     events = [(device.event(timing=True), device.event(timing=True)) for _ in range(iters)]
     device.synchronize()
-    if hold_ms > 0:
-        _spin(device.index)((1,), (1,), (np.int64(hold_ms * _CYCLES_PER_MS),), stream=device.stream.raw)
     for start, end in events:
+        if hold_ms > 0:
+            _spin(device.index)((1,), (1,), (np.int64(hold_ms * _CYCLES_PER_MS),), stream=device.stream.raw)
         start.record()
         for _ in range(reps):
             fn()

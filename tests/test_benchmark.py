@@ -51,6 +51,29 @@ def test_cuda_events_time_the_device_work(cuda):
     assert 3 < big / small < 5
 
 
+@pytest.mark.gpu
+def test_the_hold_covers_each_sample(cuda):
+    """Many short launches (64 empty kernels a sample, 40 samples: far longer to issue from Python than
+    one 5 ms hold) are still timed at the GPU's pace, under the time Python takes to issue one: every
+    sample waits behind a hold of its own. With one hold for all samples they read at Python's pace."""
+    from cuengine.benchmark import _spin
+
+    kernel = _spin(cuda.index)
+
+    def empty():
+        kernel((1,), (1,), (np.int64(0),), stream=cuda.stream.raw)
+
+    empty()
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        empty()
+    issue_ms = (time.perf_counter() - t0) * 1e3 / 2000
+    cuda.synchronize()
+    held = time_ms(cuda, empty, warmup=1, iters=40, reps=64, hold_ms=5)
+    assert held < 0.5 * issue_ms, (held, issue_ms)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "e4m3", "e5m2"])
 def test_fill_random(dev, dtype):
     from cuengine.benchmark import fill_random

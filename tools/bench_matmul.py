@@ -113,7 +113,7 @@ def bench(dev, dtype, product, M, N, K, warmup, iters) -> float:
         out, a, b, kw = next(sets)
         blas.matmul(out, a, b, **kw)
 
-    return time_ms(dev, call, warmup, iters, hold_ms=5 + iters // 4)
+    return time_ms(dev, call, warmup, iters, hold_ms=5)
 
 
 def main() -> None:
