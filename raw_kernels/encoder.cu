@@ -106,6 +106,7 @@ constexpr int MARK_SKIP = -1;  // a position that adds nothing in the stream rol
 constexpr int MARK_ONE = -2;   // a position whose id occurs once: it adds its row
 constexpr int STREAM_U = 2;    // (position, vector) pairs per thread in flight in the stream role (at 4 the
                                // bf16 kernel spills under __launch_bounds__(SUM_THREADS, 2)'s 64 registers)
+constexpr int STREAM_PAIRS = 32;  // pairs per thread at most (encoder.py: _STREAM_PAIRS): one bit each
 static_assert(INLINE + 2 == SLOT_INTS, "a slot is key, count and INLINE positions");
 static_assert(INLINE <= 2 * PARTIALS, "an inline id has at most two terms per partial");
 static_assert(SUM_WARPS == 16, "the hot scan's block prefix sums 16 warp totals");
@@ -531,46 +532,65 @@ __device__ __noinline__ void encoder_backward_few(TG* __restrict__ dwte, const T
     old.store(row);
 }
 
+// Pair q's vector offset c within its row, its mark and its id (MARK_SKIP past end).
+template <int VN>
+__device__ __forceinline__ void stream_pair(const int* marks, const int* tokens, unsigned q, unsigned end,
+                                            unsigned vecs, int& c, int& mark, int& key) {
+    const int n = (int)(q / vecs);
+    c = (int)(q - n * vecs) * VN;
+    mark = q < end ? marks[n] : MARK_SKIP;
+    key = q < end ? tokens[n] : 0;
+}
+
 // The stream role: the (position n, vector cv) pairs [begin, end) of the flat N x vecs range, one 16-byte
-// vector per pair, U pairs per thread in flight SUM_THREADS apart. A MARK_ONE position adds its dout
-// vector to its id's dwte vector as (0.f + d), rounded once; then, in a second pass over the same pairs,
-// the first position of a 2..INLINE id sums the id's vectors (encoder_backward_few: a call inside the
-// first loop made the compiler spill it); the rest touch nothing. Every dwte vector has one writer.
+// vector per pair, in rounds of U pairs per thread SUM_THREADS apart (at most STREAM_PAIRS pairs per
+// thread: the launcher sizes the grid so). A round's dout and dwte vectors are in flight together with
+// the next round's marks and ids, so a round costs one round trip. A MARK_ONE position adds its dout
+// vector to its id's dwte vector as (0.f + d), rounded once; the first position of a 2..INLINE id is
+// flagged and, after the rounds, sums the id's vectors (encoder_backward_few: a call inside the rounds
+// made the compiler spill them); the rest touch nothing. Every dwte vector has one writer.
 template <typename TG, typename TD>
 __device__ void encoder_backward_stream(TG* __restrict__ dwte, const TD* __restrict__ dout, const int* tokens,
                                         const int* marks, const int* table, int C, unsigned begin, unsigned end) {
     constexpr int VN = Pack16<TD>::N;
     constexpr int U = STREAM_U;
-    const unsigned vecs = (unsigned)(C / VN);
-    for (unsigned p0 = begin + threadIdx.x; p0 < end; p0 += U * SUM_THREADS) {
-        int c[U], mark[U], key[U];  // pair p0 + u * SUM_THREADS: dout element (p0 + u * SUM_THREADS) * VN
+    const unsigned vecs = (unsigned)(C / VN), first = begin + threadIdx.x;
+    unsigned multi = 0;  // bit i: this thread's pair first + i * SUM_THREADS is a 2..INLINE id's first position
+    int c[U], mark[U], key[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const unsigned q = p0 + u * SUM_THREADS;
-            const int n = (int)(q / vecs);
-            c[u] = (int)(q - n * vecs) * VN;
-            mark[u] = q < end ? marks[n] : MARK_SKIP;
-            key[u] = q < end ? tokens[n] : 0;
-        }
+    for (int u = 0; u < U; ++u) stream_pair<VN>(marks, tokens, first + u * SUM_THREADS, end, vecs, c[u], mark[u], key[u]);
+    for (int r = 0; first + r * U * SUM_THREADS < end; ++r) {
+        const unsigned p0 = first + r * U * SUM_THREADS;
         Pack16<TD> d[U];
         Elems<TG, VN> o[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) {
             if (mark[u] == MARK_ONE) {
                 d[u] = Pack16<TD>::load(dout + (size_t)(p0 + u * SUM_THREADS) * VN);
                 o[u].load(dwte + (size_t)key[u] * C + c[u]);
             }
+            if (mark[u] >= 0) multi |= 1u << (r * U + u);
+        }
+        int c2[U], mark2[U], key2[U];  // the next round's, in flight beside this round's vectors
 #pragma unroll
         for (int u = 0; u < U; ++u)
+            stream_pair<VN>(marks, tokens, p0 + (U + u) * SUM_THREADS, end, vecs, c2[u], mark2[u], key2[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
             if (mark[u] == MARK_ONE) {
 #pragma unroll
                 for (int e = 0; e < VN; ++e) o[u].v[e] = from_float<TG>(to_float(o[u].v[e]) + (0.f + to_float(d[u].v[e])));
                 o[u].store(dwte + (size_t)key[u] * C + c[u]);
             }
+            c[u] = c2[u], mark[u] = mark2[u], key[u] = key2[u];
+        }
     }
-    for (unsigned q = begin + threadIdx.x; q < end; q += SUM_THREADS) {
-        const int n = (int)(q / vecs), mark = marks[n];
-        if (mark >= 0) encoder_backward_few<TG, TD>(dwte, dout, table + mark * SLOT_INTS, tokens[n], C, (int)(q - n * vecs) * VN);
+    while (multi) {
+        const int i = __ffs(multi) - 1;
+        multi &= multi - 1;
+        const unsigned q = first + i * SUM_THREADS;
+        const int n = (int)(q / vecs), mark1 = marks[n];
+        encoder_backward_few<TG, TD>(dwte, dout, table + mark1 * SLOT_INTS, tokens[n], C, (int)(q - n * vecs) * VN);
     }
 }
 

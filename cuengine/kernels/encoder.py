@@ -30,6 +30,7 @@ _ROWS = 128  # a hot token with more positions is "big": summed by position tile
 # (at least _INLINE: a token with at most _INLINE positions is always summed by the stream role)
 _HOT_PER_SM = 0  # blocks per SM that only take hot units (every block takes them after its stream slice)
 _MAX_PAIRS = 2**31 - 1  # the sum's stream role indexes (position, 16-byte vector) pairs in 32 bits
+_STREAM_PAIRS = 32  # (position, vector) pairs per stream-role thread at most (STREAM_PAIRS)
 _RESIDENT = 4  # stream-role blocks per SM: two waves of __launch_bounds__(SUM_THREADS, 2)
 # (the H200: 60.4 us at the bench shape, 65.5 with 2, 77.2 with 1: shorter slices even out the tail)
 
@@ -251,7 +252,9 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
     hot, qinfo, items = _plan_views(flat, lay)
     partials = flat.rows(lay["partials"], lay["total"])
     pairs = N * (C // (16 // dout.dtype.itemsize))  # (position, 16-byte vector of dout) pairs
-    stream_blocks = min(dev.num_sms * _RESIDENT, ceil_div(pairs, _SUM_THREADS))
+    # at most _STREAM_PAIRS pairs per thread (the kernel keeps a bit per pair), at least _RESIDENT blocks per SM
+    stream_blocks = min(max(dev.num_sms * _RESIDENT, ceil_div(pairs, _SUM_THREADS * _STREAM_PAIRS)),
+                        ceil_div(pairs, _SUM_THREADS))  # fmt: skip
     per_block = ceil_div(ceil_div(pairs, stream_blocks), _SUM_THREADS) * _SUM_THREADS
     stream_blocks = ceil_div(pairs, per_block)
     ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
