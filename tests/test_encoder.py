@@ -142,6 +142,24 @@ def test_backward_plan_on_a_side_stream_then_sum(dev):
     np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(twice, dout, tokens))
 
 
+def test_backward_sum_refuses_a_scratch_without_its_plan_on_cpu():
+    """On cpu the plan records the tokens it was made for: a sum without a plan, or after a plan for
+    other tokens, is refused and dwte is left as it was."""
+    tokens, dout, dwte = make(40, 300, 16, seed=6)
+    t = tensors("cpu", dwte=dwte, dout=dout, tokens=tokens)
+    scratch = ce.Tensor.from_numpy(np.zeros(encoder_scratch_shape(1, 40, 16), np.int32), "cpu", name="scratch")
+    with pytest.raises(ValueError, match="no plan for these tokens"):
+        encoder_backward_sum(t["dwte"], t["dout"], t["tokens"], scratch)
+    other = ce.Tensor.from_numpy(tokens[:, ::-1].copy(), "cpu")
+    encoder_backward_plan(scratch, other, *dwte.shape)
+    with pytest.raises(ValueError, match="no plan for these tokens"):
+        encoder_backward_sum(t["dwte"], t["dout"], t["tokens"], scratch)
+    np.testing.assert_array_equal(t["dwte"].numpy(), dwte)
+    encoder_backward_plan(scratch, t["tokens"], *dwte.shape)
+    encoder_backward_sum(t["dwte"], t["dout"], t["tokens"], scratch)
+    np.testing.assert_array_equal(t["dwte"].numpy(), encoder_backward_np(dwte, dout, tokens))
+
+
 def test_backward_skips_invalid_ids_without_touching_memory(dev):
     """dwte is a view between two guard rows; ids -1 and V must change neither."""
     v, c = 20, 16

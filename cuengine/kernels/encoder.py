@@ -8,6 +8,8 @@ order, so cpu and cuda agree bit for bit.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, same_device
@@ -211,14 +213,18 @@ def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
         tokens: (B, T) int32, the tokens encoder_backward_sum will be given.
         V, C: dwte's shape (ids outside [0, V) are skipped; the scratch holds a partial row of C per
             tile of a big id).
-    On cpu it does nothing: the twin in encoder_backward_sum needs no plan.
+    On cpu the twin in encoder_backward_sum needs no plan; the plan records the tokens' count and checksum
+    in the scratch instead, so that a sum without its plan (or given other tokens) is refused there.
     """
     expect(tokens, "encoder_backward_plan tokens", INT32)
     N = tokens.nelem
     expect(scratch, "encoder_backward_plan scratch", INT32, encoder_scratch_shape(N, 1, C))
     dev = same_device(tokens, scratch)
     check_aligned("encoder_backward_plan", scratch)
-    if dev.is_cpu or N == 0:
+    if dev.is_cpu:
+        scratch.array()[:2] = _plan_mark(tokens)
+        return
+    if N == 0:
         return
     lay = _layout(N, C)
     flat = scratch.flat()
@@ -237,12 +243,16 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
     """The half of encoder_backward that reads dout: dwte[v, :] += the sum of v's rows of dout, in the
     twin's order (one kernel, a programmatic dependent launch). `scratch` must hold the plan that
     encoder_backward_plan made for these tokens, after it in stream order (or behind an event); arguments
-    as encoder_backward's.
+    as encoder_backward's. On cpu a scratch without that plan raises ValueError (on cuda it is not
+    checked: that would need a host sync).
     """
     dev = _check_backward(dwte, dout, tokens, scratch)
     V, C = dwte.shape
     N = tokens.nelem
     if dev.is_cpu:
+        if not np.array_equal(scratch.array()[:2], _plan_mark(tokens)):
+            raise ValueError("encoder_backward_sum: scratch holds no plan for these tokens; run "
+                             "encoder_backward_plan(scratch, tokens, V, C) first")  # fmt: skip
         dwte.array()[...] = encoder_backward_np(dwte.array(), dout.array(), tokens.array())
         return
     if N == 0:
@@ -281,6 +291,12 @@ def _check_backward(dwte, dout, tokens, scratch):
         raise ValueError(f"encoder_backward: B*T = {tokens.nelem} positions of {C} channels are {pairs} 16-byte "
                          f"vectors of dout; at most {_MAX_PAIRS} are supported")  # fmt: skip
     return dev
+
+
+def _plan_mark(tokens) -> np.ndarray:
+    """What the cpu plan records: the token count and a CRC-32 of the ids, as two int32."""
+    ids = np.ascontiguousarray(tokens.array())
+    return np.array([ids.size, zlib.crc32(ids.tobytes())], np.uint32).view(np.int32)
 
 
 def _plan_views(flat, lay):
