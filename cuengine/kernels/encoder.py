@@ -226,16 +226,14 @@ def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
         return
     if N == 0:
         return
-    lay = _layout(N, C)
-    flat = scratch.flat()
-    hot, qinfo, items = _plan_views(flat, lay)
+    lay, part = _parts(scratch, N, C)
     n4 = lay["zeroed"] // 4  # _HEAD_INTS and _SLOT_INTS are multiples of 4
-    args = (flat, np.int64(n4))
+    args = (part["flat"], np.int64(n4))
     launch(FAMILY, "encoder_backward_clear", min(ceil_div(n4, 1024), 4 * dev.num_sms), 256, args, dev, stream)
     n_, v_, h_, rows, qcap = (np.int32(x) for x in (N, V, lay["slots"], _ROWS, lay["qcap"]))
-    args = (flat, hot, qinfo, items, tokens, n_, v_, h_, rows, qcap)
+    args = (part["flat"], part["hot"], part["qinfo"], part["items"], tokens, n_, v_, h_, rows, qcap)
     launch(FAMILY, "encoder_backward_count", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
-    args = (flat, flat.rows(lay["marks"], lay["partials"]), tokens, n_, v_, h_)
+    args = (part["flat"], part["marks"], tokens, n_, v_, h_)
     launch(FAMILY, "encoder_backward_mark", ceil_div(N, 256), 256, args, dev, stream, dependent=True)
 
 
@@ -257,10 +255,7 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
         return
     if N == 0:
         return
-    lay = _layout(N, C)
-    flat = scratch.flat()
-    hot, qinfo, items = _plan_views(flat, lay)
-    partials = flat.rows(lay["partials"], lay["total"])
+    lay, part = _parts(scratch, N, C)
     pairs = N * (C // (16 // dout.dtype.itemsize))  # (position, 16-byte vector of dout) pairs
     # at most _STREAM_PAIRS pairs per thread (the kernel keeps a bit per pair), at least _RESIDENT blocks per SM
     stream_blocks = min(max(dev.num_sms * _RESIDENT, ceil_div(pairs, _SUM_THREADS * _STREAM_PAIRS)),
@@ -270,9 +265,9 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
     ychunks = ceil_div(C * dout.dtype.itemsize // 16, _HOT_VECS)
     hot_blocks = min(_HOT_PER_SM * dev.num_sms, (lay["qcap"] + lay["tcap"]) * ychunks)
     name = kernel_name("encoder_backward_sum", dwte, dout)
-    args = (dwte, dout, tokens, flat, flat.rows(lay["marks"], lay["partials"]), hot, qinfo, items, partials,
-            np.int32(N), np.int32(C), np.int32(_ROWS), np.int32(lay["qcap"]), np.int32(hot_blocks),
-            np.int32(ychunks), np.int32(per_block))  # fmt: skip
+    args = (dwte, dout, tokens, part["flat"], part["marks"], part["hot"], part["qinfo"], part["items"],
+            part["partials"], np.int32(N), np.int32(C), np.int32(_ROWS), np.int32(lay["qcap"]),
+            np.int32(hot_blocks), np.int32(ychunks), np.int32(per_block))  # fmt: skip
     launch(FAMILY, name, hot_blocks + stream_blocks, _SUM_THREADS, args, dev, stream, dependent=True)
 
 
@@ -299,7 +294,11 @@ def _plan_mark(tokens) -> np.ndarray:
     return np.array([ids.size, zlib.crc32(ids.tobytes())], np.uint32).view(np.int32)
 
 
-def _plan_views(flat, lay):
-    """The hot queue, its per-id info and the item lists inside the scratch."""
-    return (flat.rows(lay["hot"], lay["qinfo"]), flat.rows(lay["qinfo"], lay["items"]),
-            flat.rows(lay["items"], lay["marks"]))  # fmt: skip
+def _parts(scratch, N: int, C: int):
+    """The scratch's layout for N positions and C channels, and its parts as views: the whole (flat),
+    the hot queue, its per-id info, the item lists, the marks and the tile partials."""
+    lay = _layout(N, C)
+    flat = scratch.flat()
+    bounds = {"hot": ("hot", "qinfo"), "qinfo": ("qinfo", "items"), "items": ("items", "marks"),
+              "marks": ("marks", "partials"), "partials": ("partials", "total")}  # fmt: skip
+    return lay, {"flat": flat, **{k: flat.rows(lay[a], lay[b]) for k, (a, b) in bounds.items()}}
