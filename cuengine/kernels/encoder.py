@@ -197,9 +197,9 @@ def encoder_backward(dwte, dout, tokens, scratch, stream=None) -> None:
     before dout (the model, at the start of its backward) runs the plan early on another stream.
     NumPy equivalent up to fp32 summation order: `np.add.at(dwte, tokens, dout)`.
     """
-    _check_backward(dwte, dout, tokens, scratch)  # before the plan writes anything
+    dev = _check_backward(dwte, dout, tokens, scratch)  # before the plan writes anything
     encoder_backward_plan(scratch, tokens, *dwte.shape, stream)
-    encoder_backward_sum(dwte, dout, tokens, scratch, stream)
+    _sum(dev, dwte, dout, tokens, scratch, stream)
 
 
 def encoder_backward_plan(scratch, tokens, V: int, C: int, stream=None) -> None:
@@ -244,9 +244,12 @@ def encoder_backward_sum(dwte, dout, tokens, scratch, stream=None) -> None:
     as encoder_backward's. On cpu a scratch without that plan raises ValueError (on cuda it is not
     checked: that would need a host sync).
     """
-    dev = _check_backward(dwte, dout, tokens, scratch)
-    V, C = dwte.shape
-    N = tokens.nelem
+    _sum(_check_backward(dwte, dout, tokens, scratch), dwte, dout, tokens, scratch, stream)
+
+
+def _sum(dev, dwte, dout, tokens, scratch, stream) -> None:
+    """encoder_backward_sum after its checks."""
+    C, N = dwte.shape[1], tokens.nelem
     if dev.is_cpu:
         if not np.array_equal(scratch.array()[:2], _plan_mark(tokens)):
             raise ValueError("encoder_backward_sum: scratch holds no plan for these tokens; run "
