@@ -204,6 +204,12 @@ def test_options_resolve_defaults():
         ({"matmul_dtype": "fp32"}, "differs from model_dtype"),
         ({"keep_all_activations": True, "recompute_ffn": True}, "contradicts"),
         ({"lmhead_chunks": 0}, "lmhead_chunks"),
+        ({"recompute_ffn_layers": -1}, "recompute_ffn_layers must be an int >= 0, got -1"),
+        ({"recompute_ffn_layers": True}, "recompute_ffn_layers must be an int >= 0, got True"),
+        ({"recompute_ffn_layers": 1.0}, "recompute_ffn_layers must be an int >= 0, got 1.0"),
+        ({"recompute_ffn_layers": 1, "recompute_ffn": True}, "already recompute every layer's up projection"),
+        ({"recompute_ffn_layers": 1, "recompute_block": True}, "already recompute every layer's up projection"),
+        ({"keep_all_activations": True, "recompute_ffn_layers": 1}, "contradicts"),
         ({"attention_backend": "flash"}, "attention_backend"),
         ({"beta2": 1.0}, "beta2"),
         ({"opt_m_dtype": "e4m3"}, "opt_m_dtype"),
@@ -355,6 +361,8 @@ FLAG_SETS = [
     {"recompute_qkv": True},
     {"recompute_att": True},
     {"recompute_ffn": True},
+    {"recompute_ffn_layers": 1},
+    {"recompute_ffn_layers": 2, "recompute_rmsnorm": True, "recompute_swiglu": True},
     {"recompute_swiglu": True},
     {"recompute_block": True},
     {"keep_all_activations": True},
@@ -420,7 +428,7 @@ def test_lmhead_chunks_change_only_the_head_gradient_summation(baseline_bf16):
 
 
 @pytest.mark.parametrize("opts", [{}, {"recompute_ffn": True}, {"matmul_dtype": "e4m3", "recompute_block": True},
-                                  {"lmhead_chunks": 4, "attn_bwd_chunks": 2}])  # fmt: skip
+                                  {"lmhead_chunks": 4, "attn_bwd_chunks": 2}, {"recompute_ffn_layers": 1}])  # fmt: skip
 def test_stack_is_sized_exactly_by_simulation(opts):
     """The recorded step and the real one make the same stack allocations: the real stack
     reaches exactly the recorded size (a larger need would have raised MemoryError)."""
@@ -444,7 +452,8 @@ def records_tensors(m):
     return out
 
 
-@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "recompute_ffn": True}])
+@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "recompute_ffn": True},
+                                  {"matmul_dtype": "e4m3", "recompute_ffn_layers": 1}])  # fmt: skip
 def test_stack_recording_runs_the_step_code_without_launching(opts):
     """The sizing pass runs the real block and LM-head code with no-op launches: it writes no
     buffer, allocates nothing but from its stack, and reaches the size of the real stack."""
@@ -460,7 +469,7 @@ def test_stack_recording_runs_the_step_code_without_launching(opts):
     recorded, rs.stack = rs.stack, real
     assert recorded.max_utilization() == real.capacity and recorded.used == 0
     names = [n for n, _ in recorded.high_mark_contents]
-    assert ("mlp_up" in names) == bool(opts.get("recompute_ffn")), names
+    assert ("mlp_up" in names) == bool(opts.get("recompute_ffn") or opts.get("recompute_ffn_layers")), names
     assert str(m.memory_report()) == report
     assert [t.numpy().tobytes() for t in tensors] == before
 

@@ -153,7 +153,8 @@ def _spied(m, log):
 
 
 OPTION_SETS = [{}, {"recompute_swiglu": True}, {"recompute_ffn": True}, {"recompute_rmsnorm": True},
-               {"recompute_att": True}, {"recompute_block": True}, {"keep_all_activations": True}]  # fmt: skip
+               {"recompute_att": True}, {"recompute_block": True}, {"keep_all_activations": True},
+               {"recompute_ffn_layers": 1}]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -386,6 +386,26 @@ def test_memory_flag_saves_its_buffers(flag):
     assert sum(base[k] for k in removed) > stack_growth
 
 
+@pytest.mark.parametrize("layers", [1, L3 - 1, L3])
+def test_recompute_ffn_layers_drops_the_mlp_up_of_those_layers(layers):
+    """recompute_ffn_layers=n keeps the mlp_up of every layer but the first n, and nothing else changes
+    but the stack, which now holds one mlp_up (recompute_ffn drops ln2 and swiglu too)."""
+    cfg = tiny("tiny", num_layers=L3)
+    base, small = buffers(make(cfg)), buffers(make(cfg, recompute_ffn_layers=layers))
+    removed = {f"Activations/mlp_up.{i}" for i in range(layers)}
+    assert set(base) - set(small) == removed and not set(small) - set(base)
+    grown = {k for k in base.keys() & small.keys() if small[k] != base[k]}
+    assert grown <= {"Stack/stack"}, grown
+    assert sum(base.values()) - sum(small.values()) == sum(base[k] for k in removed) - (
+        small["Stack/stack"] - base["Stack/stack"]
+    )
+
+
+def test_recompute_ffn_layers_cannot_exceed_the_layers():
+    with pytest.raises(ValueError, match="recompute_ffn_layers=4 exceeds the model's 3 layers"):
+        make(tiny("tiny", num_layers=L3), recompute_ffn_layers=L3 + 1)
+
+
 def test_lmhead_chunks_shrink_the_stack_by_the_logits():
     """The (B*T, V) logits are the largest step temporary of the tiny model: two chunks halve them."""
     cfg = tiny("tiny")

@@ -191,6 +191,8 @@ def main(argv=None) -> int:
                    help="an int, or 'auto': chunks of >= 1024 rows (default 1; auto with --long-context)")  # fmt: skip
     p.add_argument("--recompute", nargs="*", default=[],
                    help="recompute flags, e.g. ffn swiglu rmsnorm (TrainOptions.recompute_<name>)")  # fmt: skip
+    p.add_argument("--recompute-ffn-layers", type=int, default=0,
+                   help="recompute the up projection in the first N layers (TrainOptions.recompute_ffn_layers)")  # fmt: skip
     p.add_argument("--memory", choices=tuple(MEMORY_PRESETS), default="default",
                    help="recompute preset added to --recompute (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     seqs = args.seq or [1024]
     chunks_arg = args.lmhead_chunks or "1"
     extra = {f"recompute_{r}": True for r in (*args.recompute, *MEMORY_PRESETS[args.memory])}
+    if args.recompute_ffn_layers:
+        extra["recompute_ffn_layers"] = args.recompute_ffn_layers
     if args.lmhead_fp8:
         extra["lmhead_fp8"] = True
     extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,

@@ -103,10 +103,10 @@ class Blocks:
         # forward's quantize (quantize_dual, the plain copy a stack temporary for the forward GEMM), so
         # the backward's weight-gradient GEMM reads it without a transpose pass. Only where the copy is
         # one per layer and nothing after the forward reads it untransposed: a shared copy is rewritten
-        # by recompute, and a recomputed qkv (rc_qkv) or mlp_up (rc_mlp_up) GEMM reads ln1's or ln2's.
+        # by recompute, and a recomputed qkv (rc_qkv) or mlp_up (rc_mlp_up_at) GEMM reads ln1's or ln2's.
         self.stored_tp = {
             "ln1": not (opts.recompute_rmsnorm or opts.rc_qkv),
-            "ln2": not (opts.recompute_rmsnorm or opts.rc_mlp_up),
+            "ln2": not (opts.recompute_rmsnorm or opts.rc_mlp_up),  # and per layer: `_ln2_stored_tp`
             "swiglu": not opts.rc_swiglu,
         }
 
@@ -185,10 +185,14 @@ class Blocks:
         with self.rs.stack.temporary(t.quant.dtype, t.quant.shape, t.quant.name) as raw:
             yield QuantTensor(t.value, raw.with_stats(t.quant.stats))
 
+    def _ln2_stored_tp(self, i: int) -> bool:
+        """Layer i's ln2 FP8 copy holds its transpose: not where backward's recompute of mlp_up reads it."""
+        return self.stored_tp["ln2"] and not self.opts.rc_mlp_up_at(i)
+
     @contextlib.contextmanager
     def _mlp_up(self, a: LayerActivations):
-        """The layer's mlp_up buffer, or under recompute_ffn/block a stack temporary."""
-        if not self.opts.rc_mlp_up:
+        """The layer's mlp_up buffer, or where it is recomputed (rc_mlp_up_at) a stack temporary."""
+        if a.mlp_up is not None:
             yield a.mlp_up
             return
         rs = self.rs
@@ -237,7 +241,7 @@ class Blocks:
         self.qmm_forward(att_o, a.att, p + "atto_w")
         k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
                                          abs_max=a.ln2.abs_max)  # fmt: skip
-        self.qmm_forward(mlp_up, a.ln2, p + "up_w", store_tp=self.stored_tp["ln2"])  # (B, T, 2H)
+        self.qmm_forward(mlp_up, a.ln2, p + "up_w", store_tp=self._ln2_stored_tp(i))  # (B, T, 2H)
         k.swiglu_forward(a.swiglu.value, mlp_up, abs_max=a.swiglu.abs_max)  # (B, T, H)
         self.qmm_forward(mlp_down, a.swiglu, p + "down_w", store_tp=self.stored_tp["swiglu"])
 
@@ -261,8 +265,8 @@ class Blocks:
                 k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, rs.lnf, w["ln2_w"], eps)
             else:
                 k.rmsnorm_forward(a.ln2.value, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
-        if o.rc_mlp_up:
-            self.qmm_forward(mlp_up, a.ln2, p + "up_w")
+        if o.rc_mlp_up_at(i):  # ln2 recomputed above (rc_ln2), else as forward left it: its own or its FP8 copy
+            self.qmm_forward(mlp_up, a.ln2, p + "up_w", reuse_quant=not o.rc_ln2)
         if o.rc_swiglu:
             if a.swiglu.quant is not None:  # backward only reads the FP8 copy: write it, with the stored abs-max
                 k.swiglu_forward_quant(a.swiglu.quant, mlp_up)
@@ -286,7 +290,7 @@ class Blocks:
         # MLP up
         with self._quant_on_stack(d_mlp_up) as d_mlp_up:
             self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm,
-                              stored_tp=self.stored_tp["ln2"])  # fmt: skip
+                              stored_tp=self._ln2_stored_tp(i))  # fmt: skip
         # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
         k.rmsnorm_backward(g.d_res_att.value, G["ln2_w"], rs.rms_scratch, g.d_res_ffn.value, g.d_ln2, a.res_att,
                            w["ln2_w"], a.ln2_rstd, abs_max=g.d_res_att.abs_max)  # fmt: skip

@@ -98,6 +98,9 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             raise ValueError(f"allocate_run_state: T={T} exceeds max_position_embeddings={cfg.max_position_embeddings}")
         if (B * T) % o.lmhead_chunks:
             raise ValueError(f"allocate_run_state: lmhead_chunks={o.lmhead_chunks} does not divide B*T={B * T}")
+        if o.recompute_ffn_layers > cfg.num_layers:
+            raise ValueError(f"allocate_run_state: recompute_ffn_layers={o.recompute_ffn_layers} exceeds the model's "
+                             f"{cfg.num_layers} layers")  # fmt: skip
         if B % o.attn_bwd_chunks:
             raise ValueError(f"allocate_run_state: attn_bwd_chunks={o.attn_bwd_chunks} does not divide B={B}")
         if o.fp8 and (B * T) % 16:

@@ -42,6 +42,9 @@ class TrainOptions:
     recompute_qkv: bool = False  # recompute the qkv projection + RoPE in backward
     recompute_att: bool = False  # recompute ln1, qkv and attention in backward
     recompute_ffn: bool = False  # recompute ln2, the up projection and SwiGLU; mlp_up lives on the stack
+    # recompute the up projection in the first this-many layers only (their mlp_up on the stack, as with
+    # recompute_ffn; the others keep theirs): memory between none and recompute_ffn, one GEMM a layer
+    recompute_ffn_layers: int = 0
     recompute_swiglu: bool = False  # recompute SwiGLU from mlp_up in backward
     recompute_block: bool = False  # recompute the whole block from its input residual
     keep_all_activations: bool = False  # never share activation buffers across layers (debugging aid)
@@ -119,6 +122,12 @@ class TrainOptions:
                 raise bad(f"{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r}")
         if self.keep_all_activations and self.any_recompute:
             raise bad("keep_all_activations contradicts the recompute_* flags (which share buffers); choose one")
+        v = self.recompute_ffn_layers
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise bad(f"recompute_ffn_layers must be an int >= 0, got {v!r}")
+        if v and (self.recompute_ffn or self.recompute_block):
+            raise bad("recompute_ffn_layers is for some layers; recompute_ffn / recompute_block already recompute "
+                      "every layer's up projection: choose one")  # fmt: skip
         for name in ("lmhead_chunks", "attn_bwd_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -147,7 +156,7 @@ class TrainOptions:
     @property
     def any_recompute(self) -> bool:
         return any((self.recompute_rmsnorm, self.recompute_qkv, self.recompute_att, self.recompute_ffn,
-                    self.recompute_swiglu, self.recompute_block))  # fmt: skip
+                    self.recompute_swiglu, self.recompute_block, self.recompute_ffn_layers))  # fmt: skip
 
     @property
     def fp8(self) -> bool:
@@ -172,6 +181,10 @@ class TrainOptions:
     @property
     def rc_mlp_up(self) -> bool:
         return self.recompute_ffn or self.recompute_block
+
+    def rc_mlp_up_at(self, layer: int) -> bool:
+        """Layer `layer` recomputes its up projection in backward (its mlp_up lives on the stack)."""
+        return self.rc_mlp_up or layer < self.recompute_ffn_layers
 
     @property
     def rc_swiglu(self) -> bool:

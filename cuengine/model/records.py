@@ -46,7 +46,7 @@ class LayerActivations:
     att: QuantTensor  # (B, T, A) attention output, before the output projection
     res_att: Tensor  # (B, T, C) residual after attention: block input + att_o
     ln2: QuantTensor  # (B, T, C) RMSNorm of res_att
-    mlp_up: Tensor | None  # (B, T, 2H) [gate | up]; None when recomputed onto the stack (opts.rc_mlp_up)
+    mlp_up: Tensor | None  # (B, T, 2H) [gate | up]; None when recomputed onto the stack (opts.rc_mlp_up_at)
     swiglu: QuantTensor  # (B, T, H) silu(gate) * up
     # QK-norm (cfg.qk_norm) only, shared across layers like qkv under the recompute flags:
     qkv_pre: Tensor | None = None  # (B, T, Q) the projection's output, before QK-norm (its backward reads it)

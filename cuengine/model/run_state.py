@@ -212,8 +212,8 @@ class RunState:
                 att=act(o.rc_att, "att", i, (B, T, A), quant_share=True),  # backward re-quantizes att
                 res_att=act(o.recompute_block, "res_att", i, (B, T, C)),
                 swiglu=act(o.rc_swiglu or o.fp8, "swiglu", i, (B, T, H), quant_share=o.rc_swiglu),
-                # with rc_mlp_up a stack temporary in forward and backward (Blocks._mlp_up)
-                mlp_up=None if o.rc_mlp_up else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H)),
+                # recomputed: a stack temporary in forward and backward (Blocks._mlp_up)
+                mlp_up=None if o.rc_mlp_up_at(i) else alloc.allocate(dt, f"mlp_up.{i}", (B, T, 2 * H)),
             )
             if cfg.qk_norm:  # QK-norm's input and rstd: recomputed with qkv, so shared as qkv is
                 a.qkv_pre = act(o.rc_qkv, "qkv_pre", i, (B, T, Q))
