@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--recompute", nargs="*", default=[],
                    help="recompute flags, e.g. ffn swiglu rmsnorm (TrainOptions.recompute_<name>)")  # fmt: skip
     p.add_argument("--recompute-ffn-layers", type=int, default=0,
-                   help="recompute the up projection in the first N layers (TrainOptions.recompute_ffn_layers)")  # fmt: skip
+                   help="recompute the up projection in the first N layers (recompute_ffn_layers)")  # fmt: skip
     p.add_argument("--memory", choices=tuple(MEMORY_PRESETS), default="default",
                    help="recompute preset added to --recompute (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
