@@ -25,6 +25,7 @@ from ._cli_util import (
     model_api,
     model_tokenizer,
     open_device,
+    recompute_options,
     token_stream,
 )
 from .benchmark import CEILINGS
@@ -114,7 +115,7 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--seq-len {T} is longer than the model allows "
                          f"(max_position_embeddings {cfg.max_position_embeddings})")  # fmt: skip
     TrainOptions = model_api()[1]
-    extra = {f"recompute_{r}": True for r in args.recompute}
+    extra = recompute_options(args.memory, args.recompute, cfg.num_layers)
     if args.dtype:
         extra["model_dtype"] = args.dtype
     if args.grad_dtype:

@@ -26,6 +26,7 @@ from ._cli_util import (
     model_tokenizer,
     open_device,
     read_weights,
+    recompute_options,
     token_stream,
 )
 from .benchmark import mfu
@@ -45,13 +46,14 @@ DEVICE_DEFAULTS = {
     "cuda": dict(preset="small", batch_size=16, seq_len=1024, steps=500, lr=1e-3, warmup=50, dtype="bf16",
                  eval_every=100, eval_batches=16, sample_tokens=500),
 }
-TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", recompute=[], offload_residual=False,
-                      cuda_graphs=False, lmhead_chunks=1, weight_decay=0.1, grad_clip=1.0, z_loss=0.0, seed=0,
+TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", memory="default", recompute=[],
+                      offload_residual=False, cuda_graphs=False, lmhead_chunks=None, weight_decay=0.1, grad_clip=1.0,
+                      z_loss=0.0, seed=0,
                       save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
                       grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False, nondeterministic_attention=False)
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
-            "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "recompute", "offload_residual",
+            "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "memory", "recompute", "offload_residual",
             "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "z_loss", "seed", "eval_every", "eval_batches",
             "save_every", "save_minutes", "log", "sample_tokens", "optimizer", "lmhead_fp8",
             "nondeterministic_attention")
@@ -147,11 +149,13 @@ def _data_vocab(train) -> int:
 
 def _train_options(run, cfg):
     TrainOptions = model_api()[1]
-    kw = {f"recompute_{r}": True for r in run["recompute"]}
+    kw = recompute_options(run["memory"], run["recompute"], cfg.num_layers)
+    if run["lmhead_chunks"] is not None:
+        kw["lmhead_chunks"] = run["lmhead_chunks"]
     try:
         opts = TrainOptions(model_dtype=run["dtype"], matmul_dtype=run["matmul_dtype"], grad_dtype=run["grad_dtype"],
                             offload_residual=run["offload_residual"], use_cuda_graphs=run["cuda_graphs"],
-                            lmhead_chunks=run["lmhead_chunks"], weight_decay=run["weight_decay"],
+                            weight_decay=run["weight_decay"],
                             grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"],
                             optimizer=run["optimizer"], lmhead_fp8=run["lmhead_fp8"],
                             attention_deterministic=not run["nondeterministic_attention"], **kw)  # fmt: skip
@@ -430,7 +434,8 @@ def add_train_parser(t) -> None:
     g.add_argument("--offload-residual", action="store_true", default=None,
                    help="keep residuals in host memory (default: off)")  # fmt: skip
     g.add_argument("--lmhead-chunks", type=int,
-                   help=f"split the LM head and loss in chunks to save memory ({_dflt('lmhead_chunks')})")  # fmt: skip
+                   help="split the LM head and loss in chunks to save memory (default: chunks of <= 1 GiB of "
+                        "logits, from 1024 rows up)")  # fmt: skip
     g.add_argument("--lmhead-fp8", action="store_true", default=None,
                    help="the LM head's GEMMs in FP8 too; needs --matmul-dtype e4m3 (default: off)")  # fmt: skip
     g.add_argument("--nondeterministic-attention", action="store_true", default=None,

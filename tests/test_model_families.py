@@ -532,10 +532,10 @@ def plan_bytes(cfg, b, t, **opts):
     return weights, a.report().total
 
 
-def refused(cfg, b, t, limit):
+def refused(cfg, b, t, limit, **opts):
     """The MemoryError of allocating (b, t) under a device limit; also checks nothing stayed allocated."""
     a = TensorAllocator("cpu", limit_bytes=limit)
-    m = LlamaModel(cfg, device="cpu", alloc=a)
+    m = LlamaModel(cfg, TrainOptions(**opts), device="cpu", alloc=a)
     before = a.report().total
     with pytest.raises(MemoryError) as err:
         m.allocate_run_state(b, t)
@@ -562,6 +562,16 @@ def test_run_state_that_does_not_fit_names_the_options_that_do(preset, changes, 
     assert f"TrainOptions({want}) makes it fit" in msg, msg
     m = LlamaModel(cfg, TrainOptions(**flags), device="cpu", alloc=TensorAllocator("cpu", limit_bytes=limit))
     m.allocate_run_state(b, t)  # the advice holds
+
+
+@pytest.mark.parametrize("opts", [{"recompute_ffn": True}, {"recompute_ffn_layers": 1}])
+def test_run_state_advice_keeps_the_options_consistent(opts):
+    """The advice ladder adds lean (a partial up-projection recompute) and recompute_block to the run's own
+    options without contradicting them: a run that recomputes every or some up projections gets advice."""
+    cfg = tiny("tiny-qwen3")
+    _, full = plan_bytes(cfg, 2, 256, **opts)
+    _, small = plan_bytes(cfg, 2, 256, recompute_block=True)
+    assert "makes it fit" in refused(cfg, 2, 256, (full + small) // 2, **opts)
 
 
 def test_run_state_that_nothing_fits_says_so():

@@ -78,16 +78,43 @@ def test_gpu_nondeterministic_attention_trains_like_deterministic():
 
 
 # ---- memory presets and the benchmark's gradient accumulation -------------------------------------
-def test_memory_preset_adds_recompute_parts():
+def test_memory_presets_are_options():
+    from cuengine._cli_util import recompute_options
     from cuengine.cli import build_parser
-    from cuengine.model.options import MEMORY_PRESETS
+    from cuengine.model.options import memory_preset
 
+    assert memory_preset("default", 24) == {}
+    assert memory_preset("fast", 24) == {"recompute_swiglu": False, "lmhead_chunks": 1}
+    assert memory_preset("lean", 24) == {"recompute_rmsnorm": True, "recompute_ffn_layers": 12}
+    with pytest.raises(ValueError, match="memory preset must be one of"):
+        memory_preset("small", 24)
     p = build_parser()
-    assert MEMORY_PRESETS["lean"] == ("swiglu", "rmsnorm")
-    assert p.parse_args(["train", "--memory", "lean"]).recompute == ["swiglu", "rmsnorm"]
-    assert p.parse_args(["train", "--recompute", "ffn", "--memory", "lean"]).recompute == ["ffn", "swiglu", "rmsnorm"]
-    assert p.parse_args(["bench", "--memory", "lean", "--recompute", "att"]).recompute == ["swiglu", "rmsnorm", "att"]
-    assert p.parse_args(["train", "--memory", "default"]).recompute == []
+    args = p.parse_args(["train", "--memory", "lean", "--recompute", "att"])
+    assert recompute_options(args.memory, args.recompute, 28) == {
+        "recompute_rmsnorm": True, "recompute_ffn_layers": 14, "recompute_att": True}  # fmt: skip
+    # ffn and block recompute every layer's up projection: lean's partial count gives way
+    args = p.parse_args(["bench", "--recompute", "ffn", "--memory", "lean"])
+    assert recompute_options(args.memory, args.recompute, 28) == {"recompute_rmsnorm": True, "recompute_ffn": True}
+    args = p.parse_args(["train", "--memory", "fast", "--recompute", "swiglu"])  # a part given wins over the preset
+    assert recompute_options(args.memory, args.recompute, 28) == {"recompute_swiglu": True, "lmhead_chunks": 1}
+    assert recompute_options(p.parse_args(["train"]).memory, [], 28) == {}
+
+
+def test_default_options_recompute_swiglu_and_chunk_the_lm_head():
+    """The default keeps memory low cheaply: SwiGLU recomputed, the logits in chunks of <= 1 GiB (a
+    chunk from 1024 rows up); keep_all_activations turns the SwiGLU recompute off with it."""
+    from cuengine.model.options import auto_lmhead_chunks
+
+    o = TrainOptions().resolved("bf16")
+    assert o.recompute_swiglu and o.lmhead_chunks is None
+    assert not TrainOptions(keep_all_activations=True).resolved("bf16").recompute_swiglu
+    assert auto_lmhead_chunks(8192, 151936, 2) == 4  # 0.5B at B=8, T=1024: 594 MiB a chunk
+    assert auto_lmhead_chunks(8192, 151936, 4) == 8
+    assert auto_lmhead_chunks(16384, 256, 2) == 1  # small logits are not split
+    assert auto_lmhead_chunks(2048, 10**6, 2) == 2  # never under 1024 rows a chunk
+    assert auto_lmhead_chunks(2050, 10**6, 2) == 2  # 1025 rows a chunk do not halve evenly
+    m = make()
+    assert m.opts.lmhead_chunks == auto_lmhead_chunks(B * T, m.cfg.vocab_size, 2)
 
 
 def test_bench_train_step_with_grad_accum_matches_a_manual_step():
@@ -152,7 +179,7 @@ def _spied(m, log):
     return dataclasses.replace(k, **{n: spy(n) for n in ("transpose", "quantize_with_abs_max", "quantize_dual")})
 
 
-OPTION_SETS = [{}, {"recompute_swiglu": True}, {"recompute_ffn": True}, {"recompute_rmsnorm": True},
+OPTION_SETS = [{"recompute_swiglu": False}, {}, {"recompute_ffn": True}, {"recompute_rmsnorm": True},
                {"recompute_att": True}, {"recompute_block": True}, {"keep_all_activations": True},
                {"recompute_ffn_layers": 1}]  # fmt: skip
 
@@ -180,7 +207,7 @@ def test_fp8_activations_stored_transposed_skip_the_backward_transposes(device, 
         np.testing.assert_array_equal(g.view(np.uint8), runs[False][1][n].view(np.uint8), err_msg=n)
     L, (C, H) = m.cfg.num_layers, (m.cfg.hidden_size, m.cfg.intermediate_size)
     transposed = [s[-1] for name, s in runs[True][2] if name == "transpose"]
-    if not opts:  # every layer: no transpose at all, the three inputs quantized both ways in the forward
+    if opts == OPTION_SETS[0]:  # every activation kept: no transpose, the three inputs quantized both ways
         assert transposed == [], transposed
         dual = [s[-1] for name, s in runs[True][2] if name == "quantize_dual"]
         assert dual.count(H) >= 3 * L and dual.count(C) >= 3 * (2 * L)

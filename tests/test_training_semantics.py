@@ -27,6 +27,7 @@ from test_model import FLAG_SETS, B, T, assert_grads_close, batch, make, randomi
 
 import cuengine as ce
 from cuengine import cli
+from cuengine.model.options import memory_preset
 from cuengine.kernels import adamw
 from cuengine.model import LlamaModel
 
@@ -375,7 +376,8 @@ def test_memory_flag_saves_its_buffers(flag):
     """The device memory shrinks by exactly the buffers the flag shares or moves, less the growth of
     the stack (recompute_ffn/block put mlp_up there, where it may share the peak with others)."""
     cfg = tiny("tiny", num_layers=L3)
-    base, small = buffers(make(cfg)), buffers(make(cfg, **{flag: True}))
+    fast = memory_preset("fast", L3)  # every activation kept: what each flag takes away from
+    base, small = buffers(make(cfg, **fast)), buffers(make(cfg, **{**fast, flag: True}))
     removed, added = MEMORY_FLAGS[flag]
     assert set(base) - set(small) == removed
     assert set(small) - set(base) == added

@@ -161,11 +161,12 @@ def bench_peer(preset: str, B: int, T: int, steps: int, warmup: int, compiled: b
     return out
 
 
-def lmhead_chunks(arg: str, rows: int) -> int:
-    """--lmhead-chunks: an int, or "auto": the most chunks (a power of two dividing `rows`) that
-    keep >= 1024 rows each, so the (rows / chunks, V) logits stay small at long T."""
-    if arg != "auto":
-        return int(arg)
+def lmhead_chunks(arg: str | None, rows: int) -> int | None:
+    """--lmhead-chunks: an int; "auto": the most chunks (a power of two dividing `rows`) that keep
+    >= 1024 rows each, so the (rows / chunks, V) logits stay small at long T; None: the engine's
+    choice (TrainOptions.lmhead_chunks=None) or the memory preset's."""
+    if arg is None or arg != "auto":
+        return None if arg is None else int(arg)
     chunks = 1
     while rows % (2 * chunks) == 0 and rows // (2 * chunks) >= 1024:
         chunks *= 2
@@ -173,6 +174,8 @@ def lmhead_chunks(arg: str, rows: int) -> int:
 
 
 def main(argv=None) -> int:
+    from cuengine._cli_util import recompute_options
+    from cuengine.model import TransformerConfig
     from cuengine.model.options import MEMORY_PRESETS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,13 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lmhead-chunks", default=None,
-                   help="an int, or 'auto': chunks of >= 1024 rows (default 1; auto with --long-context)")  # fmt: skip
+                   help="an int, or 'auto': chunks of >= 1024 rows (default: the memory preset's; auto with "
+                        "--long-context)")  # fmt: skip
     p.add_argument("--recompute", nargs="*", default=[],
                    help="recompute flags, e.g. ffn swiglu rmsnorm (TrainOptions.recompute_<name>)")  # fmt: skip
-    p.add_argument("--recompute-ffn-layers", type=int, default=0,
+    p.add_argument("--recompute-ffn-layers", type=int, default=None,
                    help="recompute the up projection in the first N layers (recompute_ffn_layers)")  # fmt: skip
-    p.add_argument("--memory", choices=tuple(MEMORY_PRESETS), default="default",
-                   help="recompute preset added to --recompute (as the CLI's --memory)")  # fmt: skip
+    p.add_argument("--memory", choices=MEMORY_PRESETS, default="default",
+                   help="memory preset, --recompute added to it (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
     p.add_argument("--lmhead-fp8", action="store_true", help="fp8 runs: the LM head's GEMMs in FP8 too")
     p.add_argument("--nondeterministic-attention", action="store_true",
@@ -223,12 +227,8 @@ def main(argv=None) -> int:
         args.seq = args.seq or [1024, 8192, 16384]
         args.lmhead_chunks = args.lmhead_chunks or "auto"
     seqs = args.seq or [1024]
-    chunks_arg = args.lmhead_chunks or "1"
-    extra = {f"recompute_{r}": True for r in (*args.recompute, *MEMORY_PRESETS[args.memory])}
-    if args.recompute_ffn_layers:
-        extra["recompute_ffn_layers"] = args.recompute_ffn_layers
-    if args.lmhead_fp8:
-        extra["lmhead_fp8"] = True
+    chunks_arg = args.lmhead_chunks
+    extra = {"lmhead_fp8": True} if args.lmhead_fp8 else {}
     extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,
                  opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,
                  attention_deterministic=not args.nondeterministic_attention)  # fmt: skip
@@ -245,11 +245,17 @@ def main(argv=None) -> int:
     for preset, T in ((p_, t) for p_ in args.preset for t in seqs):
         runs = []
         label = preset if len(seqs) == 1 else f"{preset} T={T}"
+        layers = TransformerConfig.preset(preset).num_layers
+        run_extra = {**extra, **recompute_options(args.memory, args.recompute, layers)}
+        if args.recompute_ffn_layers is not None:
+            run_extra["recompute_ffn_layers"] = args.recompute_ffn_layers
         chunks = lmhead_chunks(chunks_arg, args.batch * T)
+        if chunks is not None:
+            run_extra["lmhead_chunks"] = chunks
         for dtype in args.dtype:
             try:
                 r = bench_engine(preset, dtype, args.batch, T, args.steps, args.warmup,
-                                 dict(extra, lmhead_chunks=chunks), accum)  # fmt: skip
+                                 run_extra, accum)  # fmt: skip
             except Exception as err:  # report and go on: one failing configuration should not hide the rest
                 first = "\n".join(str(err).splitlines()[:2])  # an out-of-memory's advice, without its table
                 print(f"{label} {dtype}: FAILED: {type(err).__name__}: {first}", flush=True)
@@ -265,7 +271,7 @@ def main(argv=None) -> int:
                 print(r["report"])
             runs.append(r)
             if args.gpus > 1:
-                d = bench_dist(r, preset, dtype, T, args, dict(extra, lmhead_chunks=chunks))
+                d = bench_dist(r, preset, dtype, T, args, run_extra)
                 if d is not None:
                     runs.append(d)
         if peer:

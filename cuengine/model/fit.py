@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .options import memory_preset
+
 
 class _Fits(Exception):
     """Raised inside a trial allocation that succeeded, so that all_or_nothing releases it."""
@@ -18,7 +20,12 @@ def options_that_fit(model, B: int, T: int) -> str:
     while N % (2 * chunks) == 0 and N // (2 * chunks) >= 1024:
         chunks *= 2
     base = {"lmhead_chunks": chunks} if chunks != o.lmhead_chunks else {}
-    lean, block = {"recompute_swiglu": True, "recompute_rmsnorm": True}, {"recompute_block": True}
+    lean = {"recompute_swiglu": True, **memory_preset("lean", model.cfg.num_layers)}
+    if o.rc_mlp_up:  # every layer's up projection is recomputed already
+        del lean["recompute_ffn_layers"]
+    block = {"recompute_block": True}
+    if o.recompute_ffn_layers:  # recompute_block recomputes every layer's up projection
+        block["recompute_ffn_layers"] = 0
     ladder = [base, {**base, **lean}, {**base, **block}, {**base, **block, "offload_residual": True}]
     for changes in ladder:
         trial = dataclasses.replace(o, keep_all_activations=False, **changes)

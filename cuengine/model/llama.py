@@ -8,6 +8,7 @@ graphs, the optimizer step); the blocks, their FP8 matmuls and the LM head are `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -25,7 +26,7 @@ from .blocks import RECORDING, Blocks
 from .fit import options_that_fit
 from .muon import MuonState
 from .optimizer import AdamWState
-from .options import TrainOptions
+from .options import TrainOptions, auto_lmhead_chunks
 from .params import ParametersMixin
 from .run_state import RunState
 from .weights import ModelWeights, param_specs
@@ -96,6 +97,10 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             raise ValueError(f"allocate_run_state: B and T must be >= 1, got B={B}, T={T}")
         if T > cfg.max_position_embeddings:
             raise ValueError(f"allocate_run_state: T={T} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        if o.lmhead_chunks is None:  # the run state's options say how many chunks were chosen
+            o = self.opts = dataclasses.replace(
+                o, lmhead_chunks=auto_lmhead_chunks(B * T, cfg.vocab_size, self.dtype.itemsize)
+            )
         if (B * T) % o.lmhead_chunks:
             raise ValueError(f"allocate_run_state: lmhead_chunks={o.lmhead_chunks} does not divide B*T={B * T}")
         if o.recompute_ffn_layers > cfg.num_layers:

@@ -18,12 +18,43 @@ _FP8_GRAD_DTYPES = ("e4m3", "e5m2")
 _BACKENDS = ("auto", "raw", "cudnn")
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
-# `--memory` presets of the CLI and tools/bench_train.py: the recompute parts (TrainOptions.recompute_<part>)
-# each adds. "lean" recomputes the cheapest activations to rebuild: RMSNorm (two memory-bound passes
-# per layer) and SwiGLU (one); together about 2.3 GiB less at the 0.5B shape (B=8, T=1024, bf16;
-# 1.2 GiB with FP8 matmuls) for about 4% more step time. "default" recomputes nothing: it is the
-# fastest, and already within the memory target (<= 0.6x the compiled HF peer's peak).
-MEMORY_PRESETS = {"default": (), "lean": ("swiglu", "rmsnorm")}
+# The memory presets (`memory_preset`, the CLI's and tools/bench_train.py's `--memory`). Measured on the H200
+# at B=8, T=1024, bf16 AdamW moments (the compiled HF peer's precision; PERF_NOTES 25):
+# - "default" (TrainOptions' own defaults): the LM head in chunks whose logits fit in 1 GiB
+#   (`auto_lmhead_chunks`) and SwiGLU recomputed from mlp_up, the cheapest bytes to drop (one
+#   memory-bound pass a layer): about 3% slower than "fast", and at 0.5B within 0.6x the peer's peak.
+# - "fast": neither, every activation kept: the quickest step, the most memory.
+# - "lean": also RMSNorm recomputed and the up projection in the first half of the layers
+#   (recompute_ffn_layers): at most 10% slower than "fast", and within 0.6x the peer at 0.5B and 1.5B.
+MEMORY_PRESETS = ("default", "fast", "lean")
+# Logits of one LM-head chunk above this are split further (auto_lmhead_chunks)
+_LMHEAD_CHUNK_BYTES = 1 << 30
+
+
+def memory_preset(name: str, num_layers: int) -> dict:
+    """The TrainOptions fields of memory preset `name` (MEMORY_PRESETS) for a model of `num_layers`."""
+    if name not in MEMORY_PRESETS:
+        raise ValueError(f"memory preset must be one of {MEMORY_PRESETS}, got {name!r}")
+    if name == "fast":
+        return {"recompute_swiglu": False, "lmhead_chunks": 1}
+    if name == "lean":
+        return {"recompute_rmsnorm": True, "recompute_ffn_layers": num_layers // 2}
+    return {}
+
+
+def auto_lmhead_chunks(rows: int, vocab: int, itemsize: int) -> int:
+    """lmhead_chunks=None: the fewest chunks (halving while the rows stay even and >= 1024 a chunk)
+    whose (rows / chunks, vocab) logits fit in 1 GiB: the logits are the step's largest temporary,
+    and chunks of >= 1024 rows keep the head's GEMMs at their speed (a 2048-row chunk costs the 0.5B
+    step under 1%)."""
+    chunks = 1
+    while (
+        rows // chunks * vocab * itemsize > _LMHEAD_CHUNK_BYTES
+        and rows % (2 * chunks) == 0
+        and (rows // (2 * chunks) >= 1024)
+    ):
+        chunks *= 2
+    return chunks
 
 
 @dataclass
@@ -45,11 +76,13 @@ class TrainOptions:
     # recompute the up projection in the first this-many layers only (their mlp_up on the stack, as with
     # recompute_ffn; the others keep theirs): memory between none and recompute_ffn, one GEMM a layer
     recompute_ffn_layers: int = 0
-    recompute_swiglu: bool = False  # recompute SwiGLU from mlp_up in backward
+    # recompute SwiGLU from mlp_up in backward; None: on (the default preset), off with keep_all_activations
+    recompute_swiglu: bool | None = None
     recompute_block: bool = False  # recompute the whole block from its input residual
     keep_all_activations: bool = False  # never share activation buffers across layers (debugging aid)
     offload_residual: bool = False  # keep the per-layer residuals in pinned host memory, double-buffered
-    lmhead_chunks: int = 1  # split the B*T rows of the LM head + loss into this many chunks
+    # split the B*T rows of the LM head + loss into this many chunks; None: `auto_lmhead_chunks` at allocation
+    lmhead_chunks: int | None = None
     attn_bwd_chunks: int = 1  # split the batch of the attention backward into this many chunks
     attention_backend: str = "auto"  # "auto", "raw" (our flash kernel) or "cudnn"
     # False: cuDNN's faster attention backward (dQ added with atomics, no dQ pass); its bits vary
@@ -78,6 +111,8 @@ class TrainOptions:
         the option for an invalid value or combination."""
         o = dataclasses.replace(self)
         o.model_dtype = o.model_dtype or config_dtype
+        if o.recompute_swiglu is None:
+            o.recompute_swiglu = not o.keep_all_activations
         o.matmul_dtype = o.matmul_dtype or o.model_dtype
         if o.grad_dtype is None:
             o.grad_dtype = "e5m2" if o.fp8 else o.matmul_dtype
@@ -130,7 +165,7 @@ class TrainOptions:
                       "every layer's up projection: choose one")  # fmt: skip
         for name in ("lmhead_chunks", "attn_bwd_chunks"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if (v is not None or name != "lmhead_chunks") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if self.zero_stage not in (0, 1, 2) or isinstance(self.zero_stage, bool):
             raise bad(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
