@@ -27,9 +27,9 @@ from test_model import FLAG_SETS, B, T, assert_grads_close, batch, make, randomi
 
 import cuengine as ce
 from cuengine import cli
-from cuengine.model.options import memory_preset
 from cuengine.kernels import adamw
 from cuengine.model import LlamaModel
+from cuengine.model.options import memory_preset
 
 
 def snapshot(m):
