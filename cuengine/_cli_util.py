@@ -119,8 +119,8 @@ def engine_flags(p, dtype_default: str) -> None:
                    help=f"recompute these activations in backward: {', '.join(RECOMPUTE)} (default: none)")  # fmt: skip
     p.add_argument("--memory", choices=MEMORY_PRESETS,
                    help="what the step keeps for backward: default = the LM head in chunks of <= 1 GiB of logits and "
-                        "SwiGLU recomputed; fast = every activation kept (about 3%% quicker, the most memory); lean = "
-                        "also RMSNorm and the up projection of half the layers recomputed (at most 10%% slower than "
+                        "SwiGLU recomputed; fast = every activation kept (3-5%% quicker, the most memory); lean = "
+                        "also RMSNorm and the up projection of half the layers recomputed (about 10%% slower than "
                         "fast; 0.59x the compiled HF peer's memory at 1.5B); --recompute adds parts (default: "
                         "default)")  # fmt: skip
 

@@ -113,8 +113,12 @@ def test_default_options_recompute_swiglu_and_chunk_the_lm_head():
     assert auto_lmhead_chunks(16384, 256, 2) == 1  # small logits are not split
     assert auto_lmhead_chunks(2048, 10**6, 2) == 2  # never under 1024 rows a chunk
     assert auto_lmhead_chunks(2050, 10**6, 2) == 2  # 1025 rows a chunk do not halve evenly
-    m = make()
-    assert m.opts.lmhead_chunks == auto_lmhead_chunks(B * T, m.cfg.vocab_size, 2)
+    # a model whose logits exceed 1 GiB: allocation picks the chunks and sizes the stack for one chunk
+    cfg = TransformerConfig.preset("tiny").replace(vocab_size=1 << 19)
+    m = LlamaModel(cfg, TrainOptions(model_dtype="bf16"), device="cpu")
+    m.allocate_run_state(16, 256)  # 4096 rows x 2^19 x 2 bytes = 4 GiB of logits: 4 chunks of 1 GiB
+    assert m.opts.lmhead_chunks == 4
+    assert (1 << 30) <= m.memory_report().by_context["Stack"][0] < (5 << 28)
 
 
 def test_bench_train_step_with_grad_accum_matches_a_manual_step():

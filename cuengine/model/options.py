@@ -22,10 +22,10 @@ OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 # at B=8, T=1024, bf16 AdamW moments (the compiled HF peer's precision; PERF_NOTES 25):
 # - "default" (TrainOptions' own defaults): the LM head in chunks whose logits fit in 1 GiB
 #   (`auto_lmhead_chunks`) and SwiGLU recomputed from mlp_up, the cheapest bytes to drop (one
-#   memory-bound pass a layer): about 3% slower than "fast", and at 0.5B within 0.6x the peer's peak.
+#   memory-bound pass a layer): 3-5% slower than "fast", and at 0.5B within 0.6x the peer's peak.
 # - "fast": neither, every activation kept: the quickest step, the most memory.
 # - "lean": also RMSNorm recomputed and the up projection in the first half of the layers
-#   (recompute_ffn_layers): at most 10% slower than "fast", and within 0.6x the peer at 0.5B and 1.5B.
+#   (recompute_ffn_layers): about 10% slower than "fast" (9.7-10.7%), and within 0.6x the peer at 0.5B and 1.5B.
 MEMORY_PRESETS = ("default", "fast", "lean")
 # Logits of one LM-head chunk above this are split further (auto_lmhead_chunks)
 _LMHEAD_CHUNK_BYTES = 1 << 30
@@ -165,7 +165,9 @@ class TrainOptions:
                       "every layer's up projection: choose one")  # fmt: skip
         for name in ("lmhead_chunks", "attn_bwd_chunks"):
             v = getattr(self, name)
-            if (v is not None or name != "lmhead_chunks") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is None and name == "lmhead_chunks":  # chosen at allocation
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if self.zero_stage not in (0, 1, 2) or isinstance(self.zero_stage, bool):
             raise bad(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
