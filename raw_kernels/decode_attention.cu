@@ -129,10 +129,10 @@ ROPE_APPEND_KERNELS(bf16, bf16)
         int fused, const RopeTable<T>::F* freqs, int max_pos) {                                                 \
         extern __shared__ float sm_wt[]; /* the fused merge's weights */                                        \
         launch_dependents();                                                                                    \
-        grid_dependency_wait(); /* q, the cache and the lengths come from the kernels before */                 \
         split_impl<T, VN, NV, LP, GM, 4>(scratch, out, qkv, k_cache, v_cache, lengths, Hq, Hkv, hs, max_seq, S, \
                                          tiles, tile_heads, scale_log2, part_offset, fused != 0, freqs,        \
-                                         max_pos, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm_wt);        \
+                                         max_pos, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm_wt,         \
+                                         [] { grid_dependency_wait(); /* q from the kernel before */ });        \
     }
 #define SPLIT_KERNELS_G(SUF, T, LAYOUT, VN, NV, LP) \
     SPLIT_KERNEL(SUF, T, LAYOUT, VN, NV, LP, 1)     \

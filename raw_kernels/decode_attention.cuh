@@ -127,12 +127,17 @@ __device__ void merge_partials(T* out, float* sm_wt, const float* partials, int 
 // The groups' states are merged through shuffles, then across warps through shared memory.
 // The block's coordinates (split s, kv head and tile y of ny, row i) are arguments, so that a persistent
 // kernel can run it as TEAM 0 or 1 (threads 0-127 or 128-255 of its block, each on blocks of its own).
-template <typename T, int VN, int NV, int LP, int GM, int U, int TEAM = -1>
+// `wait` runs once before anything the kernels before it wrote is read: griddepcontrol.wait in
+// decode_attention.cu, nothing in decode_layers.cu (its phase already waited). Before it the block reads
+// the row's length and, with the fused append, its first step of K and V: those were written by earlier
+// decode steps or the prefill (the contract in kernels/decode_attention.py), and position len - 1, which
+// this launch appends, is replaced from shared memory after the wait.
+template <typename T, int VN, int NV, int LP, int GM, int U, int TEAM = -1, typename Wait>
 __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* v_cache,
                            const int* lengths, int Hq, int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads,
                            float scale_log2, long long part_offset, bool fused,
                            const typename RopeTable<T>::F* freqs, int max_pos, int s, int y, int i, int ny,
-                           float* sm_wt) {
+                           float* sm_wt, Wait wait) {
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
     alignas(16) __shared__ float sm_q[GM][HSMAX];
     alignas(16) __shared__ T sm_new[2][HSMAX];  // with the append: this row's rotated k and its v, kv head g
@@ -179,8 +184,15 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
     // later steps load K(next) during the softmax and V(next) during the next scores, so one block walks
     // a long chunk at memory speed.
     Vec<T, VN> kr[U][NV], vr[U][NV];
-    load_step(kr, kb, p0, nullptr);
-    load_step(vr, vb, p0, nullptr);
+    if (append) {
+        load_step(kr, kb, p0, nullptr);
+        load_step(vr, vb, p0, nullptr);
+        wait();
+    } else {  // the separate rope_kv_append kernel before this one wrote position len - 1
+        wait();
+        load_step(kr, kb, p0, nullptr);
+        load_step(vr, vb, p0, nullptr);
+    }
     if (append) {
         // rope.cu's expression (fp32 math, one rounding to T), then q pre-scaled as below
         const auto rotate = [&](const T* x, int e) {

@@ -285,12 +285,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                 split_impl<T, VN, NV, LP, GM, 4, 0>(scratch, att, qkv, static_cast<T*>(L.k_cache),
                                                    static_cast<T*>(L.v_cache), lengths, Hq, Hkv, hs, max_seq, S_att,
                                                    tiles, tile_heads, scale_log2, part_offset, true, freqs, max_pos, s,
-                                                   y, 0, ny, sm_wt);
+                                                   y, 0, ny, sm_wt, [] {});  // the phase waited above
             else
                 split_impl<T, VN, NV, LP, GM, 4, 1>(scratch, att, qkv, static_cast<T*>(L.k_cache),
                                                    static_cast<T*>(L.v_cache), lengths, Hq, Hkv, hs, max_seq, S_att,
                                                    tiles, tile_heads, scale_log2, part_offset, true, freqs, max_pos, s,
-                                                   y, 0, ny, sm_wt);
+                                                   y, 0, ny, sm_wt, [] {});  // the phase waited above
         }
         count_done(sync + ATTENTION);
         wait_count(sync + ATTENTION, done);

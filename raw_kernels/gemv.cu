@@ -3,6 +3,8 @@
 //   gemv:          out[m, n] = r(residual[m, n] + r(r(s[n] * sum_k xin[m, k] * W[n, k]) + bias[n]))  (=)
 //                  s = w_scale for E4M3 weights (W8A16), else 1; bias and residual optional
 //   gemv_dual:     the same over the packed (2H, K) [gate | up] weight, out (b, 2H) = [gate | up]   (=)
+//                  or, dual = DUAL_SWIGLU, out (b, H) = r(silu(gate) * up) of those rounded values, as
+//                  activations.cu's swiglu_forward computes it (SiLU·mul in the epilogue)           (=)
 //   quantize_rows: w_scale[n] = max_k |w[n, k]| / 448 (1 for an all-zero row);
 //                  w8[n, k] = e4m3(w[n, k] / w_scale[n]), clamped to +-448, round-to-nearest-even   (=)
 // r() rounds to out's dtype O (the model dtype T, or fp32 for logits). xin is x, or the RMSNorm
@@ -21,7 +23,8 @@
 // gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over each
 // tile's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
 // byte reads as +-480, but quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
-// Ready for programmatic dependent launch: only weights are read before griddepcontrol.wait.
+// Ready for programmatic dependent launch: only weights (the norm weight among them, staged into shared
+// memory with prologue PRO_NORM_STAGED) are read before griddepcontrol.wait.
 // K: a multiple of one 16-byte weight vector (8 bf16, 4 fp32, 16 e4m3 elements).
 #include "gemv.cuh"
 

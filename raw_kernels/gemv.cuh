@@ -14,7 +14,12 @@ constexpr int R = 2;      // weight rows per warp
 constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
 constexpr int SU = 2;     // 16-byte SwiGLU input vectors per thread in flight while staging
 
-enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2 };
+// PRO_NORM_STAGED: PRO_NORM with norm_weight copied into shared memory before the wait (gemv.cu), so the
+// normalisation after the rstd reads it there instead of making an L2 round trip on the critical path.
+enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2, PRO_NORM_STAGED = 3 };
+// What a dual GEMV writes: [gate | up] (b, N), or SiLU(gate) * up (b, N / 2), each rounded to the output
+// dtype first as the training forward rounds its up projection.
+enum Dual { DUAL_NONE = 0, DUAL_PAIR = 1, DUAL_SWIGLU = 2 };
 
 
 // ---- helpers ------------------------------------------------------------------------------
@@ -51,13 +56,17 @@ template <> __device__ __forceinline__ float widen<fp8e4>(unsigned word, int j) 
     return __int_as_float((top >> 4) & 0x87f00000) * 0x1p120f;
 }
 
+// SiLU(g) * u as activations.cu's act_value(ACT_SILU, g) * u computes it
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * __fdividef(1.f, 1.f + __expf(-g)) * u; }
+
 // 16 bytes global -> shared without passing through registers (the weight vectors in flight keep theirs)
 __device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 
-// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T.
+// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T. With
+// PRO_NORM_STAGED, norm_weight points at the copy in shared memory (its cp.async completes with x's).
 template <typename T, int BT>
 __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
                             float eps, int prologue, int m0, int b, int K) {
@@ -71,17 +80,34 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
                 const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
                 if (i >= total || m >= b) {
                     for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
-                } else {  // silu as activations.cu's act_value(ACT_SILU, g) * u
+                } else {
                     const T* row = x + (size_t)m * 2 * K;
                     const Pack16<T> g = load_pack_cg(row + c), u = load_pack_cg(row + K + c);
-                    for (int k = 0; k < VT; ++k) {
-                        const float gk = to_float(g.v[k]);
-                        v[j].v[k] = from_float<T>(gk * __fdividef(1.f, 1.f + __expf(-gk)) * to_float(u.v[k]));
-                    }
+                    for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(swiglu_value(to_float(g.v[k]), to_float(u.v[k])));
                 }
             }
             #pragma unroll
             for (int j = 0; j < SU; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs;
+                if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+            }
+        }
+        return;
+    }
+    if (prologue == PRO_NONE) {
+        // through registers, SN vectors a thread in flight: on the H200 the down projection's 9.7 KB row
+        // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26)
+        constexpr int SN = 4;
+        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
+            Pack16<T> v[SN];
+            #pragma unroll
+            for (int j = 0; j < SN; ++j) {
+                const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT;
+                if (i < total && m0 + t < b) v[j] = load_pack_cg(x + (size_t)(m0 + t) * K + c);
+                else for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
+            }
+            #pragma unroll
+            for (int j = 0; j < SN; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs;
                 if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
             }
@@ -100,7 +126,7 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-    if (prologue != PRO_NORM) return;
+    if (prologue != PRO_NORM && prologue != PRO_NORM_STAGED) return;
     // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
     __syncthreads();  // every thread's copies have landed
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -174,7 +200,8 @@ __device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&w
 // Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
 // a tile's sums do not depend on which block runs it). A block's work is (tile, pass of BT input rows)
 // items in order; the first weight vectors of the next item are in flight while the current one reduces
-// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes.
+// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes, + K * sizeof(T) with PRO_NORM_STAGED.
+// dual: a Dual (DUAL_SWIGLU writes out (b, N / 2)).
 template <typename T, typename W, typename O, int BT, typename Wait>
 __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
                           const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
@@ -192,6 +219,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     const int tiles = (N + groups * R - 1) / (groups * R);
     // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
     launch_dependents();
+
     if (block >= tiles) {
         wait();
         return;
@@ -213,6 +241,13 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     set_rows(tile_index);
     uint4 wv[U][R];
     load_first<W>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
+    // The norm weight is a weight too: into shared memory behind xs before the wait (PRO_NORM_STAGED)
+    const T* norm_in = norm_weight;
+    if (prologue == PRO_NORM_STAGED) {
+        T* ws = xs + (size_t)BT * K;
+        for (int c = threadIdx.x * NT; c < K; c += blockDim.x * NT) copy_async16(ws + c, norm_weight + c);
+        norm_in = ws;
+    }
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
     for (;;) {
         const int tile = tile_index * groups * R;  // first row of the tile
@@ -223,7 +258,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             // Under programmatic dependent launch everything above (weights only) overlaps the previous
             // kernel (or phase); its outputs (x, residual, out's memory) are touched only after this wait.
             if (!staged) wait();
-            stage_input<T, BT>(xs, s_rstd, x, norm_weight, eps, prologue, m0, b, K);
+            stage_input<T, BT>(xs, s_rstd, x, norm_in, eps, prologue, m0, b, K);
             __syncthreads();
             staged = true;
         }
@@ -303,7 +338,15 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
                 for (int s = 0; s < S; ++s) y += s_partial[g * S + s][r][t];
             }
         }
-        if (writes) finish<O>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, fm, fn, N);
+        if (dual == DUAL_SWIGLU) {
+            // gate and up, each rounded as finish() rounds them; the up row's finisher is BT threads after
+            // its gate row's, in the same warp (tile rows pair up as gate q/2, up q/2), so every lane shuffles
+            const float v = to_float(from_float<O>(w_scale != nullptr ? y * ep.scale : y));
+            const float up = __shfl_down_sync(0xffffffffu, v, BT);
+            if (writes && fq % 2 == 0) out[(size_t)fm * (N / 2) + fq / 2] = from_float<O>(swiglu_value(v, up));
+        } else if (writes) {
+            finish<O>(out, ep, w_scale != nullptr, bias != nullptr, residual != nullptr, y, fm, fn, N);
+        }
         if (!more) break;
         tile_index = next_index;
         m0 = next_m0;

@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_close, check_op, rng
 
 import cuengine as ce
-from cuengine.kernels.activations import swiglu_forward
+from cuengine.kernels.activations import activation_forward_np, swiglu_forward
 from cuengine.kernels.gemv import (
     _grid,
     _split,
@@ -136,6 +136,15 @@ def test_dual_twin_is_the_gemv_of_the_packed_weight():
     assert_close(got, want, "bf16", "dual")
 
 
+def test_dual_swiglu_twin_is_swiglu_of_the_rounded_gate_and_up():
+    c = case(3, 64, 48, "bf16")
+    pair = gemv_dual_np(c["x"], c["w"], norm_weight=c["norm_weight"], eps=EPS)
+    got = gemv_dual_np(c["x"], c["w"], norm_weight=c["norm_weight"], eps=EPS, act="swiglu")
+    np.testing.assert_array_equal(got.view(np.uint16), activation_forward_np(pair, "swiglu").view(np.uint16))
+    g, u = np.split(ref64(c["x"], c["w"], norm_weight=c["norm_weight"]), 2, axis=1)
+    assert_close(got, g / (1 + np.exp(-g)) * u, "bf16", "dual swiglu vs float64")
+
+
 def test_quantize_rows_np():
     w = (_normal((6, 64), 7) * np.float32(3)).astype(ml_dtypes.bfloat16)
     w[2] = 0  # an all-zero row has scale 1
@@ -246,6 +255,11 @@ def test_gemv_dual(dev, b, K, H, norm, wdtype):
     gemv_dual(out, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"] if norm else None, eps=EPS)
     assert_close(out.numpy(), gemv_dual_np(c["x"], c["w"], c.get("w_scale"), nw, EPS), "bf16", "dual")
     assert_close(out.numpy(), ref64(c["x"], c["w"], c.get("w_scale"), norm_weight=nw), "bf16", "dual vs float64")
+    act = ce.Tensor.empty(ce.BF16, (b, H), dev, name="act")
+    gemv_dual(act, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"] if norm else None, eps=EPS,
+              act="swiglu")  # fmt: skip
+    want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), nw, EPS, act="swiglu")
+    assert_close(act.numpy(), want, "bf16", "dual swiglu")
 
 
 def test_residual_may_be_out(dev):
@@ -333,6 +347,40 @@ def test_swiglu_prologue_equals_swiglu_forward_then_gemv(cuda, wdtype, b):
     swiglu_forward(h, t["x"])
     split = ce.Tensor.empty(ce.BF16, (b, 128), cuda, name="split")
     gemv(split, h, t["w"], w_scale=t.get("w_scale"))
+    np.testing.assert_array_equal(fused.numpy().view(np.uint16), split.numpy().view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+@pytest.mark.parametrize("H", [128, 4864])  # K split in two (a sum of slices in shared memory) and not split
+@pytest.mark.parametrize("b", [1, 5, 64])
+def test_swiglu_epilogue_equals_dual_then_swiglu_forward(cuda, wdtype, H, b):
+    """The "fused_up" arm's gate/up GEMV gives the bits of the "split" arm's two launches."""
+    c = case(b, 896, 2 * H, "bf16", wdtype)
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight") if k in c})
+    kw = dict(w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
+    fused = ce.Tensor.empty(ce.BF16, (b, H), cuda, name="fused")
+    gemv_dual(fused, t["x"], t["w"], act="swiglu", **kw)
+    pair = ce.Tensor.empty(ce.BF16, (b, 2 * H), cuda, name="pair")
+    gemv_dual(pair, t["x"], t["w"], **kw)
+    split = ce.Tensor.empty(ce.BF16, (b, H), cuda, name="split")
+    swiglu_forward(split, pair)
+    np.testing.assert_array_equal(fused.numpy().view(np.uint16), split.numpy().view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_norm_prologue_unstaged_when_the_weight_does_not_fit(cuda):
+    """K too large to stage the norm weight beside the input row: the prologue reads it from global
+    memory instead, with the same bits as rmsnorm_forward then the GEMV."""
+    K = 57344  # (1 + 1) * K bf16 > gemv._SMEM_ROW, one row <= it
+    c = case(1, K, 16, "bf16")
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "norm_weight")})
+    fused = ce.Tensor.empty(ce.BF16, (1, 16), cuda, name="fused")
+    gemv(fused, t["x"], t["w"], norm_weight=t["norm_weight"], eps=EPS)
+    xn = ce.Tensor.empty(ce.BF16, (1, K), cuda, name="xn")
+    rmsnorm_forward(xn, ce.Tensor.empty(ce.FP32, (1,), cuda, name="rstd"), t["x"], t["norm_weight"], EPS)
+    split = ce.Tensor.empty(ce.BF16, (1, 16), cuda, name="split")
+    gemv(split, xn, t["w"])
     np.testing.assert_array_equal(fused.numpy().view(np.uint16), split.numpy().view(np.uint16))
 
 
@@ -477,6 +525,12 @@ def test_gemv_dual_errors():
         gemv_dual(_t("bf16", (2, 31)), _t("bf16", (2, 64)), _t("bf16", (31, 64)))
     with pytest.raises(ValueError, match="gemv_dual w_scale: only e4m3"):
         gemv_dual(_t("bf16", (2, 32)), _t("bf16", (2, 64)), _t("bf16", (32, 64)), w_scale=_t("fp32", (32,)))
+    with pytest.raises(ValueError, match=r"gemv_dual out: expected shape \(2, 16\)"):
+        gemv_dual(_t("bf16", (2, 32)), _t("bf16", (2, 64)), _t("bf16", (32, 64)), act="swiglu")
+    with pytest.raises(ValueError, match="gemv_dual out: expected dtype bf16"):
+        gemv_dual(_t("fp32", (2, 16)), _t("bf16", (2, 64)), _t("bf16", (32, 64)), act="swiglu")
+    with pytest.raises(ValueError, match="gemv_dual: act='gelu' is not supported"):
+        gemv_dual(_t("bf16", (2, 16)), _t("bf16", (2, 64)), _t("bf16", (32, 64)), act="gelu")
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from cuengine.kernels import sampling
 from cuengine.model import LlamaModel, TransformerConfig
 
 PRESETS = ["tiny", "tiny-llama"]  # Qwen2-like (tied, qkv bias) and Llama-like (untied, no bias)
-ARMS = ["split", "fused", "gemm"]
+ARMS = ["split", "fused", "fused_up", "gemm"]
 SEQ = 12  # tokens of each teacher-forced sequence
 # bf16 logits: relative L2 error per position. A bf16 forward is itself 1-2% (relative L2) away from
 # the fp32 one on these weights, and any change of rounding order (GEMV vs GEMM accumulation, the
@@ -173,7 +173,7 @@ def test_auto_allocation_and_a_training_model_share_weights():
 
 
 @pytest.mark.parametrize("weights,head", [("bf16", 2), ("fp8", 1)])
-@pytest.mark.parametrize("arm,per_layer", [("fused", 5), ("split", 6), ("gemm", 8)])
+@pytest.mark.parametrize("arm,per_layer", [("fused", 5), ("fused_up", 5), ("split", 6), ("gemm", 8)])
 def test_launches_per_decode_step(monkeypatch, arm, per_layer, weights, head):
     """The fused decode step: 5 launcher calls per layer on the GEMV arms' fast path (the issue's
     target is <= 7; RoPE and the cache append ride in the attention launch), plus the embedding,
@@ -215,8 +215,8 @@ def test_advance_positions(dev):
 
 # ---- FFN arms and FP8 weights -----------------------------------------------------------------
 def test_choose_ffn_arm():
-    assert [choose_ffn_arm(b, "bf16") for b in (1, 2, 3, 8, 16, 64)] == ["fused"] * 2 + ["gemm"] * 4
-    assert [choose_ffn_arm(b, "fp8") for b in (1, 4, 5, 64)] == ["fused"] * 2 + ["split"] * 2
+    assert [choose_ffn_arm(b, "bf16") for b in (1, 2, 4, 5, 8, 64)] == ["fused_up"] * 3 + ["gemm"] * 3
+    assert [choose_ffn_arm(b, "fp8") for b in (1, 8, 9, 64)] == ["fused_up"] * 2 + ["split"] * 2
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -226,11 +226,13 @@ def test_ffn_arms_agree(dev, dtype):
     for arm in ARMS:
         m = model("tiny", dtype, dev)
         logits[arm] = decode_logits(m, sequences(256, lens), lens, arm)
-    for arm in ("fused", "gemm"):
+    for arm in ("fused", "fused_up", "gemm"):
         assert_logits_close(logits[arm][:, 5:], logits["split"][:, 5:], dtype, arm)
+    # SiLU·mul in the gate/up epilogue makes the values the down GEMV's prologue makes: the same bits
+    np.testing.assert_array_equal(logits["fused_up"], logits["fused"])
 
 
-@pytest.mark.parametrize("arm", ["split", "fused"])
+@pytest.mark.parametrize("arm", ["split", "fused", "fused_up"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_fp8_weights_near_bf16(dev, preset, arm):
     """Per-row E4M3 weights (3 mantissa bits) move the logits by a few percent; a missing scale,

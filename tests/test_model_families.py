@@ -418,7 +418,7 @@ def inference_model(preset, dtype, device, seed=0):
     return m
 
 
-@pytest.mark.parametrize("arm", ["split", "fused", "gemm"])
+@pytest.mark.parametrize("arm", ["split", "fused", "fused_up", "gemm"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_decode_logits_match_full_forward(dev, preset, dtype, arm):

@@ -390,7 +390,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
-    p.add_argument("--arms", nargs="+", default=["fused", "persistent"], help="token: the batch-1 arms to time")
+    p.add_argument(
+        "--arms", nargs="+", default=["fused", "fused_up", "persistent"], help="token: the batch-1 arms to time"
+    )
     p.add_argument("--stage-kb", type=int, help="token: the persistent arm's weight ring stage (KB)")
     p.add_argument("--tile-heads", type=int, choices=(1, 2, 4, 8),
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip

@@ -9,6 +9,9 @@ the sequence more than 32 ways):
     residual = gemv(att, atto_w, residual=residual)            residual add in the epilogue
     FFN arm (ln2 in the first GEMV's prologue, the residual add in the down GEMV's epilogue):
       "fused": up = gemv_dual(residual, up_w, norm_weight=ln2); residual = gemv(up, down_w, act="swiglu")
+      "fused_up": act = gemv_dual(residual, up_w, norm_weight=ln2, act="swiglu"); residual = gemv(act, down_w,
+                residual=residual): SiLU·mul once per output in the epilogue, where "fused" has every
+                block of the down GEMV recompute all of it (the same values, so the same bits)
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
 The "persistent" arm runs every layer of a batch-1 step in one launch (kernels/decode_layers.py): the
 "fused" arm's phases meeting at counters, with each block's weights streamed into shared memory ahead
@@ -65,6 +68,10 @@ def ffn(st, i: int, b: int, arm: str) -> None:
         blas.matmul(res, act, W[p + "down_w"], accumulate=True)
         return
     lin = st.linears[p + "up_w"]
+    if arm == "fused_up":
+        gemv.gemv_dual(act, res, lin.w, w_scale=lin.scale, norm_weight=ln2, eps=eps, act="swiglu")
+        _gemv(st, res, act, p + "down_w", residual=res)
+        return
     gemv.gemv_dual(up, res, lin.w, w_scale=lin.scale, norm_weight=ln2, eps=eps)
     if arm == "fused":
         _gemv(st, res, up, p + "down_w", residual=res, act="swiglu")

@@ -25,7 +25,7 @@ from . import decode
 from .prefill import prefill_group
 
 WEIGHTS = ("bf16", "fp8")  # "bf16": the model's own weights (fp32 for an fp32 model); "fp8": per-row E4M3
-FFN_ARMS = ("split", "fused", "gemm", "persistent")
+FFN_ARMS = ("split", "fused", "fused_up", "gemm", "persistent")
 LINEARS = ("qkv_w", "atto_w", "up_w", "down_w")
 RING = 16  # steps of sampled tokens in flight between the device and the host
 MAX_BATCH = 64  # the decode kernels' row limit
@@ -113,7 +113,7 @@ class InferenceState:
             # QK-norm's per-head rstd (Qwen3), which decode and prefill compute but never read
             self.qk_rstd = a(FP32, "decode_qk_rstd", (max(B, S), Hq + Hkv)) if cfg.qk_norm else None
             self.up = a(dt, "decode_up", (B, 2 * H))  # [gate | up]
-            self.act = a(dt, "decode_swiglu", (B, H))  # "split" and "gemm"
+            self.act = a(dt, "decode_swiglu", (B, H))  # "split", "fused_up" and "gemm"
             self.ln = a(dt, "decode_ln2", (B, C))  # "gemm": the normalised FFN input
             self.rstd = a(FP32, "decode_rstd", (B,))
             self.logits = a(FP32, "decode_logits", (B, V))
@@ -294,25 +294,27 @@ def _check_int(name, value, lo, hi, hi_what=None) -> None:
         raise ValueError(f"allocate_inference_state: {name}={value} outside [{lo}, {hi}]{why}")
 
 
-# Arm thresholds (see choose_ffn_arm), from bench_decode.py --section arms on the H200 (0.5B FFN):
-# bf16 at b = 1: fused 12.3 us, gemm 15.2, split 16.5; at b = 8: gemm 15.4, split 29.0, fused 31.4.
-# fp8 at b = 1: fused 13.7, split 17.4; at b = 8: split 31.7, fused 34.3.
-FUSED_MAX_BATCH = 2  # bf16/fp32 weights: "fused" up to here, then "gemm"
-FP8_FUSED_MAX_BATCH = 4  # fp8 weights: "fused" up to here, then "split"
+# Arm thresholds (see choose_ffn_arm), from the H200 (0.5B, ms per step, tools/bench_decode.py and
+# BENCHMARKS.md's thirteenth session): bf16 b = 1: fused_up 0.620, fused 0.635; b = 2: fused_up 0.78,
+# fused 0.81, gemm 0.97; b = 4: fused_up 0.82, gemm 0.97; b = 8: gemm 0.99, fused_up 1.05.
+# fp8 b = 1: fused_up 0.634, fused 0.653; b = 8: fused_up 1.30, split 1.37; b = 64: split 10.2, fused_up 11.0.
+FUSED_MAX_BATCH = 4  # bf16/fp32 weights: "fused_up" up to here, then "gemm"
+FP8_FUSED_MAX_BATCH = 8  # fp8 weights: "fused_up" up to here, then "split"
 
 
 def choose_ffn_arm(b: int, weights: str) -> str:
     """The arm for b rows (seed 004's choice, moved to where the H200 measurements put it).
 
     A GEMV reads each weight once per group of up to 8 rows and its cost grows with b, while
-    cuBLASLt's M = b GEMM costs about the same from b = 1 to 64: the fused GEMV arm (SiLU·mul in
-    the down GEMV's prologue, one launch fewer) wins at one or two rows, the "gemm" arm beyond.
-    FP8 weights have only GEMV arms (weight-only W8A16): "fused" for a few rows, then "split",
-    which stages SiLU·mul once (the seed's `act_mul`) instead of recomputing it per output tile.
+    cuBLASLt's M = b GEMM costs about the same from b = 1 to 64: the GEMV arm with SiLU·mul in the
+    gate/up GEMV's epilogue ("fused_up": computed once, where "fused" has every down-projection
+    block recompute it) wins up to a few rows, the "gemm" arm beyond.
+    FP8 weights have only GEMV arms (weight-only W8A16): "fused_up" up to 8 rows, then "split",
+    which stages SiLU·mul once (the seed's `act_mul`) in its own launch.
     """
     if weights == "fp8":
-        return "fused" if b <= FP8_FUSED_MAX_BATCH else "split"
-    return "fused" if b <= FUSED_MAX_BATCH else "gemm"
+        return "fused_up" if b <= FP8_FUSED_MAX_BATCH else "split"
+    return "fused_up" if b <= FUSED_MAX_BATCH else "gemm"
 
 
 def check_ffn_arm(arm: str, weights: str) -> None:

@@ -34,7 +34,8 @@ _TILES_MAX = 528  # split K while the tiles stay within this many (4 per SM on 1
 # bits do not depend on the GPU
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
 _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
-_PRO_NONE, _PRO_NORM, _PRO_SWIGLU = 0, 1, 2  # enum Prologue in gemv.cu
+_PRO_NONE, _PRO_NORM, _PRO_SWIGLU, _PRO_NORM_STAGED = 0, 1, 2, 3  # enum Prologue in gemv.cuh
+_DUAL_NONE, _DUAL_PAIR, _DUAL_SWIGLU = 0, 1, 2  # enum Dual in gemv.cuh
 _RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
 _SM_SHARED = 228 * 1024  # shared memory per SM (sm_90); each block also takes 1 KB reserved + its static arrays
 
@@ -82,9 +83,11 @@ def gemv_np(x, w, w_scale=None, bias=None, residual=None, norm_weight=None, eps=
     return y
 
 
-def gemv_dual_np(x, w_up, w_scale=None, norm_weight=None, eps=1e-6, out_dtype=None):
-    """out (b, 2H) = [gate | up] of `gemv_dual`: the GEMV over the packed (2H, K) weight."""
-    return gemv_np(x, w_up, w_scale, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
+def gemv_dual_np(x, w_up, w_scale=None, norm_weight=None, eps=1e-6, out_dtype=None, act=None):
+    """out (b, 2H) = [gate | up] of `gemv_dual`: the GEMV over the packed (2H, K) weight; with
+    act="swiglu", out (b, H) = activation_forward_np of that rounded [gate | up]."""
+    y = gemv_np(x, w_up, w_scale, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
+    return y if act is None else activation_forward_np(y, act)
 
 
 # ---- sizes --------------------------------------------------------------------------------
@@ -118,8 +121,9 @@ def _overlaps(a, b) -> bool:
     return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
 
-def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
-    """(b, K, N, device) after every boundary check gemv and gemv_dual share."""
+def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, dual=_DUAL_NONE):
+    """(b, K, N, device) after every boundary check gemv and gemv_dual share (`dual`: gemv_dual's
+    output, [gate | up] or its SwiGLU)."""
     expect(x, f"{what} x", MODEL, (None, None))
     if act not in ACTS:
         raise ValueError(f"{what}: act={act!r} is not supported; use None or 'swiglu'")
@@ -148,7 +152,12 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split):
         expect(w_scale, f"{what} w_scale", FP32, (N,))
     elif w_scale is not None:
         raise ValueError(f"{what} w_scale: only e4m3 weights take row scales, but w {w.name!r} is {w.dtype}")
-    expect(out, f"{what} out", (x.dtype, FP32), (b, N))
+    if dual and N % 2:
+        raise ValueError(f"{what} w_up: expected (2H, K) = [gate | up], got tensor {w.name!r} {w.shape}")
+    if dual == _DUAL_SWIGLU:  # SiLU·mul rounds to the model dtype, as swiglu_forward does
+        expect(out, f"{what} out", x.dtype, (b, N // 2))
+    else:
+        expect(out, f"{what} out", (x.dtype, FP32), (b, N))
     if bias is not None:
         expect(bias, f"{what} bias", x.dtype, (N,))
     if residual is not None:
@@ -173,9 +182,11 @@ def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual
     bt = _tile(b, K, x.dtype.itemsize)
     s = split or _split(N, K * w.dtype.itemsize // 16)
     name = f"{kernel_name('gemv', x, w, out)}_{bt}"
+    smem = bt * K * x.dtype.itemsize
+    if prologue == _PRO_NORM and smem + K * x.dtype.itemsize <= _SMEM_ROW:
+        prologue, smem = _PRO_NORM_STAGED, smem + K * x.dtype.itemsize  # the norm weight, staged before the wait
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
             np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
-    smem = bt * K * x.dtype.itemsize
     launch(FAMILY, name, _grid(dev, ceil_div(N, _ROWS * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
            shared_mem=smem, dependent=True)  # fmt: skip
 
@@ -210,30 +221,35 @@ def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None,
     if b == 0 or N == 0:
         return
     prologue = _PRO_SWIGLU if act else _PRO_NORM if norm_weight is not None else _PRO_NONE
-    _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, 0, b, K, N, split, dev, stream)
+    _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, _DUAL_NONE, b, K, N, split, dev, stream)
 
 
-def gemv_dual(out, x, w_up, *, w_scale=None, norm_weight=None, eps=1e-6, split=None, stream=None) -> None:
+def gemv_dual(out, x, w_up, *, w_scale=None, norm_weight=None, eps=1e-6, act=None, split=None,
+              stream=None) -> None:  # fmt: skip
     """out = [gate | up] = xin · w_upᵀ for the packed (2H, K) [gate | up] weight, in one pass.
 
-    A warp reads gate row j and up row j together. Args as gemv: out (b, 2H) x's dtype or fp32,
-    x (b, K), w_up (2H, K) x's dtype or e4m3 with w_scale (2H,), norm_weight (K,) for the fused
-    RMSNorm. Raises ValueError as gemv, and for an odd number of weight rows.
+    A warp reads gate row j and up row j together, so with act="swiglu" the epilogue writes
+    SiLU(gate) * up straight away: out (b, H) in x's dtype, the values swiglu_forward makes of the
+    rounded [gate | up], and the down projection after it needs no SwiGLU prologue (each of its
+    blocks would recompute all H of them). Args as gemv: out (b, 2H) x's dtype or fp32, x (b, K),
+    w_up (2H, K) x's dtype or e4m3 with w_scale (2H,), norm_weight (K,) for the fused RMSNorm.
+    Raises ValueError as gemv, and for an odd number of weight rows.
     NumPy equivalent: gemv_dual_np.
     """
-    b, K, N, dev = _check("gemv_dual", out, x, w_up, w_scale, None, None, norm_weight, None, split)
-    if N % 2:
-        raise ValueError(f"gemv_dual w_up: expected (2H, K) = [gate | up], got tensor {w_up.name!r} {w_up.shape}")
+    if act not in ACTS:
+        raise ValueError(f"gemv_dual: act={act!r} is not supported; use None or 'swiglu'")
+    dual = _DUAL_SWIGLU if act else _DUAL_PAIR
+    b, K, N, dev = _check("gemv_dual", out, x, w_up, w_scale, None, None, norm_weight, None, split, dual)
     if dev.is_cpu:
         out.array()[...] = gemv_dual_np(
             x.array(), w_up.array(), None if w_scale is None else w_scale.array(),
-            None if norm_weight is None else norm_weight.array(), eps, out.dtype.np,
+            None if norm_weight is None else norm_weight.array(), eps, out.dtype.np, act,
         )  # fmt: skip
         return
     if b == 0 or N == 0:
         return
     prologue = _PRO_NORM if norm_weight is not None else _PRO_NONE
-    _launch(out, x, w_up, w_scale, None, None, norm_weight, eps, prologue, 1, b, K, N, split, dev, stream)
+    _launch(out, x, w_up, w_scale, None, None, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream)
 
 
 def quantize_rows(w8, w_scale, w, stream=None) -> None:
