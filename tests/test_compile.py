@@ -6,6 +6,7 @@ CUDA headers of the nvidia-cuda-runtime wheel.
 
 import pytest
 
+from cuengine.kernels import _build
 from cuengine.kernels._build import COMPILE_OPTIONS, cuda_include_dirs, include_options, kernel_files
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is part of the [cuda] extra")
@@ -48,3 +49,16 @@ def test_decode_layers_instantiation_compiles():
     from cuengine.kernels._build import kernel_dir
 
     _compile(kernel_dir() / "decode_layers.cu", "decode_layers<__nv_bfloat16, __nv_bfloat16, 8, 1, 8, 1>")
+
+
+def test_an_edited_header_changes_the_source_cupy_caches(tmp_path, monkeypatch):
+    """CuPy's kernel cache keys on the .cu text: the headers' digest rides on its last line, so a .cuh
+    edit recompiles every module (a stale binary would pass every test of the edit it ignores)."""
+    for f in ("gemv.cu", "gemv.cuh", "common.cuh"):
+        (tmp_path / f).write_bytes((_build.kernel_dir() / f).read_bytes())
+    cu = tmp_path / "gemv.cu"
+    before = _build.module_source(cu)
+    assert before.startswith(cu.read_text())  # line numbers of compile errors stay those of the file
+    (tmp_path / "gemv.cuh").write_text((tmp_path / "gemv.cuh").read_text() + "\n// edited\n")
+    _build._headers_digest.cache_clear()
+    assert _build.module_source(cu) != before

@@ -76,13 +76,30 @@ def module(family: str, device_index: int, template: str | None = None):
         cubin.write_bytes(compile_cubin(path, MODULE_ARCH[family])[0])
         with cupy.cuda.Device(device_index):
             return cupy.RawModule(path=str(cubin))
-    source = path.read_text()
+    source = module_source(path)
     names = (template,) if template else ()
     with cupy.cuda.Device(device_index):
         mod = cupy.RawModule(code=source, options=COMPILE_OPTIONS + include_options(), backend="nvrtc",
                              name_expressions=names)  # fmt: skip
         mod.compile()
     return mod
+
+
+def module_source(path: Path) -> str:
+    """The text of a .cu file as CuPy compiles it: with a last line naming the digest of the headers
+    it may include. CuPy's on-disk kernel cache keys on the source text alone, so without it an edited
+    raw_kernels/*.cuh would leave every .cu that includes it running its stale cached binary."""
+    return path.read_text() + f"\n// raw_kernels headers: {_headers_digest(path.parent)}\n"
+
+
+@functools.cache
+def _headers_digest(directory: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for header in sorted(directory.glob("*.cuh")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def compile_cubin(path: Path, arch: str) -> tuple[bytes, str]:
