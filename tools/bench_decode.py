@@ -330,6 +330,16 @@ def arm_cases(dev, b: int, sweep: bool):
             Wup, Wdown = Weights(dev, 2 * inter, hidden, fp8), Weights(dev, hidden, inter, fp8)
             dual = lambda i, W=Wup, x=x, up=up: gemv.gemv_dual(up, x, W.w[i], w_scale=W.scale[i])  # noqa: E731
             yield f"{name} gemv_dual {hidden}->2x{inter}", wd, Wup.nbytes + x.nbytes + up.nbytes, Wup.copies, dual
+            dual_act = lambda i, W=Wup, x=x, h=h: gemv.gemv_dual(  # noqa: E731
+                h, x, W.w[i], w_scale=W.scale[i], act="swiglu"
+            )
+            yield (
+                f"{name} gemv_dual swiglu {hidden}->{inter}",
+                wd,
+                Wup.nbytes + x.nbytes + h.nbytes,
+                Wup.copies,
+                dual_act,
+            )
             silu = lambda i, W=Wdown, up=up, out=out: gemv.gemv(  # noqa: E731
                 out, up, W.w[i], w_scale=W.scale[i], act="swiglu"
             )
@@ -346,8 +356,13 @@ def arm_cases(dev, b: int, sweep: bool):
                 gemv.gemv_dual(up, x, Wu.w[i % Wu.copies], w_scale=Wu.scale[i % Wu.copies])
                 gemv.gemv(out, up, Wd.w[i % Wd.copies], w_scale=Wd.scale[i % Wd.copies], act="swiglu")
 
+            def fused_up_arm(i, Wu=Wup, Wd=Wdown, x=x, h=h, out=out):
+                gemv.gemv_dual(h, x, Wu.w[i % Wu.copies], w_scale=Wu.scale[i % Wu.copies], act="swiglu")
+                gemv.gemv(out, h, Wd.w[i % Wd.copies], w_scale=Wd.scale[i % Wd.copies])
+
             yield f"{name} FFN arm split", wd, ffn, copies, split_arm
             yield f"{name} FFN arm fused", wd, ffn, copies, fused_arm
+            yield f"{name} FFN arm fused_up", wd, ffn, copies, fused_up_arm
             if not fp8:
 
                 def gemm_arm(i, Wu=Wup, Wd=Wdown, x=x, up=up, h=h, out=out):
