@@ -545,3 +545,118 @@ def test_gemv_dual_errors():
 def test_quantize_rows_errors(w8, s, w, match):
     with pytest.raises(ValueError, match=match):
         quantize_rows(_t(*w8), _t(*s), _t(*w))
+
+
+# ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
+# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp, the
+# MUFU exp and division (host expf and /) and the dependent-launch calls (no-ops), after common.cuh.
+_EMU_HELPERS = r"""
+inline void grid_dependency_wait() {}
+inline void launch_dependents() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline float load_cg(const float* p) { return *p; }
+inline bf16 load_cg(const bf16* p) { return *p; }
+inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __shfl_down_sync(unsigned, float v, int d) {
+    WarpX& w = warp_(); int l = lane_();
+    w.f[l] = v; wbar(); float r = l + d < 32 ? w.f[l + d] : v; wbar(); return r;
+}
+"""
+_EMU_REPLACE = {
+    '#include "common.cuh"': '#include "common.cuh"' + _EMU_HELPERS,
+    """    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));""": '    if ((uintptr_t)p % 16) fail("misaligned weight load");\n    memcpy(&v, p, 16);',
+    """    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");""": (
+        "    cp_async16((unsigned)__cvta_generic_to_shared(smem), gmem, 16);"
+    ),
+    'asm volatile("cp.async.wait_all;" ::: "memory");': "cp_async_commit(); cp_async_wait<0>();",
+    "extern __shared__ __align__(16) unsigned char smem[];": "unsigned char* smem = g_smem;",
+}
+_EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in (1, 4, 8)]
+
+
+@pytest.fixture(scope="module")
+def gemv_emu(tmp_path_factory):
+    """A `launch` running gemv.cu's kernels on the host, or a skip without g++."""
+    import kernel_emulator as emu
+
+    work = tmp_path_factory.mktemp("gemv_emu")
+    text = (emu.kernel_dir() / "gemv.cuh").read_text()
+    for old, new in _EMU_REPLACE.items():
+        assert old in text, f"gemv.cuh no longer has {old[:40]!r}: update the emulation"
+        text = text.replace(old, new)
+    (work / "gemv.cuh").write_text(text)
+    lib = emu.or_skip(emu.build("gemv", _EMU_KERNELS, work))
+
+    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
+        emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
+
+    return SimpleNamespace(launch=launch, tensor=emu.tensor, margins_ok=emu.margins_ok)
+
+
+def _emulated(gemv_emu, monkeypatch, fn, arrays, out_shape):
+    """Run fn(out, **tensors) through the emulated kernels; out as a NumPy array, and whether nothing was
+    written outside out."""
+    from cuengine.kernels import gemv as G
+
+    monkeypatch.setattr(G, "launch", gemv_emu.launch)
+    t = {k: gemv_emu.tensor(v, v.dtype if v.dtype != E4M3 else "e4m3", k) for k, v in arrays.items()}
+    out = gemv_emu.tensor(np.zeros(out_shape, ml_dtypes.bfloat16), "bf16", "out")
+    fn(out, **t)
+    return out.numpy(), gemv_emu.margins_ok(out)
+
+
+def _identity(n):
+    return np.eye(n, dtype=ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("b", [1, 3, 9])  # one pass of BT = 1, one of BT = 4, two passes of BT = 8
+def test_emulated_staging_is_exact(gemv_emu, monkeypatch, b):
+    """Through an identity weight a GEMV returns its staged input, so the input's staging (registers
+    for a plain input, the norm weight by cp.async before the wait) shows bit for bit."""
+    K = 136  # 17 vectors: a ragged last vector round over the block's threads
+    c = case(b, K, K, "bf16")
+    got, clean = _emulated(gemv_emu, monkeypatch, lambda out, x, w: gemv(out, x, w), {"x": c["x"], "w": _identity(K)},
+                           (b, K))  # fmt: skip
+    np.testing.assert_array_equal(got.view(np.uint16), c["x"].view(np.uint16))
+    assert clean
+    arrays = {"x": c["x"], "w": _identity(K), "nw": c["norm_weight"]}
+
+    def normed(out, x, w, nw):
+        gemv(out, x, w, norm_weight=nw, eps=EPS)
+
+    staged, _ = _emulated(gemv_emu, monkeypatch, normed, arrays, (b, K))
+    assert_close(staged, gemv_np(c["x"], _identity(K), norm_weight=c["norm_weight"], eps=EPS), "bf16", "norm")
+    from cuengine.kernels import gemv as G
+
+    # room for the input rows alone: the norm weight is read from global memory instead
+    monkeypatch.setattr(G, "_SMEM_ROW", G._tile(b, K, 2) * K * 2)
+    unstaged, _ = _emulated(gemv_emu, monkeypatch, normed, arrays, (b, K))
+    np.testing.assert_array_equal(staged.view(np.uint16), unstaged.view(np.uint16))
+
+
+@pytest.mark.parametrize("wdtype", [None, "e4m3"])
+# K = 512 splits K in two (the slices summed in shared memory, the finishers a block's first threads),
+# K = 64 does not (the finishers are lanes of each warp); b = 5 and 9 take one and two passes of BT = 8
+@pytest.mark.parametrize("b,K,H", [(1, 64, 40), (1, 512, 8), (5, 64, 24), (9, 512, 8)])
+def test_emulated_swiglu_epilogue_equals_the_down_prologue(gemv_emu, monkeypatch, b, K, H, wdtype):
+    """gemv_dual(act="swiglu") writes the values the down GEMV's SwiGLU prologue stages from [gate | up]
+    (read back through an identity weight), bit for bit: the "fused_up" arm is the "fused" one."""
+    assert _split(2 * H, K * (1 if wdtype else 2) // 16) == (2 if K == 512 and not wdtype else 1)
+    c = case(b, K, 2 * H, "bf16", wdtype)
+    arrays = {"x": c["x"], "w": c["w"]} | ({"s": c["w_scale"]} if wdtype else {})
+    pair, clean = _emulated(gemv_emu, monkeypatch, lambda out, x, w, s=None: gemv_dual(out, x, w, w_scale=s), arrays,
+                            (b, 2 * H))  # fmt: skip
+    assert clean
+    epilogue, clean = _emulated(gemv_emu, monkeypatch,
+                                lambda out, x, w, s=None: gemv_dual(out, x, w, w_scale=s, act="swiglu"), arrays,
+                                (b, H))  # fmt: skip
+    assert clean
+    prologue, _ = _emulated(gemv_emu, monkeypatch, lambda out, x, w: gemv(out, x, w, act="swiglu"),
+                            {"x": pair, "w": _identity(H)}, (b, H))  # fmt: skip
+    np.testing.assert_array_equal(epilogue.view(np.uint16), prologue.view(np.uint16))
+    want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), act="swiglu")
+    assert_close(epilogue, want, "bf16", "dual swiglu vs the twin")
