@@ -2,11 +2,12 @@
 prefill, and HF transformers (static cache + torch.compile) as the peer, all in one run.
 
 Sections (`--section`, any of them; default all):
-- arms:  GB/s of the decode-GEMV kernels (gemv bf16 and FP8, gemv_dual, gemv with the fused SwiGLU
-         input) and of the cuBLASLt M = b matmul on the same shapes, and of the whole FFN per arm
-         (split, fused, gemm), at hidden 896 / intermediate 4864 (plus the 896 -> 151936 LM head) and
-         4096 / 14336, for `--arm-batches` (default 1 and 8), beside the copy ceiling. Bytes are the
-         algorithmic minimum (weights + scales + x + out, each once). Weights rotate through copies
+- arms:  GB/s of the decode-GEMV kernels (gemv bf16 and FP8, gemv_dual plain and with its SwiGLU
+         epilogue, gemv with the fused SwiGLU input) and of the cuBLASLt M = b matmul on the same shapes,
+         and of the whole FFN per arm (split, fused, fused_up, gemm), at hidden 896 / intermediate 4864
+         (plus the 896 -> 151936 LM head) and 4096 / 14336, for `--arm-batches` (default 1 and 8),
+         beside the copy ceiling. Bytes are the algorithmic minimum (weights + scales + x + out, each
+         once). Weights rotate through copies
          totalling >= 256 MB so that the 50 MB L2 cannot serve them; 32+ launches are replayed from one
          CUDA graph, as the decode step runs them (cuengine.benchmark.time_ms on the graph, median of
          `--samples`). `--sweep-split` adds every K split of each gemv.
