@@ -263,6 +263,10 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         k_cache, v_cache: (max_batch, Hkv, max_seq, hs), qkv's dtype, max_batch >= b; row i reads slot i.
         lengths: (b,) int32 on the device, each in [1, max_seq]: row i attends to positions [0, lengths[i]).
             Checked on cpu; on the device a length is clamped to [0, max_seq] and 0 gives zeros.
+            Under a dependent launch the kernel reads lengths (and, with freqs, the cached K and V below
+            lengths[i] - 1) before waiting for the kernel before it: whatever wrote them must have
+            finished before that kernel started (in a decode step: earlier steps, the prefill, host copies;
+            each step begins with the embedding's ordinary launch).
         n_q_heads, n_kv_heads: Hq and Hkv, Hq a multiple of Hkv. hs: any even size up to 256 (64 and 128 fast).
         scratch: fp32 (P, Hq, hs + 2) from decode_attention_scratch_shape(b', Hq, hs, max_seq) for any
             b' >= b (b <= 64), zeroed once after allocation (its arrival counters; each launch leaves
