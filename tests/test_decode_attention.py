@@ -2,6 +2,7 @@
 attention/rope, cpu vs cuda over awkward lengths, head sizes and GQA groups, graph replay, and errors."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -425,3 +426,118 @@ def test_cuda_long_and_wide(cuda, dtype, b, hq, hkv, hs, max_seq):
     qkv, kc, vc, ln = make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=b)
     got = run_attention(cuda, qkv, kc, vc, ln, hq, hkv)
     assert_close(got, decode_attention_np(qkv, kc, vc, ln, hq, hkv).astype(qkv.dtype), dtype, "decode_attention")
+
+
+# ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
+# decode_attention.cuh's arrival counters (64-bit atomics: the emulator runs blocks one after another, so
+# plain read-modify-writes, and fences are no-ops), loads through L2 (plain), the block sum, the
+# dynamic shared memory and the dependent-launch calls (no-ops), after common.cuh. The persistent
+# kernel's named barriers are never instantiated here.
+_EMU_HELPERS = r"""
+inline void grid_dependency_wait() {}
+inline void launch_dependents() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline float load_cg(const float* p) { return *p; }
+inline bf16 load_cg(const bf16* p) { return *p; }
+inline void __threadfence() {}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { auto o = *p; *p = o + v; return o; }
+inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) { auto o = *p; *p = v; return o; }
+inline void named_barrier(int, int) { fail("named_barrier outside the persistent kernel"); }
+inline float block_sum(float x, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    x = warp_sum(x);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(x);
+}
+"""
+_EMU_REPLACE = {
+    "decode_attention.cuh": {'#include "common.cuh"': '#include "common.cuh"' + _EMU_HELPERS},
+    "decode_attention.cu": {
+        "extern __shared__ float sm_wt[]; /* the fused merge's weights */": "float* sm_wt = (float*)g_smem;",
+        "extern __shared__ float sm_w[];  // (S,)": "float* sm_w = (float*)g_smem;",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def attention_emu(tmp_path_factory):
+    """A `launch` running decode_attention.cu's kernels on the host, or a skip without g++."""
+    import kernel_emulator as emu
+
+    work = tmp_path_factory.mktemp("decode_attention_emu")
+    for name, subs in _EMU_REPLACE.items():
+        text = (emu.kernel_dir() / name).read_text()
+        for old, new in subs.items():
+            assert old in text, f"{name} no longer has {old[:40]!r}: update the emulation"
+            text = text.replace(old, new)
+        (work / name).write_text(text)
+    names = [f"decode_attention_combine_{t}" for t in ("f32", "bf16")]
+    names += [f"rope_kv_append_{t}_{f}_{v}" for t, f in (("f32", "f32"), ("bf16", "f16")) for v in ("vec", "scalar")]
+    names += [f"decode_attention_split_bf16_{lay}_g{g}" for lay in ("v8", "gen") for g in (1, 2, 4, 8)]
+    names += [f"decode_attention_split_f32_{lay}_g{g}" for lay in ("v16", "gen") for g in (1, 2, 4, 8)]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(emu, "kernel_dir", lambda: work)
+    try:
+        lib = emu.or_skip(emu.build("decode_attention", names, work))
+    finally:
+        mp.undo()
+
+    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
+        emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
+
+    return SimpleNamespace(launch=launch, tensor=emu.tensor, margins_ok=emu.margins_ok)
+
+
+@pytest.mark.parametrize("merge", ["fused", "combine"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "hq,hkv,hs,lengths,max_seq",
+    [
+        (14, 2, 64, [1, 70, 300], 320),  # new token in a first step, a later step, three splits
+        (16, 1, 48, [129, 2], 200),  # two tiles of 8 q heads share the kv head that split 0 appends
+        (6, 3, 10, [5, 99], 99),  # no 16-byte vectors
+    ],
+)
+def test_emulated_fused_append_equals_append_then_attention(attention_emu, monkeypatch, dtype, hq, hkv, hs, lengths,
+                                                            max_seq, merge):  # fmt: skip
+    """The kernels on the host: decode_attention(freqs=) gives the bits of rope_kv_append then
+    decode_attention (out and both caches; its first step of K and V is read before the wait and
+    the appended position patched after it), the caches are the twin's, out is within the table of
+    the twin's, and nothing outside the written tensors changes."""
+    from cuengine.kernels import decode_attention as D
+
+    monkeypatch.setattr(D, "launch", attention_emu.launch)
+    if merge == "combine":
+        monkeypatch.setattr(D, "_FUSE_MAX_SPLITS", 1)
+    b = len(lengths)
+    qkv, kc, vc, ln = make_case(b, hq, hkv, hs, max_seq, lengths, dtype, seed=hs, max_batch=b + 1)
+    table = np.float16 if dtype == "bf16" else np.float32
+    freqs = rope_freqs(max_seq, hs, 1e4, table)
+    scratch = nan_scratch(decode_attention_scratch_shape(b, hq, hs, max_seq), hs)
+    t_dt = {"qkv": dtype, "kc": dtype, "vc": dtype, "lengths": "int32", "freqs": "fp16" if dtype == "bf16" else "fp32",
+            "scratch": "fp32", "pos": "int32", "slots": "int32"}  # fmt: skip
+    runs = {}
+    for fused in (False, True):
+        arrays = dict(qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch, pos=ln - 1,
+                      slots=np.arange(b, dtype=np.int32))  # fmt: skip
+        t = {k: attention_emu.tensor(v, t_dt[k], k) for k, v in arrays.items()}
+        out = attention_emu.tensor(np.full((b, hq * hs), 7, qkv.dtype), dtype, "out")
+        if fused:
+            decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"], freqs=t["freqs"])
+            np.testing.assert_array_equal(t["qkv"].numpy().view(np.uint8), qkv.view(np.uint8))
+        else:
+            rope_kv_append(t["qkv"], t["kc"], t["vc"], t["slots"], t["pos"], t["freqs"], hq, hkv)
+            decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"])
+        assert all(attention_emu.margins_ok(x) for x in (out, *t.values()))
+        runs[fused] = [x.numpy() for x in (out, t["kc"], t["vc"])]
+    for what, a, e in zip(("out", "k_cache", "v_cache"), runs[True], runs[False]):
+        np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8), err_msg=what)
+    q, kc_np, vc_np = qkv.copy(), kc.copy(), vc.copy()
+    rope_kv_append_np(q, kc_np, vc_np, np.arange(b), ln - 1, freqs, hq, hkv)
+    for what, a, e in (("k_cache", runs[True][1], kc_np), ("v_cache", runs[True][2], vc_np)):
+        np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8), err_msg=f"{what} against the twin")
+    want = decode_attention_np(q, kc_np, vc_np, ln, hq, hkv).astype(qkv.dtype)
+    assert_close(runs[True][0], want, dtype, "out against the twin")
