@@ -94,14 +94,17 @@ def read_weights(model, model_dir) -> None:
         raise UsageError(f"--model {model_dir}: {err}") from None
 
 
-def token_stream(model_dir, cfg, dtype, dev, prompt: list[int], max_new_tokens: int, **sampling_kw):
+def token_stream(model_dir, cfg, dtype, dev, prompt: list[int], max_new_tokens: int, weights: str = "bf16",
+                 **sampling_kw):  # fmt: skip
     """An iterator over the new tokens after `prompt` from the model in `model_dir`, each as the
-    inference engine makes it (`model.stream`). Arguments it refuses (a prompt too long for its
-    context) are a UsageError."""
+    inference engine makes it (`model.stream`), with `weights` "bf16" or "fp8" decode weights and a
+    KV cache of exactly the prompt and the new tokens. Arguments it refuses (a prompt too long for
+    its context) are a UsageError."""
     _, TrainOptions, LlamaModel = model_api()
     model = LlamaModel(cfg, TrainOptions(model_dtype=dtype), dev)
     read_weights(model, model_dir)
     try:
+        model.allocate_inference_state(max_batch=1, max_seq_len=len(prompt) + max_new_tokens, weights=weights)
         steps = model.stream([prompt], max_new_tokens, **sampling_kw)
     except ValueError as err:
         raise UsageError(str(err)) from None

@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
             f"of {cfg.max_position_embeddings} tokens (max_position_embeddings)"
         )
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    stream = token_stream(model_dir, cfg, args.dtype, dev, prompt, args.max_new_tokens, **kw)
+    stream = token_stream(model_dir, cfg, args.dtype, dev, prompt, args.max_new_tokens, args.weights, **kw)
     tokens, shown, first = list(prompt), "", None
     t0 = time.perf_counter()
     for token in stream:
@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", choices=("bf16", "fp32"), help="default: the model's (config.json)")
+    gen.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                     help="decode weights: the model's own, or per-row E4M3 copies made at load (W8A16)")  # fmt: skip
     gen.set_defaults(fn=cmd_generate)
 
     b = sub.add_parser("bench", help="time train_step for a named preset", **kw)

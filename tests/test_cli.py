@@ -95,6 +95,40 @@ def test_generate_from_trained_model(trained, capsys):
 
 
 @needs_model
+def test_generate_with_fp8_decode_weights(trained, capsys, monkeypatch):
+    """--weights fp8 decodes through per-row E4M3 copies, from a KV cache of exactly prompt + new tokens."""
+    from cuengine.inference import InferenceMixin
+
+    seen, allocate = [], InferenceMixin.allocate_inference_state
+
+    def recording(self, *a, **kw):
+        st = allocate(self, *a, **kw)
+        seen.append((st.weights, st.max_batch, st.max_seq))
+        return st
+
+    monkeypatch.setattr(InferenceMixin, "allocate_inference_state", recording)
+    _, out = trained
+    argv = [
+        "generate",
+        "--model",
+        out,
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        6,
+        "--device",
+        "cpu",
+        "--temperature",
+        0,
+    ]
+    code, text, err = run_cli(capsys, *argv, "--weights", "fp8")
+    assert code == 0 and text.startswith("def ") and len(text.encode()) > len("def \n"), err
+    assert seen == [("fp8", 1, 4 + 6)]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and seen[1] == ("bf16", 1, 10), err
+
+
+@needs_model
 def test_train_from_model_dir_and_its_tokenizer(trained, tmp_path, capsys):
     _, out = trained
     (tmp_path / "d.txt").write_text("import sys\n\ndef main(argv):\n    return 0\n" * 40)
