@@ -20,6 +20,7 @@ import attention_emulator as AE
 import numpy as np
 
 import cuengine as ce
+from cuengine.kernels import _build
 from cuengine.kernels._build import kernel_dir
 
 # The attention emulator's fibers, barriers and bf16, and its cp.async (a copy lands at its wait), without
@@ -138,6 +139,14 @@ template <typename T> inline void __stcs(T* p, T v) {
     if ((uintptr_t)p % sizeof(T)) fail("misaligned __stcs");
     *p = v;
 }
+// common.cuh's dependent-launch calls and fences (no-ops: blocks run one after another) and its loads
+// through L2 (plain); its block_sum itself follows (_REAL)
+inline void grid_dependency_wait() {}
+inline void launch_dependents() {}
+inline void __threadfence() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline float load_cg(const float* p) { return *p; }
+inline bf16 load_cg(const bf16* p) { return *p; }
 inline void block_atomic_abs_max(float* dst, unsigned bits) {
     static unsigned s_bits[32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -188,6 +197,21 @@ inline unsigned u16x2_max(unsigned a, unsigned b) {
 """
 
 
+# Functions of raw_kernels/common.cuh that the emulator compiles as they are (the stand-in header
+# defines away __device__ and __forceinline__).
+_REAL = ("block_sum",)
+
+
+def _real_functions() -> str:
+    text = (_build.kernel_dir() / "common.cuh").read_text()  # the real one, whatever kernel_dir a test points at
+    out = []
+    for name in _REAL:
+        a = text.index(f" {name}(")
+        a = text.rindex("\n", 0, a) + 1
+        out.append(text[a : text.index("\n}\n", a) + 3])
+    return "".join(out)
+
+
 def or_skip(built):
     """`built` (a library or launcher this module or attention_emulator built), or skip the test
     when it is None: without g++ there is nothing to emulate the kernels with."""
@@ -214,7 +238,7 @@ def build(family, kernels, workdir):
         a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
         src = src[:a] + _CLASSIFIER_HELPERS + src[b:]
     (workdir / f"{family}_emu.cu").write_text(src)
-    (workdir / "common.cuh").write_text(_BASE + _COMMON)
+    (workdir / "common.cuh").write_text(_BASE + _COMMON + _real_functions())
     (workdir / "cp_async.cuh").write_text("")  # its helpers are the attention emulator's, in _BASE
     main = AE.EMU_MAIN.replace('#include "attention_emu.cu"', f'#include "{family}_emu.cu"')
     a = main.index("static const Entry kernels[] = {")

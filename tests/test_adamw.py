@@ -400,19 +400,6 @@ def test_norm_only_table_refuses_an_update():
 
 
 # ---- the kernels on the host (tests/kernel_emulator.py): multi-tensor bits = per-tensor bits -------------
-_EMU_EXTRA = r"""
-inline float block_sum(float x, float* scratch) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
-    x = warp_sum(x);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    x = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(x);
-}
-"""
-
-
 @pytest.fixture(scope="module")
 def adamw_emu(tmp_path_factory):
     emu = pytest.importorskip("kernel_emulator")
@@ -423,21 +410,11 @@ def adamw_emu(tmp_path_factory):
     names = [f"adamw_{c}{s}" for c in combos for s in ("", "_scalar")] + [f"adamw_multi_{c}" for c in combos]
     names += ["global_norm_squared_multi_f32", "global_norm_squared_multi_bf16", "global_norm_fold_multi"]
     per_tensor_norms = [f"global_norm_squared_{t}{s}" for t in ("f32", "bf16") for s in ("", "_scalar")]
-    common = emu._COMMON
-    emu._COMMON = common + _EMU_EXTRA
-    try:
-        lib = emu.build("adamw", names, work)
-    finally:
-        emu._COMMON = common
-    emu.or_skip(lib)
+    lib = emu.or_skip(emu.build("adamw", names, work))
     # norm.cu's per-tensor kernels are the reference: the same emulator over norm.cu
     norm_work = tmp_path_factory.mktemp("norm_emu")
     shutil.copy(_build.kernel_dir() / "norm_squared.cuh", norm_work)
-    emu._COMMON = common + _EMU_EXTRA
-    try:
-        norm_lib = emu.build("norm", per_tensor_norms, norm_work)
-    finally:
-        emu._COMMON = common
+    norm_lib = emu.build("norm", per_tensor_norms, norm_work)
     abs_max_names = [f"abs_max_{t}{s}" for t in ("f32", "bf16") for s in ("", "_scalar")]  # fp8.abs_max: the reference
     fp8_lib = emu.build("fp8", abs_max_names, tmp_path_factory.mktemp("fp8_emu"))
     return emu, {"adamw": lib, "norm": norm_lib, "fp8": fp8_lib}

@@ -430,28 +430,12 @@ def test_cuda_long_and_wide(cuda, dtype, b, hq, hkv, hs, max_seq):
 
 # ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
 # decode_attention.cuh's arrival counters (64-bit atomics: the emulator runs blocks one after another, so
-# plain read-modify-writes, and fences are no-ops), loads through L2 (plain), the block sum, the
-# dynamic shared memory and the dependent-launch calls (no-ops), after common.cuh. The persistent
-# kernel's named barriers are never instantiated here.
+# plain read-modify-writes) and the dynamic shared memory, after the emulator's common.cuh. The
+# persistent kernel's named barriers are never instantiated here.
 _EMU_HELPERS = r"""
-inline void grid_dependency_wait() {}
-inline void launch_dependents() {}
-template <typename T> inline T __ldcg(const T* p) { return *p; }
-inline float load_cg(const float* p) { return *p; }
-inline bf16 load_cg(const bf16* p) { return *p; }
-inline void __threadfence() {}
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { auto o = *p; *p = o + v; return o; }
 inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) { auto o = *p; *p = v; return o; }
 inline void named_barrier(int, int) { fail("named_barrier outside the persistent kernel"); }
-inline float block_sum(float x, float* scratch) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
-    x = warp_sum(x);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    x = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(x);
-}
 """
 _EMU_REPLACE = {
     "decode_attention.cuh": {'#include "common.cuh"': '#include "common.cuh"' + _EMU_HELPERS},

@@ -199,8 +199,6 @@ def test_scratch_shape():
 _EMU_HELPERS = r"""
 struct alignas(16) int4 { int x, y, z, w; };
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
-inline void grid_dependency_wait() {}
-inline void launch_dependents() {}
 inline unsigned __ballot_sync(unsigned, int p) {
     WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
     w.u[l] = p != 0; wbar(); unsigned r = 0; for (int i = 0; i < 32; ++i) r |= w.u[i] << i; wbar(); return r;
@@ -221,10 +219,8 @@ using u64 = unsigned long long;
 inline u64 atomicCAS(u64* p, u64 cmp, u64 v) { u64 o = *p; if (o == cmp) *p = v; return o; }
 inline u64 atomicAdd(u64* p, u64 v) { u64 o = *p; *p = o + v; return o; }
 #define __noinline__
-inline void __threadfence() {}
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline unsigned __match_any_sync(unsigned, int v) {
     WarpU& w = g_wu[threadIdx.x >> 5]; int l = lane_();
     w.u[l] = (unsigned)v; wbar(); unsigned r = 0;

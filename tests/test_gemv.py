@@ -548,14 +548,9 @@ def test_quantize_rows_errors(w8, s, w, match):
 
 
 # ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
-# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp, the
-# MUFU exp and division (host expf and /) and the dependent-launch calls (no-ops), after common.cuh.
+# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp and the
+# MUFU exp and division (host expf and /), after the emulator's common.cuh.
 _EMU_HELPERS = r"""
-inline void grid_dependency_wait() {}
-inline void launch_dependents() {}
-template <typename T> inline T __ldcg(const T* p) { return *p; }
-inline float load_cg(const float* p) { return *p; }
-inline bf16 load_cg(const bf16* p) { return *p; }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __shfl_down_sync(unsigned, float v, int d) {
