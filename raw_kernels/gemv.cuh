@@ -14,7 +14,7 @@ constexpr int R = 2;      // weight rows per warp
 constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
 constexpr int SU = 2;     // 16-byte SwiGLU input vectors per thread in flight while staging
 
-// PRO_NORM_STAGED: PRO_NORM with norm_weight copied into shared memory before the wait (gemv.cu), so the
+// PRO_NORM_STAGED: PRO_NORM with norm_weight copied into shared memory before the wait (gemv_impl), so the
 // normalisation after the rstd reads it there instead of making an L2 round trip on the critical path.
 enum Prologue { PRO_NONE = 0, PRO_NORM = 1, PRO_SWIGLU = 2, PRO_NORM_STAGED = 3 };
 // What a dual GEMV writes: [gate | up] (b, N), or SiLU(gate) * up (b, N / 2), each rounded to the output
@@ -83,7 +83,8 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
                 } else {
                     const T* row = x + (size_t)m * 2 * K;
                     const Pack16<T> g = load_pack_cg(row + c), u = load_pack_cg(row + K + c);
-                    for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(swiglu_value(to_float(g.v[k]), to_float(u.v[k])));
+                    for (int k = 0; k < VT; ++k)
+                        v[j].v[k] = from_float<T>(swiglu_value(to_float(g.v[k]), to_float(u.v[k])));
                 }
             }
             #pragma unroll
@@ -219,7 +220,6 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     const int tiles = (N + groups * R - 1) / (groups * R);
     // The next kernel may start its own weight prefetch now: it waits for this grid before reading outputs.
     launch_dependents();
-
     if (block >= tiles) {
         wait();
         return;
