@@ -264,8 +264,9 @@ class EmulatedCuda(AE.EmulatedCuda):
     compute_capability = (9, 0)  # the classifier sizes its shared-memory row cache by it
 
 
-def launch(lib, family, name, grid, block, args, device, stream=None, shared_mem=0):
-    """kernels._build.launch for the emulator: `lib` from build(), the other arguments as launch takes them."""
+def launch(lib, family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
+    """kernels._build.launch for the emulator: `lib` from build(), the other arguments as launch takes them
+    (`dependent` changes nothing: blocks run one after another, launches too)."""
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
     gx, gy, gz = (*grid, 1, 1)[:3]
     vals = []

@@ -385,6 +385,7 @@ def test_out_dir_with_files_is_refused(tmp_path, capsys):
         (["generate", "--prompt", "x"], "the following arguments are required: --model"),
         (["generate", "--model", "/nonexistent/m", "--prompt", "x"], "not a directory"),
         (["generate", "--model", ".", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["generate", "--model", ".", "--prompt", "x", "--weights", "int8"], "--weights: invalid choice: 'int8'"),
         (["bench", "--preset", "gpt5", "--device", "cpu"], "unknown preset 'gpt5'"),
         (["bench", "--preset", "tiny", "--seq-len", "9999", "--device", "cpu"], "--seq-len 9999 is longer"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -1,9 +1,10 @@
 """Decode attention over the KV cache and RoPE + cache append: twins against float64 and the training
 attention/rope, cpu vs cuda over awkward lengths, head sizes and GQA groups, graph replay, and errors."""
 
+import functools
 import math
-from types import SimpleNamespace
 
+import kernel_emulator as emu
 import numpy as np
 import pytest
 from conftest import assert_close, rng, tensors
@@ -449,8 +450,6 @@ _EMU_REPLACE = {
 @pytest.fixture(scope="module")
 def attention_emu(tmp_path_factory):
     """A `launch` running decode_attention.cu's kernels on the host, or a skip without g++."""
-    import kernel_emulator as emu
-
     work = tmp_path_factory.mktemp("decode_attention_emu")
     for name, subs in _EMU_REPLACE.items():
         text = (emu.kernel_dir() / name).read_text()
@@ -465,14 +464,9 @@ def attention_emu(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(emu, "kernel_dir", lambda: work)
     try:
-        lib = emu.or_skip(emu.build("decode_attention", names, work))
+        return functools.partial(emu.launch, emu.or_skip(emu.build("decode_attention", names, work)))
     finally:
         mp.undo()
-
-    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
-        emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
-
-    return SimpleNamespace(launch=launch, tensor=emu.tensor, margins_ok=emu.margins_ok)
 
 
 @pytest.mark.parametrize("merge", ["fused", "combine"])
@@ -493,7 +487,7 @@ def test_emulated_fused_append_equals_append_then_attention(attention_emu, monke
     the twin's, and nothing outside the written tensors changes."""
     from cuengine.kernels import decode_attention as D
 
-    monkeypatch.setattr(D, "launch", attention_emu.launch)
+    monkeypatch.setattr(D, "launch", attention_emu)
     if merge == "combine":
         monkeypatch.setattr(D, "_FUSE_MAX_SPLITS", 1)
     b = len(lengths)
@@ -507,15 +501,15 @@ def test_emulated_fused_append_equals_append_then_attention(attention_emu, monke
     for fused in (False, True):
         arrays = dict(qkv=qkv, kc=kc, vc=vc, lengths=ln, freqs=freqs, scratch=scratch, pos=ln - 1,
                       slots=np.arange(b, dtype=np.int32))  # fmt: skip
-        t = {k: attention_emu.tensor(v, t_dt[k], k) for k, v in arrays.items()}
-        out = attention_emu.tensor(np.full((b, hq * hs), 7, qkv.dtype), dtype, "out")
+        t = {k: emu.tensor(v, t_dt[k], k) for k, v in arrays.items()}
+        out = emu.tensor(np.full((b, hq * hs), 7, qkv.dtype), dtype, "out")
         if fused:
             decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"], freqs=t["freqs"])
             np.testing.assert_array_equal(t["qkv"].numpy().view(np.uint8), qkv.view(np.uint8))
         else:
             rope_kv_append(t["qkv"], t["kc"], t["vc"], t["slots"], t["pos"], t["freqs"], hq, hkv)
             decode_attention(out, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, t["scratch"])
-        assert all(attention_emu.margins_ok(x) for x in (out, *t.values()))
+        assert all(emu.margins_ok(x) for x in (out, *t.values()))
         runs[fused] = [x.numpy() for x in (out, t["kc"], t["vc"])]
     for what, a, e in zip(("out", "k_cache", "v_cache"), runs[True], runs[False]):
         np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8), err_msg=what)

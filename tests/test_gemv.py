@@ -5,6 +5,7 @@ unfused kernels bit for bit."""
 import functools
 from types import SimpleNamespace
 
+import kernel_emulator as emu
 import ml_dtypes
 import numpy as np
 import pytest
@@ -576,20 +577,13 @@ _EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") f
 @pytest.fixture(scope="module")
 def gemv_emu(tmp_path_factory):
     """A `launch` running gemv.cu's kernels on the host, or a skip without g++."""
-    import kernel_emulator as emu
-
     work = tmp_path_factory.mktemp("gemv_emu")
     text = (emu.kernel_dir() / "gemv.cuh").read_text()
     for old, new in _EMU_REPLACE.items():
         assert old in text, f"gemv.cuh no longer has {old[:40]!r}: update the emulation"
         text = text.replace(old, new)
     (work / "gemv.cuh").write_text(text)
-    lib = emu.or_skip(emu.build("gemv", _EMU_KERNELS, work))
-
-    def launch(family, name, grid, block, args, device, stream=None, shared_mem=0, dependent=False):
-        emu.launch(lib, family, name, grid, block, args, device, stream, shared_mem)
-
-    return SimpleNamespace(launch=launch, tensor=emu.tensor, margins_ok=emu.margins_ok)
+    return functools.partial(emu.launch, emu.or_skip(emu.build("gemv", _EMU_KERNELS, work)))
 
 
 def _emulated(gemv_emu, monkeypatch, fn, arrays, out_shape):
@@ -597,11 +591,11 @@ def _emulated(gemv_emu, monkeypatch, fn, arrays, out_shape):
     written outside out."""
     from cuengine.kernels import gemv as G
 
-    monkeypatch.setattr(G, "launch", gemv_emu.launch)
-    t = {k: gemv_emu.tensor(v, v.dtype if v.dtype != E4M3 else "e4m3", k) for k, v in arrays.items()}
-    out = gemv_emu.tensor(np.zeros(out_shape, ml_dtypes.bfloat16), "bf16", "out")
+    monkeypatch.setattr(G, "launch", gemv_emu)
+    t = {k: emu.tensor(v, v.dtype if v.dtype != E4M3 else "e4m3", k) for k, v in arrays.items()}
+    out = emu.tensor(np.zeros(out_shape, ml_dtypes.bfloat16), "bf16", "out")
     fn(out, **t)
-    return out.numpy(), gemv_emu.margins_ok(out)
+    return out.numpy(), emu.margins_ok(out)
 
 
 def _identity(n):
