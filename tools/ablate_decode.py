@@ -5,13 +5,15 @@ a kernel's launch and first weight loads overlap the one before, so its own time
 to the step. This tool measures what it adds: every layer's kernel of one kind is left out ("skip"),
 or a GEMV is shrunk to its first 16 rows (32 for gate/up) with the same prologue and the same wait
 ("min"), and the step is timed again (`bench_decode.step_ms`: graph replay, median of --samples).
-whole − min is what a GEMV's weight bytes cost, min − skip its floor (launch, wait, input staging,
-one tile). The tokens such a step makes are wrong; only the timing means anything.
+whole − min is what the rest of a GEMV's rows cost, min − skip its floor (launch, wait, input
+staging, one tile). At the 0.5B shapes the rest is not the weight bytes: with its weights held in
+L2 a GEMV takes the same time (`bench_decode --section arms --l2-hot`), so it is the further tiles
+each block works through. The tokens such a step makes are wrong; only the timing means anything.
 
     python tools/ablate_decode.py --preset qwen2.5-0.5b --arm fused_up
 
-The figures of BENCHMARKS.md's thirteenth session (calls 2 and 3; PERF_NOTES 26) came from this method
-as a session probe; this tool is that probe made reusable and has not itself run on a GPU yet.
+Figures: BENCHMARKS.md's thirteenth session (calls 2 and 3, as a session probe) and fourteenth
+session (call 3, this tool); PERF_NOTES 26 and 27.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Sections (`--section`, any of them; default all):
          once). Weights rotate through copies
          totalling >= 256 MB so that the 50 MB L2 cannot serve them; 32+ launches are replayed from one
          CUDA graph, as the decode step runs them (cuengine.benchmark.time_ms on the graph, median of
-         `--samples`). `--sweep-split` adds every K split of each gemv.
+         `--samples`). `--sweep-split` adds every K split of each gemv. `--l2-hot` keeps two copies
+         only, which the L2 holds at the 0.5B shapes: a kernel whose time does not change is not
+         bound by its weight bytes (BENCHMARKS fourteenth session, call 3).
 - token: ms per token at batch 1 for the 0.5B and 1.5B shapes with bf16 and FP8 decode weights,
          beside the bound = weight bytes read per token / device-to-device copy bandwidth, the
          copy measured here (known on an H200: 4.27 TB/s); and the kernel launches of one step.
@@ -406,6 +408,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arm-batches", nargs="+", type=int, default=[1, 8], help="batch sizes of the arms section")
     p.add_argument("--sweep-split", action="store_true", help="arms: time every K split of each gemv")
+    p.add_argument("--l2-hot", action="store_true", help="arms: two weight copies only (L2-resident where they fit)")
     p.add_argument(
         "--arms", nargs="+", default=["fused", "fused_up", "persistent"], help="token: the batch-1 arms to time"
     )
@@ -414,6 +417,9 @@ def main(argv=None) -> int:
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
+    if args.l2_hot:
+        global ROTATE_BYTES
+        ROTATE_BYTES = 0
     if args.stage_kb is not None:
         decode_layers.STAGE_BYTES = args.stage_kb << 10
     if args.tile_heads is not None:
