@@ -184,10 +184,13 @@ def test_fp8_arm_within_stated_tolerance_of_bf16(K, N):
 
 def test_split_is_chosen_by_shape_alone():
     """The K split fixes the summation order, so it must come from (N, K) only (not the GPU or b):
-    one wave of blocks at most, each K-slice at least 32 vectors."""
+    each K-slice at least 32 vectors, at most 4 tiles per SM, and past one wave only for long slices."""
     assert _split(4864, 896 * 2 // 16) == 1  # 896 -> 4864: 304 blocks already
-    assert _split(896, 4864 * 2 // 16) == 8  # 4864 -> 896: 56 blocks unsplit, 448 at S = 8
-    assert _split(4096, 14336 * 2 // 16) == 2  # 512 blocks
+    assert _split(896, 4864 * 2 // 16) == 4  # 4864 -> 896: 224 blocks at S = 4; 448 at S = 8, a tail of short tiles
+    assert _split(896, 4864 // 16) == 4  # the same in E4M3
+    assert _split(2048, 1536 * 2 // 16) == 2  # 1.5B qkv: 256 blocks; 512 at S = 4, a slice of one round
+    assert _split(4096, 14336 * 2 // 16) == 2  # 512 blocks: slices of 14 rounds at S = 1 split on
+    assert _split(2048, 11008 * 2 // 16) == 4  # 3B down: 512 blocks, 6 rounds at S = 2
     assert _split(896, 64 * 2 // 16) == 1  # 8 vectors per row: nothing to split
 
 

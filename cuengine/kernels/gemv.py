@@ -30,8 +30,10 @@ ACTS = (None, "swiglu")
 _WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
 _SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
-_TILES_MAX = 528  # split K while the tiles stay within this many (4 per SM on 132 SMs); a constant, so the
-# bits do not depend on the GPU
+_TILES_MAX = 528  # split K while the tiles stay within this many (4 per SM on 132 SMs), and
+_WAVE = 396  # past the single-row grid's one wave (3 blocks per SM) only while a slice takes more than
+_SHORT_ROUNDS = 2  # this many rounds of U vectors a lane (see _split). Constants, so the bits do not depend on the GPU
+_U = 4  # 16-byte weight vectors per row and lane in flight (U in gemv.cuh)
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
 _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU, _PRO_NORM_STAGED = 0, 1, 2, 3  # enum Prologue in gemv.cuh
@@ -98,13 +100,22 @@ def _tile(b: int, K: int, itemsize: int) -> int:
 
 
 def _split(rows: int, vectors: int) -> int:
-    """K-slices per row group: double them while the tiles stay within _TILES_MAX and a slice keeps 32 vectors.
+    """K-slices per row group: double them while a slice keeps 32 vectors and the tiles stay within
+    _TILES_MAX, and beyond one wave of blocks (_WAVE) only while a lane's slice is long.
 
     A decode-sized GEMV is about one tile per resident block, so small N (4864 -> 896) needs the split
-    to fill the GPU, while more tiles than blocks would only add a tail.
+    to fill the GPU. More tiles than the wave leave a tail of blocks working a second tile: where a tile
+    is a round or two of loads a lane, that tail is a whole extra step on the critical path (4864 -> 896
+    at S = 8: 448 tiles; the 0.5B bf16 decode step 0.619 ms/token there, 0.595 at S = 4, and the 1.5B
+    qkv GEMV at S = 2 rather than 4: 1.341 -> 1.282; BENCHMARKS fourteenth session, call 6), while a
+    long slice (14336 -> 4096: 14 rounds at S = 1) is better split on into a short tail than left to
+    two thirds of the wave (38.7 against 32.0 µs at S = 2, call 7).
     """
     s = 1
-    while s < _SPLITS[-1] and ceil_div(rows, _ROWS * _WARPS // (2 * s)) <= _TILES_MAX and vectors // (2 * s) >= 32:
+    while s < _SPLITS[-1] and vectors // (2 * s) >= 32:
+        tiles = ceil_div(rows, _ROWS * _WARPS // (2 * s))
+        if tiles > _TILES_MAX or (tiles > _WAVE and ceil_div(vectors, s * 32 * _U) <= _SHORT_ROUNDS):
+            break
         s *= 2
     return s
 
