@@ -746,6 +746,30 @@ def test_zero_stages_equal_plain_data_parallel_with_fp8_copies(clean_env, preset
             np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [{"lmhead_chunks": 2, "recompute_rmsnorm": True, "recompute_ffn_layers": 1},
+     {"lmhead_chunks": 2, "recompute_block": True, "matmul_dtype": "e4m3"}],
+    ids=["lean-chunked-head", "block-recompute-fp8"],
+)  # fmt: skip
+def test_zero_stages_equal_plain_data_parallel_with_recompute_and_a_chunked_head(clean_env, opts):
+    """The memory presets' recompute (SwiGLU by default, RMSNorm and the first layer's up projection, or
+    the whole block) with an LM head in two chunks on two ranks: the bits of keeping every activation,
+    and under ZeRO stages 1 and 2 the bits of stage 0."""
+    cfg = {"preset": "tiny-llama", "dtype": "bf16"}
+    base = _launch_kw(2, cfg, dict(opts, zero_stage=0), 2, range(3))
+    kept = {k: v for k, v in opts.items() if not k.startswith("recompute")}
+    plain = _launch_kw(2, cfg, dict(kept, zero_stage=0, recompute_swiglu=False), 2, range(3))
+    assert base["losses"] == plain["losses"]
+    for n, a in plain["weights"].items():
+        np.testing.assert_array_equal(base["weights"][n], a, err_msg=f"recompute {n}")
+    for stage in (1, 2):
+        run = _launch_kw(2, cfg, dict(opts, zero_stage=stage), 2, range(3))
+        assert run["losses"] == base["losses"], f"zero_stage {stage}"
+        for n, a in base["weights"].items():
+            np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
+
+
 def test_fake_runs_communication_stream_collectives_only_when_waited_for(clean_env):
     """The double runs a collective on the communication stream only when a stream waits for it,
     so a forgotten wait reads stale bytes on cpu as it could on a GPU."""
