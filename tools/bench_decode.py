@@ -275,12 +275,12 @@ def graph_us(dev, launch, copies: int, samples: int) -> float:
 class Weights:
     """`copies` device copies of one (N, K) weight, bf16 or per-row E4M3 with its row scales."""
 
-    def __init__(self, dev, N: int, K: int, fp8: bool, seed: int = 0):
+    def __init__(self, dev, N: int, K: int, fp8: bool, rotate: float = ROTATE_BYTES, seed: int = 0):
         from cuengine.kernels import gemv
 
         src = tensor(dev, ce.BF16, (N, K), 1 / np.sqrt(K), seed, name="w")
         self.nbytes = N * K * (1 if fp8 else 2) + (4 * N if fp8 else 0)
-        self.copies = max(2, int(-(-ROTATE_BYTES // self.nbytes)))
+        self.copies = max(2, int(-(-rotate // self.nbytes)))
         self.w, self.scale = [], []
         for i in range(self.copies):
             if fp8:
@@ -294,7 +294,7 @@ class Weights:
         dev.synchronize()
 
 
-def arm_cases(dev, b: int, sweep: bool):
+def arm_cases(dev, b: int, sweep: bool, rotate: float = ROTATE_BYTES):
     """(label, weight dtype, bytes, copies, launch(i)) for each kernel and FFN arm at b rows."""
     from cuengine import blas
     from cuengine.kernels import activations, gemv
@@ -312,7 +312,7 @@ def arm_cases(dev, b: int, sweep: bool):
         out = ce.Tensor.empty(ce.FP32 if logits else ce.BF16, (b, N), dev, name="out")
         io = x.nbytes + out.nbytes
         for fp8 in (False, True):
-            W = Weights(dev, N, K, fp8)
+            W = Weights(dev, N, K, fp8, rotate)
             for split in splits:
                 tag = label + ("" if split is None else f" split={split}")
                 fn = lambda i, W=W, x=x, out=out, split=split: gemv.gemv(  # noqa: E731
@@ -330,7 +330,7 @@ def arm_cases(dev, b: int, sweep: bool):
         fill(up, 1.0, 2)
         for fp8 in (False, True):
             wd = "fp8" if fp8 else "bf16"
-            Wup, Wdown = Weights(dev, 2 * inter, hidden, fp8), Weights(dev, hidden, inter, fp8)
+            Wup, Wdown = Weights(dev, 2 * inter, hidden, fp8, rotate), Weights(dev, hidden, inter, fp8, rotate)
             dual = lambda i, W=Wup, x=x, up=up: gemv.gemv_dual(up, x, W.w[i], w_scale=W.scale[i])  # noqa: E731
             yield f"{name} gemv_dual {hidden}->2x{inter}", wd, Wup.nbytes + x.nbytes + up.nbytes, Wup.copies, dual
             dual_act = lambda i, W=Wup, x=x, h=h: gemv.gemv_dual(  # noqa: E731
@@ -385,7 +385,7 @@ def arms_section(args, dev, bw):
     yield f"copy ceiling measured: {bw / 1e12:.2f} TB/s (target: >= 80% on the gemv rows at b = 1)"
     yield f"{'case':<44}{'weights':>8}{'b':>4}{'MB':>9}{'copies':>7}{'us':>9}{'GB/s':>8}{'% copy':>8}"
     for b in args.arm_batches:
-        for label, wd, nbytes, copies, fn in arm_cases(dev, b, args.sweep_split):
+        for label, wd, nbytes, copies, fn in arm_cases(dev, b, args.sweep_split, 0 if args.l2_hot else ROTATE_BYTES):
             us = graph_us(dev, fn, copies, args.samples)
             gbs = nbytes / us / 1e3
             yield (f"{label:<44}{wd:>8}{b:>4}{nbytes / 1e6:>9.1f}{copies:>7}{us:>9.2f}{gbs:>8.0f}"
@@ -417,9 +417,6 @@ def main(argv=None) -> int:
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
     args = p.parse_args(argv)
-    if args.l2_hot:
-        global ROTATE_BYTES
-        ROTATE_BYTES = 0
     if args.stage_kb is not None:
         decode_layers.STAGE_BYTES = args.stage_kb << 10
     if args.tile_heads is not None:

@@ -30,9 +30,10 @@ ACTS = (None, "swiglu")
 _WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
 _SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
-_TILES_MAX = 528  # split K while the tiles stay within this many (4 per SM on 132 SMs), and
-_WAVE = 396  # past the single-row grid's one wave (3 blocks per SM) only while a slice takes more than
-_SHORT_ROUNDS = 2  # this many rounds of U vectors a lane (see _split). Constants, so the bits do not depend on the GPU
+# The K split's limits (_split), constants so that the bits do not depend on the GPU:
+_TILES_MAX = 528  # tiles at most (4 per SM on the H200's 132 SMs)
+_WAVE = 396  # the single-row grid's one wave there (_RESIDENT[1] = 3 blocks per SM), which a split may pass
+_SHORT_ROUNDS = 2  # only while a lane's slice takes more than this many rounds of _U vectors
 _U = 4  # 16-byte weight vectors per row and lane in flight (U in gemv.cuh)
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
 _SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
