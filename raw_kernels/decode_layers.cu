@@ -189,7 +189,11 @@ __device__ int run_linear(const Stream<W>& st, int k, int t, T* out, const float
                 for (int h = 0; h < VW / NT; ++h) {
                     float wf[NT];
                     #pragma unroll
-                    for (int e = 0; e < NT; ++e) wf[e] = widen<W>(words[(h * NT + e) / (VW / 4)], (h * NT + e) % (VW / 4));
+                    for (int e = 0; e < NT; e += 2) {
+                        const float2 p = widen_pair<W>(words, h * NT + e);
+                        wf[e] = p.x;
+                        wf[e + 1] = p.y;
+                    }
                     const Pack16<T> xv = Pack16<T>::load(xs + (size_t)c * VW + h * NT);
                     #pragma unroll
                     for (int e = 0; e < NT; ++e) acc = fmaf(to_float(xv.v[e]), wf[e], acc);

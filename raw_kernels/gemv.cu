@@ -21,8 +21,8 @@
 // memory. Every sum has a fixed order that depends only on (N, K, S), never on timing, on the grid or
 // on b, so results are deterministic and batch-invariant; no float atomics.
 // gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over each
-// tile's weight rows (re-read from L2). E4M3 weights are widened exactly with integer ops (a NaN
-// byte reads as +-480, but quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
+// tile's weight rows (re-read from L2). E4M3 weights are widened exactly, two at a time through
+// half (quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).
 // Ready for programmatic dependent launch: only weights (the norm weight among them, staged into shared
 // memory with prologue PRO_NORM_STAGED) are read before griddepcontrol.wait.
 // K: a multiple of one 16-byte weight vector (8 bf16, 4 fp32, 16 e4m3 elements).

@@ -42,18 +42,24 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
     return v;
 }
 
-// Element j of a 32-bit word of W, as a float, exactly.
+// Element j of a 32-bit word of W (fp32 or bf16), as a float, exactly.
 template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
 template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
 template <> __device__ __forceinline__ float widen<bf16>(unsigned word, int j) {
     return __uint_as_float(j == 0 ? word << 16 : word & 0xffff0000u);
 }
-// The byte s.eeee.mmm moved into float's sign, exponent and mantissa fields is the value times 2^-120
-// (E4M3 subnormals land on float subnormals), so one exact multiply finishes it: three integer ops and a
-// multiply per element instead of two conversions through half.
-template <> __device__ __forceinline__ float widen<fp8e4>(unsigned word, int j) {
-    const int top = (int)(word << (24 - 8 * j));  // byte j in bits 31..24
-    return __int_as_float((top >> 4) & 0x87f00000) * 0x1p120f;
+// Elements e and e + 1 (e even) of a 16-byte weight vector, as floats, exactly.
+template <typename W> __device__ __forceinline__ float2 widen_pair(const unsigned (&words)[4], int e) {
+    constexpr int PW = 4 / sizeof(W);  // elements per word
+    return make_float2(widen<W>(words[e / PW], e % PW), widen<W>(words[(e + 1) / PW], (e + 1) % PW));
+}
+// Every E4M3 value is a half, so one cvt.rn.f16x2.e4m3x2 and two half-to-float conversions widen a pair
+// exactly: 1.5 operations an element, where moving the byte's fields into a float's and rescaling take 4
+// (a NaN byte reads as NaN).
+template <> __device__ __forceinline__ float2 widen_pair<fp8e4>(const unsigned (&words)[4], int e) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(words[e / 4] >> (8 * (e % 4))), __NV_E4M3);
+    return make_float2(__half2float(__ushort_as_half(h.x)), __half2float(__ushort_as_half(h.y)));
 }
 
 // SiLU(g) * u as activations.cu's act_value(ACT_SILU, g) * u computes it
@@ -291,9 +297,10 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
                         #pragma unroll
                         for (int r = 0; r < R; ++r)
                             #pragma unroll
-                            for (int k = 0; k < NT; ++k) {
-                                const int e = h * NT + k;  // element of the weight vector
-                                wf[r][k] = widen<W>(words[r][e / (VW / 4)], e % (VW / 4));
+                            for (int k = 0; k < NT; k += 2) {
+                                const float2 p = widen_pair<W>(words[r], h * NT + k);
+                                wf[r][k] = p.x;
+                                wf[r][k + 1] = p.y;
                             }
                         #pragma unroll
                         for (int t = 0; t < BT; ++t) {

@@ -552,11 +552,17 @@ def test_quantize_rows_errors(w8, s, w, match):
 
 
 # ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
-# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp and the
-# MUFU exp and division (host expf and /), after the emulator's common.cuh.
+# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp, the
+# paired E4M3 -> half conversion (two of the emulator's exact decodes) and the MUFU exp and division (host
+# expf and /), after the emulator's common.cuh.
 _EMU_HELPERS = r"""
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+struct __half2_raw { unsigned short x, y; };
+typedef unsigned short __nv_fp8x2_storage_t;
+inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t v, __nv_fp8_interpretation_t k) {
+    return {__half_as_ushort((half)fp8_decode(v & 0xff, k)), __half_as_ushort((half)fp8_decode(v >> 8, k))};
+}
 inline float __shfl_down_sync(unsigned, float v, int d) {
     WarpX& w = warp_(); int l = lane_();
     w.f[l] = v; wbar(); float r = l + d < 32 ? w.f[l + d] : v; wbar(); return r;
