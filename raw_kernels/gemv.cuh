@@ -9,9 +9,10 @@
 #pragma once
 #include "common.cuh"
 
+// A kernel's weight rows per warp (R) and 16-byte weight vectors per row and lane in flight (U) are
+// template parameters (gemv.cu's launchers): a lane's products are summed in the same order whatever they
+// are, so they change the tiles, never the bits.
 constexpr int WARPS = 8;  // warps per block
-constexpr int R = 2;      // weight rows per warp
-constexpr int U = 4;      // 16-byte weight vectors per row and lane in flight
 constexpr int SU = 2;     // 16-byte SwiGLU input vectors per thread in flight while staging
 
 // PRO_NORM_STAGED: PRO_NORM with norm_weight copied into shared memory before the wait (gemv_impl), so the
@@ -192,7 +193,7 @@ __device__ __forceinline__ void finish(O* out, const Epilogue& e, bool scaled, b
 __device__ __forceinline__ int weight_row(int q, int N, int dual) { return dual ? (q & 1 ? N / 2 + q / 2 : q / 2) : q; }
 
 // The first U weight vectors of each of a warp's R rows for its K-slice [c0, c1).
-template <typename W>
+template <typename W, int R, int U>
 __device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&wrow)[R], int c0, int c1, int lane) {
     constexpr int VW = 16 / sizeof(W);
     for (int u = 0; u < U; ++u)
@@ -209,7 +210,7 @@ __device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&w
 // items in order; the first weight vectors of the next item are in flight while the current one reduces
 // and writes. Dynamic shared memory: BT * K * sizeof(T) bytes, + K * sizeof(T) with PRO_NORM_STAGED.
 // dual: a Dual (DUAL_SWIGLU writes out (b, N / 2)).
-template <typename T, typename W, typename O, int BT, typename Wait>
+template <typename T, typename W, typename O, int BT, int R, int U, typename Wait>
 __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
                           const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
                           int b, int K, int N, int S, int block, int blocks, Wait wait) {
@@ -246,7 +247,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     };
     set_rows(tile_index);
     uint4 wv[U][R];
-    load_first<W>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
+    load_first<W, R, U>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
     // The norm weight is a weight too: into shared memory behind xs before the wait (PRO_NORM_STAGED)
     const T* norm_in = norm_weight;
     if (prologue == PRO_NORM_STAGED) {
@@ -286,10 +287,14 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             for (int u = 0; u < U; ++u) {
                 const int cu = c + 32 * u;
                 if (cu < c1) {
-                    static_assert(R == 2, "the word table lists two rows");
-                    const unsigned words[R][4] = {
-                        {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
-                        {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w}};
+                    unsigned words[R][4];
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        words[r][0] = wv[u][r].x;
+                        words[r][1] = wv[u][r].y;
+                        words[r][2] = wv[u][r].z;
+                        words[r][3] = wv[u][r].w;
+                    }
                     // one input vector (NT elements) at a time, so only NT weights per row are live
                     #pragma unroll
                     for (int h = 0; h < VW / NT; ++h) {
@@ -325,7 +330,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
         const bool more = next_index < tiles;
         if (more) {
             if (next_index != tile_index) set_rows(next_index);
-            load_first<W>(wv, wrow, c0, c1, lane);
+            load_first<W, R, U>(wv, wrow, c0, c1, lane);
         }
 
         for (int r = 0; r < R; ++r)

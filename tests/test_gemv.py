@@ -15,6 +15,7 @@ import cuengine as ce
 from cuengine.kernels.activations import activation_forward_np, swiglu_forward
 from cuengine.kernels.gemv import (
     _grid,
+    _rows,
     _split,
     _tile,
     gemv,
@@ -194,6 +195,16 @@ def test_split_is_chosen_by_shape_alone():
     assert _split(896, 64 * 2 // 16) == 1  # 8 vectors per row: nothing to split
 
 
+def test_wide_rows_only_where_a_single_row_gemv_passes_one_wave():
+    """Four weight rows a warp (the E4M3 _r4 kernels) where tiles of two would leave blocks a second tile."""
+    assert _rows(9728, 1, 1, True) == 4  # 0.5B gate/up: 608 tiles of 2 rows a warp, 304 of 4
+    assert _rows(9728, 1, 1, False) == 2  # bf16 weights keep two
+    assert _rows(4864, 1, 1, True) == 2  # 304 tiles already
+    assert _rows(9728, 4, 1, True) == 2  # multi-row passes keep R = 2
+    assert _rows(896, 1, 4, True) == 2  # 224 tiles at S = 4
+    assert _rows(151936, 1, 1, True) == 4  # the LM head
+
+
 def test_input_tile_and_grid_sizes():
     """Input rows per pass: the smallest compiled tile holding b (at most 8) whose staged rows fit; the
     grid: at most one resident wave (3 single-row or 2 multi-row blocks per SM, fewer when shared memory
@@ -303,6 +314,36 @@ def test_every_split_matches_the_twin(cuda, split):
     for wdtype in (None, "e4m3"):
         got, want = run_gemv(cuda, case(9, 4864, 96, "bf16", wdtype), {"bias": True}, split=split)
         assert_close(got, want, "bf16", f"split {split}")
+
+
+@pytest.mark.gpu
+def test_wide_tiles_keep_the_bits(cuda, monkeypatch):
+    """The 0.5B gate/up GEMV (896 -> 2 x 4864, the norm prologue, [gate | up] and its SwiGLU) and the
+    LM head (896 -> 151936 fp32) give the same bits from the _r4 kernels as from the two-row ones."""
+    from cuengine.kernels import gemv as G
+
+    c = case(1, 896, 9728, "bf16", "e4m3")
+    head = case(1, 896, 151936, "bf16", "e4m3", seed=7)
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight") if k in c})
+    th = tensors(cuda, {k: head[k] for k in ("w", "w_scale") if k in head})
+    names = []
+    launch = G.launch
+    monkeypatch.setattr(G, "launch", lambda fam, name, *a, **kw: (names.append(name), launch(fam, name, *a, **kw)))
+    got = {}
+    for rows, wave in ((2, 10**9), (4, G._WAVE)):
+        monkeypatch.setattr(G, "_WAVE", wave)
+        pair = ce.Tensor.empty(ce.BF16, (1, 9728), cuda, name="pair")
+        gemv_dual(pair, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
+        act = ce.Tensor.empty(ce.BF16, (1, 4864), cuda, name="act")
+        gemv_dual(act, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS, act="swiglu")
+        logits = ce.Tensor.empty(ce.FP32, (1, 151936), cuda, name="logits")
+        gemv(logits, t["x"], th["w"], w_scale=th.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
+        got[rows] = [pair.numpy().view(np.uint16), act.numpy().view(np.uint16), logits.numpy().view(np.uint32)]
+    assert [n.endswith("_r4") for n in names] == [False] * 3 + [True] * 3, names
+    for a, b in zip(got[2], got[4]):
+        np.testing.assert_array_equal(a, b)
+    want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), c["norm_weight"], EPS)
+    assert_close(got[4][0].view(ml_dtypes.bfloat16), want, "bf16", "wide gate/up")
 
 
 @pytest.mark.gpu
@@ -580,7 +621,8 @@ _EMU_REPLACE = {
     'asm volatile("cp.async.wait_all;" ::: "memory");': "cp_async_commit(); cp_async_wait<0>();",
     "extern __shared__ __align__(16) unsigned char smem[];": "unsigned char* smem = g_smem;",
 }
-_EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in (1, 4, 8)]
+_EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in ("1", "4", "8")]
+_EMU_KERNELS.append("gemv_bf16_e4m3_bf16_1_r4")
 
 
 @pytest.fixture(scope="module")
@@ -658,3 +700,45 @@ def test_emulated_swiglu_epilogue_equals_the_down_prologue(gemv_emu, monkeypatch
     np.testing.assert_array_equal(epilogue.view(np.uint16), prologue.view(np.uint16))
     want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), act="swiglu")
     assert_close(epilogue, want, "bf16", "dual swiglu vs the twin")
+
+
+# K = 1024 E4M3 splits K in two (S = 2: finishers after the slices' sum), K = 64 does not (S = 1: lanes)
+@pytest.mark.parametrize("K", [64, 1024])
+def test_emulated_wide_tiles_keep_the_bits(gemv_emu, monkeypatch, K):
+    """The E4M3 _r4 kernels (four weight rows a warp, one vector a row in flight) give the bits of the
+    two-row kernels, for the plain, dual and SwiGLU-epilogue GEMVs and every epilogue; a row count
+    that is not a whole tile leaves a partial last tile."""
+    from cuengine.kernels import gemv as G
+
+    N = 2 * 27  # dual: 27 gate/up pairs
+    assert _split(N, K // 16) == (2 if K == 1024 else 1)
+    c = case(1, K, N, "bf16", "e4m3")
+    arrays = {"x": c["x"], "w": c["w"], "b": c["bias"], "r": c["residual"], "nw": c["norm_weight"]}
+    scale = {"w_scale": emu.tensor(c["w_scale"], "fp32", "w_scale")}
+    calls = {
+        "gemv": (lambda out, x, w, b, r, nw: gemv(out, x, w, bias=b, residual=r, norm_weight=nw, eps=EPS, **scale),
+                 (1, N)),
+        "dual": (lambda out, x, w, b, r, nw: gemv_dual(out, x, w, norm_weight=nw, eps=EPS, **scale), (1, N)),
+        "dual swiglu": (lambda out, x, w, b, r, nw: gemv_dual(out, x, w, act="swiglu", **scale), (1, N // 2)),
+    }  # fmt: skip
+    w_scale = c.get("w_scale")
+    calls_np = {
+        "gemv": lambda: gemv_np(c["x"], c["w"], w_scale, c["bias"], c["residual"], c["norm_weight"], EPS),
+        "dual": lambda: gemv_dual_np(c["x"], c["w"], w_scale, c["norm_weight"], EPS),
+        "dual swiglu": lambda: gemv_dual_np(c["x"], c["w"], w_scale, act="swiglu"),
+    }
+    names = []
+
+    def recording(family, name, *args, **kw):
+        names.append(name)
+        gemv_emu(family, name, *args, **kw)
+
+    for what, (fn, shape) in calls.items():
+        got = {}
+        for rows in (G._ROWS, G._WIDE_ROWS):  # the split (so the sum order) stays the shape's
+            monkeypatch.setattr(G, "_rows", lambda *shape, rows=rows: rows)
+            got[rows], clean = _emulated(recording, monkeypatch, fn, arrays, shape)
+            assert clean
+        assert names[-1].endswith("_1_r4") and not names[-2].endswith("_r4"), names[-2:]
+        np.testing.assert_array_equal(got[2].view(np.uint16), got[4].view(np.uint16), err_msg=what)
+        assert_close(got[4], calls_np[what](), "bf16", what)

@@ -27,7 +27,8 @@ FAMILY = "gemv"
 MODEL = (FP32, BF16)  # model dtypes: x, norm_weight and bias; also the weight unless it is e4m3
 ACTS = (None, "swiglu")
 
-_WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu)
+_WARPS, _ROWS = 8, 2  # warps per block, weight rows per warp (WARPS, R in gemv.cu); the split counts tiles of _ROWS
+_WIDE_ROWS = 4  # weight rows per warp of the single-row E4M3 gemv_..._1_r4 kernels (_rows)
 _TILES = (1, 4, 8)  # input rows per pass (BT) with a compiled kernel
 _SPLITS = (1, 2, 4, 8)  # warps sharing a row group, each reducing 1/S of K
 # The K split's limits (_split), constants so that the bits do not depend on the GPU:
@@ -121,6 +122,17 @@ def _split(rows: int, vectors: int) -> int:
     return s
 
 
+def _rows(N: int, bt: int, s: int, fp8: bool) -> int:
+    """Weight rows per warp: _WIDE_ROWS (one vector a row in flight) for a single-row GEMV over E4M3
+    weights whose tiles of _ROWS would pass one wave (_WAVE), so that fewer blocks work a second tile
+    (the 0.5B gate/up projection, 9728 rows: 608 tiles of 2 rows a warp, 304 of 4). Measured on the H200
+    (BENCHMARKS fifteenth session, call 2): 0.5B FP8 decode 0.572 -> 0.564 ms/token, 1.5B unchanged; over
+    bf16 weights four rows a warp were slower (U = 2: 0.600 -> 0.620; U = 1: 0.636), so those keep two.
+    The sums do not depend on the rows (gemv.cuh), so neither do the bits."""
+    wide = fp8 and bt == 1 and ceil_div(N, _ROWS * _WARPS // s) > _WAVE
+    return _WIDE_ROWS if wide else _ROWS
+
+
 def _grid(dev, tiles: int, bt: int, smem: int) -> int:
     """One resident wave at most: blocks take tiles round-robin, so a grid larger than what fits the
     GPU at once would only leave a tail, and each block stages (and normalises) its input once."""
@@ -193,13 +205,14 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, du
 def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream):
     bt = _tile(b, K, x.dtype.itemsize)
     s = split or _split(N, K * w.dtype.itemsize // 16)
-    name = f"{kernel_name('gemv', x, w, out)}_{bt}"
+    rows = _rows(N, bt, s, w.dtype.is_fp8)
+    name = f"{kernel_name('gemv', x, w, out)}_{bt}" + ("_r4" if rows == _WIDE_ROWS else "")
     smem = bt * K * x.dtype.itemsize
     if prologue == _PRO_NORM and smem + K * x.dtype.itemsize <= _SMEM_ROW:
         prologue, smem = _PRO_NORM_STAGED, smem + K * x.dtype.itemsize  # the norm weight, staged before the wait
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
             np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
-    launch(FAMILY, name, _grid(dev, ceil_div(N, _ROWS * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
+    launch(FAMILY, name, _grid(dev, ceil_div(N, rows * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
            shared_mem=smem, dependent=True)  # fmt: skip
 
 
