@@ -161,3 +161,36 @@ def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
         assert pct > 0 and same > 0
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--family", "nope"])
+
+
+def test_ab_bench_runs_each_variant_in_turn(tmp_path):
+    """tools/ab_bench.sh: each variant's copy has its patches applied (a leading - reverses one), the
+    command runs in every copy round after round, and a patch that does not apply stops it."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or shutil.which("tar") is None:
+        pytest.skip("git and tar are needed")
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "README.md").write_text(readme + "AB_MARKER\n")
+    (tmp_path / "orig").mkdir()
+    (tmp_path / "orig" / "README.md").write_text(readme)
+    diff = subprocess.run(["git", "diff", "--no-index", "orig/README.md", "changed/README.md"], cwd=tmp_path,
+                          capture_output=True, text=True).stdout  # fmt: skip
+    patch = tmp_path / "marker.patch"
+    patch.write_text(diff.replace("a/orig/README.md", "a/README.md").replace("b/changed/README.md", "b/README.md"))
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "AB_DIR": str(tmp_path / "ab")}
+    tool = str(root / "tools/ab_bench.sh")
+    run = subprocess.run(["bash", tool, "-r", "2", "-g", "^[0-9]", "grep -c AB_MARKER README.md", "plain",
+                          f"marked={patch}", f"undone={patch},-{patch}"], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "out" / "ab.log").read_text().split("\n")
+    assert lines[:-1] == [f"{v} r{r}  {n}" for r in (1, 2) for v, n in (("plain", 0), ("marked", 1), ("undone", 0))]
+    bad = subprocess.run(["bash", tool, "true", f"twice={patch},{patch}"], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert bad.returncode == 1 and "does not apply to twice" in bad.stderr

@@ -9,7 +9,8 @@
 #   git diff > .session/x.patch
 #   bash tools/ab_bench.sh -r 2 -g '^qwen' "python3 tools/bench_decode.py --section token --samples 3" \
 #     main=-.session/x.patch new
-# Output: $OUT/ab.log (the device tool's output folder) or ./gpu_out/ab.log; the copies are /tmp/ab/NAME.
+# Output: $OUT/ab.log (the device tool's output folder) or ./gpu_out/ab.log; the copies are $AB_DIR/NAME
+# (default /tmp/ab). Exits 1 when a patch does not apply; a command that fails is reported on stderr.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds=2 keep=.
@@ -32,24 +33,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 src=$PWD
+copies=${AB_DIR:-/tmp/ab}
 names=()
 for variant in "$@"; do
   name=${variant%%=*}
-  dir=/tmp/ab/$name
+  dir=$copies/$name
   rm -rf "$dir" && mkdir -p "$dir"
-  tar cf - --exclude=.whl --exclude=.git --exclude=gpu_out . | (cd "$dir" && tar xf -)
+  tar cf - --exclude=.whl --exclude=.git --exclude=.venv --exclude=gpu_out . | (cd "$dir" && tar xf -)
   if [ "$name" != "$variant" ]; then
     IFS=, read -ra patches <<< "${variant#*=}"
     for p in "${patches[@]}"; do
       reverse=()
       if [ "${p#-}" != "$p" ]; then reverse=(-R); p=${p#-}; fi
-      (cd "$dir" && git apply "${reverse[@]}" "$src/$p") || { echo "ab_bench: $p does not apply to $name" >&2; exit 1; }
+      [ "${p#/}" != "$p" ] || p=$src/$p
+      (cd "$dir" && git apply "${reverse[@]}" "$p") || { echo "ab_bench: $p does not apply to $name" >&2; exit 1; }
     done
   fi
   names+=("$name")
 done
 for ((round = 1; round <= rounds; round++)); do
   for name in "${names[@]}"; do
-    (cd /tmp/ab/$name && PYTHONPATH=/tmp/site:$PWD bash -c "$command" 2>&1) | grep -E -- "$keep" | sed "s/^/$name r$round  /"
+    (cd "$copies/$name" && PYTHONPATH=/tmp/site:$PWD bash -c "$command" 2>&1
+     rc=$?; [ $rc = 0 ] || echo "ab_bench: the command exited $rc in $name, round $round" >&2) |
+      grep -E -- "$keep" | sed "s/^/$name r$round  /"
   done
 done | tee "$out/ab.log"
+exit 0
