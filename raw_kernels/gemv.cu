@@ -11,7 +11,7 @@
 // prologue r_T(x * rstd * norm_weight) with rstd = 1 / sqrt(mean(x^2) + eps) summed exactly as
 // rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), or the SwiGLU
 // prologue r_T(silu(gate) * up) over x = [gate | up], computed as activations.cu computes it. The
-// input is staged in shared memory, in T, BT rows at a time.
+// input is staged in shared memory BT rows at a time: in fp32 for BT = 1, else in T.
 //
 // Work layout: a tile of WARPS / S groups of R weight rows is one block's work at a time; the grid is
 // at most one resident wave and blocks take tiles round-robin, so with b <= BT a block stages (and
