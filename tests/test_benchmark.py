@@ -194,3 +194,55 @@ def test_ab_bench_runs_each_variant_in_turn(tmp_path):
     bad = subprocess.run(["bash", tool, "true", f"twice={patch},{patch}"], env=env, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert bad.returncode == 1 and "does not apply to twice" in bad.stderr
+
+
+def test_trace_gemv_instruments_a_compilable_copy(tmp_path, monkeypatch):
+    """tools/trace_gemv.py: its gemv.cuh copy compiles for sm_90a with the stamps in place, and a
+    gemv.cuh whose marked places moved is refused rather than traced half-way."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is part of the [cuda] extra")
+    from cuengine.kernels import _build
+
+    tool = load_tool("trace_gemv")
+    traced = tool.instrumented_dir(tmp_path)
+    text = (traced / "gemv.cuh").read_text()
+    assert text.count("stamps.mark(") == 4 and "trace_start(N, K" in text
+    monkeypatch.setattr(_build, "kernel_dir", lambda: traced)
+    _build.compile_cubin(traced / "gemv.cu", "sm_90a")
+    with pytest.raises(RuntimeError, match="no longer has"):
+        tool.instrumented_source(text.replace("    launch_dependents();\n", ""))
+
+
+def test_trace_gemv_summary_of_two_gemvs():
+    """Launches are told apart by shape and grid though their blocks' records interleave, and the
+    phases (from clock64, scaled by the blocks' own ns a cycle), spans, releases and late starts come
+    out of the stamps."""
+    tool = load_tool("trace_gemv")
+    from cuengine.kernels import gemv
+
+    def record(ns, N, K, prologue, block, blocks):
+        r = np.zeros(tool.FIELDS, np.uint64)
+        r[:5] = ns
+        r[5:10] = [2 * t for t in ns]  # 0.5 ns a cycle
+        r[10], r[11], r[12] = N << 32 | K, prologue << 8, block << 32 | blocks
+        return r
+
+    qkv = (1152, 896, gemv._PRO_NORM_STAGED)
+    down = (896, 4864, gemv._PRO_NONE)
+    records = np.array([
+        record([0, 1000, 1500, 2000, 3000], *qkv, 0, 2),
+        record([3000, 4000, 4100, 4600, 5000], *down, 0, 2),  # the next launch's first block, early
+        record([100, 1200, 1600, 2200, 3500], *qkv, 1, 2),
+        record([3200, 4300, 4500, 5000, 5400], *down, 1, 2),
+    ])  # fmt: skip
+    ns_per_cycle, table = tool.summary(records)
+    assert ns_per_cycle == 0.5
+    assert set(table) == {"qkv 896->1152", "down 4864->896"}
+    q, d = table["qkv 896->1152"], table["down 4864->896"]
+    assert q["launches"] == 1 and q["blocks"] == 2 and np.isnan(q["release"])
+    assert q["span"] == pytest.approx(3.5) and q["late"] == pytest.approx(0.2)
+    assert q["wait"] == pytest.approx(1.05) and q["stage"] == pytest.approx(0.45)
+    assert q["first"] == pytest.approx(0.55) and q["rest"] == pytest.approx(1.15)
+    assert d["release"] == pytest.approx(0.5)  # 4000 ns, the first pass of its wait, after qkv ended at 3500
+    assert d["span"] == pytest.approx(2.4) and d["late"] == pytest.approx(0.3)
+    assert tool.report(records)[2].startswith("qkv 896->1152")
+    assert tool.report(records[:3])[2:] == tool.report(records[[0, 2]])[2:]  # an incomplete launch is left out
