@@ -10,8 +10,9 @@ thread 0 reads %globaltimer (one clock for every SM, to line blocks and launches
 SM's cycles, for the phases inside a block) and writes one record. Columns (µs, medians over a kind's
 launches of the per-launch figure):
 - release: from the previous GEMV's last block ending to this launch's first block passing its wait
-  (what a dependent launch costs on the critical path; the attention kernel between qkv and output
-  projection is not traced, so that kind's release includes it);
+  (what a dependent launch costs on the critical path; kernels that are not GEMVs are not traced, so
+  the output projection's release includes the attention, and the first qkv's of a step the LM head
+  where cuBLASLt runs it, the sampling and the embedding);
 - span: first block's start to last block's end;
 - wait / stage / first / rest: a block's phases (median block): from its start to past the wait, the
   input staged (and normalised), the first tile's products, the remaining tiles, reductions and stores;
@@ -38,7 +39,7 @@ from ablate_decode import kind  # noqa: E402
 
 from cuengine.kernels import _build, gemv  # noqa: E402
 
-SLOTS = 1 << 16  # records the buffer holds (a 0.5B step makes ~2000 block records)
+SLOTS = 1 << 18  # records the buffer holds (a 0.5B step makes about 30000, one a block of each GEMV)
 FIELDS = 16  # u64 a record: 5 globaltimer stamps, 5 clock64 stamps, the shape, the block and grid, the SM
 _HELPERS = r"""
 __device__ unsigned long long gemv_trace[SLOTS][FIELDS];
