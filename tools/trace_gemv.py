@@ -77,8 +77,7 @@ __device__ __forceinline__ TraceStamps trace_start(int N, int K, int prologue, i
 }
 """.replace("SLOTS", str(SLOTS)).replace("FIELDS", str(FIELDS))
 _STAGED = (
-    "            stage_input<T, BT>(xs, s_rstd, x, norm_in, eps, prologue, m0, b, K);\n"
-    "            __syncthreads();\n"
+    "            stage_input<T, BT>(xs, s_rstd, x, norm_in, eps, prologue, m0, b, K);\n            __syncthreads();\n"
 )
 _NEXT = "        // the next item's first weights go out before this one's reduction and stores\n"
 _END = "        tile_index = next_index;\n        m0 = next_m0;\n    }\n}\n"
