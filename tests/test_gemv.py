@@ -324,8 +324,8 @@ def test_wide_tiles_keep_the_bits(cuda, monkeypatch):
 
     c = case(1, 896, 9728, "bf16", "e4m3")
     head = case(1, 896, 151936, "bf16", "e4m3", seed=7)
-    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight") if k in c})
-    th = tensors(cuda, {k: head[k] for k in ("w", "w_scale") if k in head})
+    t = tensors(cuda, {k: c[k] for k in ("x", "w", "w_scale", "norm_weight")})
+    th = tensors(cuda, {k: head[k] for k in ("w", "w_scale")})
     names = []
     launch = G.launch
     monkeypatch.setattr(G, "launch", lambda fam, name, *a, **kw: (names.append(name), launch(fam, name, *a, **kw)))
@@ -333,16 +333,16 @@ def test_wide_tiles_keep_the_bits(cuda, monkeypatch):
     for rows, wave in ((2, 10**9), (4, G._WAVE)):
         monkeypatch.setattr(G, "_WAVE", wave)
         pair = ce.Tensor.empty(ce.BF16, (1, 9728), cuda, name="pair")
-        gemv_dual(pair, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
+        gemv_dual(pair, t["x"], t["w"], w_scale=t["w_scale"], norm_weight=t["norm_weight"], eps=EPS)
         act = ce.Tensor.empty(ce.BF16, (1, 4864), cuda, name="act")
-        gemv_dual(act, t["x"], t["w"], w_scale=t.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS, act="swiglu")
+        gemv_dual(act, t["x"], t["w"], w_scale=t["w_scale"], norm_weight=t["norm_weight"], eps=EPS, act="swiglu")
         logits = ce.Tensor.empty(ce.FP32, (1, 151936), cuda, name="logits")
-        gemv(logits, t["x"], th["w"], w_scale=th.get("w_scale"), norm_weight=t["norm_weight"], eps=EPS)
+        gemv(logits, t["x"], th["w"], w_scale=th["w_scale"], norm_weight=t["norm_weight"], eps=EPS)
         got[rows] = [pair.numpy().view(np.uint16), act.numpy().view(np.uint16), logits.numpy().view(np.uint32)]
     assert [n.endswith("_r4") for n in names] == [False] * 3 + [True] * 3, names
     for a, b in zip(got[2], got[4]):
         np.testing.assert_array_equal(a, b)
-    want = gemv_dual_np(c["x"], c["w"], c.get("w_scale"), c["norm_weight"], EPS)
+    want = gemv_dual_np(c["x"], c["w"], c["w_scale"], c["norm_weight"], EPS)
     assert_close(got[4][0].view(ml_dtypes.bfloat16), want, "bf16", "wide gate/up")
 
 
@@ -621,7 +621,7 @@ _EMU_REPLACE = {
     'asm volatile("cp.async.wait_all;" ::: "memory");': "cp_async_commit(); cp_async_wait<0>();",
     "extern __shared__ __align__(16) unsigned char smem[];": "unsigned char* smem = g_smem;",
 }
-_EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in ("1", "4", "8")]
+_EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in (1, 4, 8)]
 _EMU_KERNELS.append("gemv_bf16_e4m3_bf16_1_r4")
 
 
@@ -721,7 +721,7 @@ def test_emulated_wide_tiles_keep_the_bits(gemv_emu, monkeypatch, K):
         "dual": (lambda out, x, w, b, r, nw: gemv_dual(out, x, w, norm_weight=nw, eps=EPS, **scale), (1, N)),
         "dual swiglu": (lambda out, x, w, b, r, nw: gemv_dual(out, x, w, act="swiglu", **scale), (1, N // 2)),
     }  # fmt: skip
-    w_scale = c.get("w_scale")
+    w_scale = c["w_scale"]
     calls_np = {
         "gemv": lambda: gemv_np(c["x"], c["w"], w_scale, c["bias"], c["residual"], c["norm_weight"], EPS),
         "dual": lambda: gemv_dual_np(c["x"], c["w"], w_scale, c["norm_weight"], EPS),
