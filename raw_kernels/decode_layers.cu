@@ -219,7 +219,7 @@ __device__ int run_linear(const Stream<W>& st, int k, int t, T* out, const float
 // The input of a linear into xs (decode rows are 1): gemv.cuh's staging, with its norm or SwiGLU.
 template <typename T>
 __device__ void stage(T* xs, float* s_rstd, const T* x, const T* norm_weight, float eps, int prologue, int K) {
-    stage_input<T, 1>(xs, s_rstd, x, norm_weight, eps, prologue, 0, 1, K);
+    stage_input<T, T, 1>(xs, xs, s_rstd, x, norm_weight, eps, prologue, 0, 1, K);
     __syncthreads();
 }
 

@@ -11,7 +11,7 @@
 // prologue r_T(x * rstd * norm_weight) with rstd = 1 / sqrt(mean(x^2) + eps) summed exactly as
 // rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), or the SwiGLU
 // prologue r_T(silu(gate) * up) over x = [gate | up], computed as activations.cu computes it. The
-// input is staged in shared memory, in T, BT rows at a time.
+// input is staged in shared memory BT rows at a time: in fp32 for BT = 1, else in T.
 //
 // Work layout: a tile of WARPS / S groups of R weight rows is one block's work at a time; the grid is
 // at most one resident wave and blocks take tiles round-robin, so with b <= BT a block stages (and
@@ -47,23 +47,24 @@ __device__ void quantize_rows_impl(fp8e4* w8, float* w_scale, const T* w, int N,
 // ---- launchers ----------------------------------------------------------------------------
 // gemv_<T>_<W>_<O>_<BT>: model dtype T, weight dtype W, out dtype O, BT input rows per pass, R = 2 weight
 // rows per warp with U = 4 vectors a row in flight; gemv_<T>_e4m3_<O>_1_r4: BT = 1 with R = 4 and U = 1, so
-// that a wide single-row GEMV over E4M3 weights has half the tiles (gemv.py's _rows says when).
+// that a wide single-row GEMV over E4M3 weights has half the tiles (gemv.py's _rows says when). The
+// single-row kernels stage their input as fp32 (XS), the multi-row ones, whose rows must fit, in T.
 
 // Single-row kernels stay within 80 registers so that three blocks fit an SM: a decode-sized GEMV is about
 // one wave of blocks, each a round trip or two to HBM, and more resident warps keep more bytes in flight
 // (at 64 registers ptxas spills in the main loop).
-#define GEMV_KERNEL(NAME, T, W, O, BT, R, U, MIN_BLOCKS)                                                     \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                               \
-        O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,              \
-        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {               \
-        gemv_impl<T, W, O, BT, R, U>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, \
-                                     K, N, S, blockIdx.x, gridDim.x, [] { grid_dependency_wait(); });        \
+#define GEMV_KERNEL(NAME, T, XS, W, O, BT, R, U, MIN_BLOCKS)                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                                \
+        O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,               \
+        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {                \
+        gemv_impl<T, XS, W, O, BT, R, U>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, \
+                                         b, K, N, S, blockIdx.x, gridDim.x, [] { grid_dependency_wait(); });  \
     }
-#define GEMV_KERNELS(SUF, T, W, O)                  \
-    GEMV_KERNEL(gemv_##SUF##_1, T, W, O, 1, 2, 4, 3) \
-    GEMV_KERNEL(gemv_##SUF##_4, T, W, O, 4, 2, 4, 2) \
-    GEMV_KERNEL(gemv_##SUF##_8, T, W, O, 8, 2, 4, 2)
-#define GEMV_WIDE_KERNEL(SUF, T, O) GEMV_KERNEL(gemv_##SUF##_1_r4, T, fp8e4, O, 1, 4, 1, 3)
+#define GEMV_KERNELS(SUF, T, W, O)                         \
+    GEMV_KERNEL(gemv_##SUF##_1, T, float, W, O, 1, 2, 4, 3) \
+    GEMV_KERNEL(gemv_##SUF##_4, T, T, W, O, 4, 2, 4, 2)     \
+    GEMV_KERNEL(gemv_##SUF##_8, T, T, W, O, 8, 2, 4, 2)
+#define GEMV_WIDE_KERNEL(SUF, T, O) GEMV_KERNEL(gemv_##SUF##_1_r4, T, float, fp8e4, O, 1, 4, 1, 3)
 GEMV_KERNELS(bf16_bf16_bf16, bf16, bf16, bf16)
 GEMV_KERNELS(bf16_bf16_f32, bf16, bf16, float)
 GEMV_KERNELS(bf16_e4m3_bf16, bf16, fp8e4, bf16)

@@ -72,18 +72,41 @@ __device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 
-// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in T. With
-// PRO_NORM_STAGED, norm_weight points at the copy in shared memory (its cp.async completes with x's).
-template <typename T, int BT>
-__device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
+template <typename A, typename B> constexpr bool same_type = false;
+template <typename A> constexpr bool same_type<A, A> = true;
+
+// 16 bytes of T stored into the staged input as XS (T itself, or fp32: every T value is a float).
+template <typename XS, typename T> __device__ __forceinline__ void store_staged(XS* dst, const Pack16<T>& v) {
+    if constexpr (same_type<XS, T>) {
+        v.store(dst);
+    } else {
+        #pragma unroll
+        for (int h = 0; h < Pack16<T>::N; h += Pack16<XS>::N) {
+            Pack16<XS> f;
+            #pragma unroll
+            for (int k = 0; k < Pack16<XS>::N; ++k) f.v[k] = to_float(v.v[h + k]);
+            f.store(dst + h);
+        }
+    }
+}
+
+// Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in XS: T, or fp32 so
+// that the dot products read floats without converting each input once per weight row. The norm prologues
+// copy x's rows into raw (BT, K) T first (xs itself when XS is T). With PRO_NORM_STAGED, norm_weight
+// points at the copy in shared memory (its cp.async completes with x's).
+template <typename T, typename XS, int BT>
+__device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
                             float eps, int prologue, int m0, int b, int K) {
     constexpr int VT = Pack16<T>::N;
     const int vecs = K / VT, total = BT * vecs;
     if (prologue == PRO_SWIGLU) {
-        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SU) {
-            Pack16<T> v[SU];
+        // one vector staging fp32: the conversion's registers, beside the weight vectors in flight, would
+        // spill (tools/PERF_NOTES.md 28(d))
+        constexpr int SV = same_type<XS, T> ? SU : 1;
+        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SV) {
+            Pack16<T> v[SV];
             #pragma unroll
-            for (int j = 0; j < SU; ++j) {
+            for (int j = 0; j < SV; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
                 if (i >= total || m >= b) {
                     for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
@@ -95,17 +118,17 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
                 }
             }
             #pragma unroll
-            for (int j = 0; j < SU; ++j) {
+            for (int j = 0; j < SV; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs;
-                if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+                if (i < total) store_staged(xs + (size_t)t * K + (i - t * vecs) * VT, v[j]);
             }
         }
         return;
     }
     if (prologue == PRO_NONE) {
         // through registers, SN vectors a thread in flight: on the H200 the down projection's 9.7 KB row
-        // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26)
-        constexpr int SN = 4;
+        // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26); two staging fp32 (no spill)
+        constexpr int SN = same_type<XS, T> ? 4 : 2;
         for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
             Pack16<T> v[SN];
             #pragma unroll
@@ -117,14 +140,14 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
             #pragma unroll
             for (int j = 0; j < SN; ++j) {
                 const int i = i0 + j * blockDim.x, t = i / vecs;
-                if (i < total) v[j].store(xs + (size_t)t * K + (i - t * vecs) * VT);
+                if (i < total) store_staged(xs + (size_t)t * K + (i - t * vecs) * VT, v[j]);
             }
         }
         return;
     }
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
         const int t = i / vecs, c = (i - t * vecs) * VT;
-        T* dst = xs + (size_t)t * K + c;
+        T* dst = raw + (size_t)t * K + c;
         if (m0 + t < b) {
             copy_async16(dst, x + (size_t)(m0 + t) * K + c);
         } else {
@@ -141,7 +164,7 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
     for (int t = warp; t < BT; t += WARPS) {
         float ss = 0.f;
         for (int c = lane * VT; c < K; c += 32 * VT) {
-            const Pack16<T> v = Pack16<T>::load(xs + (size_t)t * K + c);
+            const Pack16<T> v = Pack16<T>::load(raw + (size_t)t * K + c);
             for (int k = 0; k < VT; ++k) {
                 const float f = to_float(v.v[k]);
                 ss += f * f;
@@ -153,12 +176,11 @@ __device__ void stage_input(T* xs, float* s_rstd, const T* x, const T* __restric
     __syncthreads();
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
         const int t = i / vecs, c = (i - t * vecs) * VT;
-        T* p = xs + (size_t)t * K + c;
-        const Pack16<T> v = Pack16<T>::load(p), w = Pack16<T>::load(norm_weight + c);
+        const Pack16<T> v = Pack16<T>::load(raw + (size_t)t * K + c), w = Pack16<T>::load(norm_weight + c);
         const float r = s_rstd[t];
         Pack16<T> y;
         for (int k = 0; k < VT; ++k) y.v[k] = from_float<T>(to_float(v.v[k]) * r * to_float(w.v[k]));
-        y.store(p);
+        store_staged(xs + (size_t)t * K + c, y);
     }
 }
 
@@ -208,18 +230,20 @@ __device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&w
 // Tiles of WARPS / S * R rows, dealt round-robin to the blocks (the grid may be smaller than the tile count:
 // a tile's sums do not depend on which block runs it). A block's work is (tile, pass of BT input rows)
 // items in order; the first weight vectors of the next item are in flight while the current one reduces
-// and writes. Dynamic shared memory: BT * K * sizeof(T) bytes, + K * sizeof(T) with PRO_NORM_STAGED.
+// and writes. Dynamic shared memory: the staged input, BT * K * sizeof(XS) bytes; with a norm prologue and XS
+// other than T the raw rows, + BT * K * sizeof(T); with PRO_NORM_STAGED the norm weight, + K * sizeof(T).
 // dual: a Dual (DUAL_SWIGLU writes out (b, N / 2)).
-template <typename T, typename W, typename O, int BT, int R, int U, typename Wait>
+template <typename T, typename XS, typename W, typename O, int BT, int R, int U, typename Wait>
 __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
                           const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
                           int b, int K, int N, int S, int block, int blocks, Wait wait) {
     extern __shared__ __align__(16) unsigned char smem[];
-    T* xs = reinterpret_cast<T*>(smem);
+    XS* xs = reinterpret_cast<XS*>(smem);
+    T* raw = same_type<XS, T> ? reinterpret_cast<T*>(xs) : reinterpret_cast<T*>(xs + (size_t)BT * K);
     __shared__ float s_partial[WARPS][R][BT];
     __shared__ float s_rstd[BT];
     constexpr int VW = 16 / sizeof(W);         // weights per 16-byte vector
-    constexpr int NT = Pack16<T>::N;           // inputs per 16-byte vector
+    constexpr int NT = Pack16<XS>::N;          // staged inputs per 16-byte vector
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int groups = WARPS / S, group = warp / S, slice = warp % S;
     const int C = K / VW;
@@ -251,8 +275,9 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     // The norm weight is a weight too: into shared memory behind xs before the wait (PRO_NORM_STAGED)
     const T* norm_in = norm_weight;
     if (prologue == PRO_NORM_STAGED) {
-        T* ws = xs + (size_t)BT * K;
-        for (int c = threadIdx.x * NT; c < K; c += blockDim.x * NT) copy_async16(ws + c, norm_weight + c);
+        constexpr int VT = Pack16<T>::N;
+        T* ws = raw + (size_t)BT * K;
+        for (int c = threadIdx.x * VT; c < K; c += blockDim.x * VT) copy_async16(ws + c, norm_weight + c);
         norm_in = ws;
     }
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles
@@ -265,7 +290,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             // Under programmatic dependent launch everything above (weights only) overlaps the previous
             // kernel (or phase); its outputs (x, residual, out's memory) are touched only after this wait.
             if (!staged) wait();
-            stage_input<T, BT>(xs, s_rstd, x, norm_in, eps, prologue, m0, b, K);
+            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K);
             __syncthreads();
             staged = true;
         }
@@ -309,7 +334,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
                             }
                         #pragma unroll
                         for (int t = 0; t < BT; ++t) {
-                            const Pack16<T> xv = Pack16<T>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
+                            const Pack16<XS> xv = Pack16<XS>::load(xs + (size_t)t * K + (size_t)cu * VW + h * NT);
                             #pragma unroll
                             for (int k = 0; k < NT; ++k) {
                                 const float xk = to_float(xv.v[k]);

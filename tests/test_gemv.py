@@ -417,7 +417,7 @@ def test_swiglu_epilogue_equals_dual_then_swiglu_forward(cuda, wdtype, H, b):
 def test_norm_prologue_unstaged_when_the_weight_does_not_fit(cuda):
     """K too large to stage the norm weight beside the input row: the prologue reads it from global
     memory instead, with the same bits as rmsnorm_forward then the GEMV."""
-    K = 57344  # (1 + 1) * K bf16 > gemv._SMEM_ROW, one row <= it
+    K = 30720  # the fp32 row and its bf16 copy fit gemv._SMEM_ROW, the norm weight beside them does not
     c = case(1, K, 16, "bf16")
     t = tensors(cuda, {k: c[k] for k in ("x", "w", "norm_weight")})
     fused = ce.Tensor.empty(ce.BF16, (1, 16), cuda, name="fused")
@@ -673,7 +673,7 @@ def test_emulated_staging_is_exact(gemv_emu, monkeypatch, b):
     from cuengine.kernels import gemv as G
 
     # room for the input rows alone: the norm weight is read from global memory instead
-    monkeypatch.setattr(G, "_SMEM_ROW", G._tile(b, K, 2) * K * 2)
+    monkeypatch.setattr(G, "_SMEM_ROW", G._staged_bytes(G._tile(b, K, 2), K, 2, True))
     unstaged, _ = _emulated(gemv_emu, monkeypatch, normed, arrays, (b, K))
     np.testing.assert_array_equal(staged.view(np.uint16), unstaged.view(np.uint16))
 

@@ -7,9 +7,7 @@ GEMV that time goes (PERF_NOTES 27(c): at the 0.5B shapes a GEMV is mostly its p
 its weight bytes). The kernels are an instrumented copy of raw_kernels/ (`instrumented_dir`: gemv.cuh
 with the timestamps; nothing else changes), so the process compiles its own gemv.cu. Each block's
 thread 0 reads %globaltimer (one clock for every SM, to line blocks and launches up) and clock64 (its
-SM's cycles, for the phases inside a block) and writes one record. The stamps cost registers: NVRTC's
-ptxas (-Xptxas=-v) spills 16 bytes in the E4M3 two-row single-row kernels of the copy (none in the bf16
-ones), so those figures are of a slightly different kernel. Columns (µs, medians over a kind's
+SM's cycles, for the phases inside a block) and writes one record. Columns (µs, medians over a kind's
 launches of the per-launch figure):
 - release: from the previous GEMV's last block ending to this launch's first block passing its wait
   (what a dependent launch costs on the critical path; kernels that are not GEMVs are not traced, so
@@ -77,7 +75,8 @@ __device__ __forceinline__ TraceStamps trace_start(int N, int K, int prologue, i
 }
 """.replace("SLOTS", str(SLOTS)).replace("FIELDS", str(FIELDS))
 _STAGED = (
-    "            stage_input<T, BT>(xs, s_rstd, x, norm_in, eps, prologue, m0, b, K);\n            __syncthreads();\n"
+    "            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K);\n"
+    "            __syncthreads();\n"
 )
 _NEXT = "        // the next item's first weights go out before this one's reduction and stores\n"
 _END = "        tile_index = next_index;\n        m0 = next_m0;\n    }\n}\n"

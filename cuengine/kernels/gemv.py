@@ -37,7 +37,7 @@ _WAVE = 396  # the single-row grid's one wave there (_RESIDENT[1] = 3 blocks per
 _SHORT_ROUNDS = 2  # only while a lane's slice takes more than this many rounds of _U vectors
 _U = 4  # 16-byte weight vectors per row and lane in flight (U in gemv.cuh)
 _SMEM_PASS = 120 * 1024  # staged input rows per pass: BT = 4 still fits at K = 14336 bf16
-_SMEM_ROW = 200 * 1024  # one staged input row must fit (227 KB per block, less static shared memory)
+_SMEM_ROW = 200 * 1024  # one single-row pass must fit (227 KB a block, less static shared memory)
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU, _PRO_NORM_STAGED = 0, 1, 2, 3  # enum Prologue in gemv.cuh
 _DUAL_NONE, _DUAL_PAIR, _DUAL_SWIGLU = 0, 1, 2  # enum Dual in gemv.cuh
 _RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
@@ -99,6 +99,14 @@ def _tile(b: int, K: int, itemsize: int) -> int:
     """Input rows per pass: the smallest compiled tile that holds b (at most 8) within _SMEM_PASS."""
     fits = [t for t in _TILES if t * K * itemsize <= _SMEM_PASS] or [1]
     return next((t for t in fits if t >= b), fits[-1])
+
+
+def _staged_bytes(bt: int, K: int, itemsize: int, norm: bool) -> int:
+    """Dynamic shared memory of one pass's staged input. The single-row kernels stage it as fp32, so that
+    the dot products do not convert each input once per weight row (the multi-row kernels keep the model
+    dtype, for room), and a norm prologue then also keeps x's raw rows there to normalise from."""
+    xs = 4 if bt == 1 else itemsize
+    return bt * K * (xs + (itemsize if norm and xs != itemsize else 0))
 
 
 def _split(rows: int, vectors: int) -> int:
@@ -165,10 +173,11 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, du
     if K == 0:
         raise ValueError(f"{what}: K = 0; x {x.name!r} {x.shape} has no input columns")
     check_vector_width(what, "K", K, w.dtype)
-    if K * x.dtype.itemsize > _SMEM_ROW:
+    row = _staged_bytes(1, K, x.dtype.itemsize, norm_weight is not None)
+    if row > _SMEM_ROW:
         raise ValueError(
-            f"{what}: K = {K} is too large: one input row of {x.dtype} is staged in shared memory "
-            f"(at most {_SMEM_ROW // x.dtype.itemsize} values)"
+            f"{what}: K = {K} is too large: one input row is staged in shared memory as fp32 (with its "
+            f"{x.dtype} copy for an RMSNorm prologue), at most {_SMEM_ROW * K // row} values here"
         )
     if w.dtype.is_fp8:
         if w_scale is None:
@@ -207,7 +216,7 @@ def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual
     s = split or _split(N, K * w.dtype.itemsize // 16)
     rows = _rows(N, bt, s, w.dtype.is_fp8)
     name = f"{kernel_name('gemv', x, w, out)}_{bt}" + ("_r4" if rows == _WIDE_ROWS else "")
-    smem = bt * K * x.dtype.itemsize
+    smem = _staged_bytes(bt, K, x.dtype.itemsize, prologue == _PRO_NORM)
     if prologue == _PRO_NORM and smem + K * x.dtype.itemsize <= _SMEM_ROW:
         prologue, smem = _PRO_NORM_STAGED, smem + K * x.dtype.itemsize  # the norm weight, staged before the wait
     args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
