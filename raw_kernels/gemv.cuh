@@ -93,7 +93,7 @@ template <typename XS, typename T> __device__ __forceinline__ void store_staged(
 // Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in XS: T, or fp32 so
 // that the dot products read floats without converting each input once per weight row. The norm prologues
 // copy x's rows into raw (BT, K) T first (xs itself when XS is T). With PRO_NORM_STAGED, norm_weight
-// points at the copy in shared memory (its cp.async completes with x's).
+// points at the copy in shared memory (its cp.async is waited for once x's rows are loaded).
 template <typename T, typename XS, int BT>
 __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
                             float eps, int prologue, int m0, int b, int K) {
@@ -125,41 +125,32 @@ __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* 
         }
         return;
     }
-    if (prologue == PRO_NONE) {
-        // through registers, SN vectors a thread in flight: on the H200 the down projection's 9.7 KB row
-        // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26); two staging fp32 (no spill)
-        constexpr int SN = same_type<XS, T> ? 4 : 2;
-        for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
-            Pack16<T> v[SN];
-            #pragma unroll
-            for (int j = 0; j < SN; ++j) {
-                const int i = i0 + j * blockDim.x, t = i / vecs, c = (i - t * vecs) * VT;
-                if (i < total && m0 + t < b) v[j] = load_pack_cg(x + (size_t)(m0 + t) * K + c);
-                else for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
-            }
-            #pragma unroll
-            for (int j = 0; j < SN; ++j) {
-                const int i = i0 + j * blockDim.x, t = i / vecs;
-                if (i < total) store_staged(xs + (size_t)t * K + (i - t * vecs) * VT, v[j]);
-            }
+    // through registers, SN vectors a thread in flight: on the H200 the down projection's 9.7 KB row
+    // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26), and the norm prologues' rows
+    // 0.3-0.9 us more (PERF_NOTES 30); two staging fp32 (three spill). A norm prologue keeps x's raw rows
+    // (in T) to normalise from.
+    const bool norm = prologue != PRO_NONE;
+    constexpr int SN = same_type<XS, T> ? 4 : 2;
+    for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
+        Pack16<T> v[SN];
+        #pragma unroll
+        for (int j = 0; j < SN; ++j) {
+            const int i = i0 + j * blockDim.x, t = BT == 1 ? 0 : i / vecs, c = (i - t * vecs) * VT;
+            if (i < total && m0 + t < b) v[j] = load_pack_cg(x + (size_t)(m0 + t) * K + c);
+            else for (int k = 0; k < VT; ++k) v[j].v[k] = from_float<T>(0.f);
         }
-        return;
-    }
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        const int t = i / vecs, c = (i - t * vecs) * VT;
-        T* dst = raw + (size_t)t * K + c;
-        if (m0 + t < b) {
-            copy_async16(dst, x + (size_t)(m0 + t) * K + c);
-        } else {
-            Pack16<T> z;
-            for (int k = 0; k < VT; ++k) z.v[k] = from_float<T>(0.f);
-            z.store(dst);
+        #pragma unroll
+        for (int j = 0; j < SN; ++j) {
+            const int i = i0 + j * blockDim.x, t = BT == 1 ? 0 : i / vecs, c = (i - t * vecs) * VT;
+            if (i >= total) continue;
+            if (norm) v[j].store(raw + (size_t)t * K + c);
+            else store_staged(xs + (size_t)t * K + c, v[j]);
         }
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    if (prologue != PRO_NORM && prologue != PRO_NORM_STAGED) return;
+    if (!norm) return;
+    if (prologue == PRO_NORM_STAGED) asm volatile("cp.async.wait_all;" ::: "memory");  // the norm weight
     // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
-    __syncthreads();  // every thread's copies have landed
+    __syncthreads();  // every thread's rows (and norm weight copies) have landed
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int t = warp; t < BT; t += WARPS) {
         float ss = 0.f;
