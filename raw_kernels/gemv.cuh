@@ -4,7 +4,7 @@
 // gemv_impl takes the block's index and the grid size as arguments (a persistent kernel runs it with its
 // own grid) and a `wait` callable run once per block before anything an earlier phase wrote is touched:
 // griddepcontrol.wait in gemv.cu, a grid-wide barrier in decode_layers.cu. Inputs and residuals that an
-// earlier phase wrote are read through L2 only (ld.global.cg / cp.async.cg): within one persistent launch
+// earlier phase wrote are read through L2 only (ld.global.cg): within one persistent launch
 // another SM wrote them, and L1 is not coherent.
 #pragma once
 #include "common.cuh"
@@ -66,12 +66,6 @@ template <> __device__ __forceinline__ float2 widen_pair<fp8e4>(const unsigned (
 // SiLU(g) * u as activations.cu's act_value(ACT_SILU, g) * u computes it
 __device__ __forceinline__ float swiglu_value(float g, float u) { return g * __fdividef(1.f, 1.f + __expf(-g)) * u; }
 
-// 16 bytes global -> shared without passing through registers (the weight vectors in flight keep theirs)
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
 template <typename A, typename B> constexpr bool same_type = false;
 template <typename A> constexpr bool same_type<A, A> = true;
 
@@ -93,7 +87,7 @@ template <typename XS, typename T> __device__ __forceinline__ void store_staged(
 // Stages input rows m0 .. m0+BT-1 (zeros past b) of the GEMV input into xs (BT, K), in XS: T, or fp32 so
 // that the dot products read floats without converting each input once per weight row. The norm prologues
 // copy x's rows into raw (BT, K) T first (xs itself when XS is T). With PRO_NORM_STAGED, norm_weight
-// points at the copy in shared memory (its cp.async is waited for once x's rows are loaded).
+// points at the copy in shared memory (loaded through registers before the wait).
 template <typename T, typename XS, int BT>
 __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
                             float eps, int prologue, int m0, int b, int K) {
@@ -127,8 +121,8 @@ __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* 
     }
     // through registers, SN vectors a thread in flight: on the H200 the down projection's 9.7 KB row
     // staged by cp.async cost 1.8 us more per GEMV (tools/PERF_NOTES.md 26), and the norm prologues' rows
-    // 0.3-0.9 us more (PERF_NOTES 30); two staging fp32 (three spill). A norm prologue keeps x's raw rows
-    // (in T) to normalise from.
+    // and norm weight 0.3-0.9 us more (PERF_NOTES 30); two staging fp32 (three spill). A norm prologue
+    // keeps x's raw rows (in T) to normalise from.
     const bool norm = prologue != PRO_NONE;
     constexpr int SN = same_type<XS, T> ? 4 : 2;
     for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
@@ -148,9 +142,8 @@ __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* 
         }
     }
     if (!norm) return;
-    if (prologue == PRO_NORM_STAGED) asm volatile("cp.async.wait_all;" ::: "memory");  // the norm weight
     // rstd as rmsnorm_forward computes it: one warp per row, the same lane order and warp_sum
-    __syncthreads();  // every thread's rows (and norm weight copies) have landed
+    __syncthreads();  // every thread's rows (and its share of the norm weight) are in
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int t = warp; t < BT; t += WARPS) {
         float ss = 0.f;
@@ -268,7 +261,7 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     if (prologue == PRO_NORM_STAGED) {
         constexpr int VT = Pack16<T>::N;
         T* ws = raw + (size_t)BT * K;
-        for (int c = threadIdx.x * VT; c < K; c += blockDim.x * VT) copy_async16(ws + c, norm_weight + c);
+        for (int c = threadIdx.x * VT; c < K; c += blockDim.x * VT) Pack16<T>::load(norm_weight + c).store(ws + c);
         norm_in = ws;
     }
     bool staged = false;  // with one pass (b <= BT) the input is staged once for all the block's tiles

@@ -593,7 +593,7 @@ def test_quantize_rows_errors(w8, s, w, match):
 
 
 # ---- the kernels on the host (tests/kernel_emulator.py) ----------------------------------------
-# gemv.cuh's weight loads, cp.async and its wait, the dynamic shared memory, shuffles down a warp, the
+# gemv.cuh's weight loads, the dynamic shared memory, shuffles down a warp, the
 # paired E4M3 -> half conversion (two of the emulator's exact decodes) and the MUFU exp and division (host
 # expf and /), after the emulator's common.cuh.
 _EMU_HELPERS = r"""
@@ -614,11 +614,6 @@ _EMU_REPLACE = {
     """    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));""": '    if ((uintptr_t)p % 16) fail("misaligned weight load");\n    memcpy(&v, p, 16);',
-    """    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");""": (
-        "    cp_async16((unsigned)__cvta_generic_to_shared(smem), gmem, 16);"
-    ),
-    'asm volatile("cp.async.wait_all;" ::: "memory");': "cp_async_commit(); cp_async_wait<0>();",
     "extern __shared__ __align__(16) unsigned char smem[];": "unsigned char* smem = g_smem;",
 }
 _EMU_KERNELS = [f"gemv_{s}_{bt}" for s in ("bf16_bf16_bf16", "bf16_e4m3_bf16") for bt in (1, 4, 8)]
@@ -655,8 +650,8 @@ def _identity(n):
 
 @pytest.mark.parametrize("b", [1, 3, 9])  # one pass of BT = 1, one of BT = 4, two passes of BT = 8
 def test_emulated_staging_is_exact(gemv_emu, monkeypatch, b):
-    """Through an identity weight a GEMV returns its staged input, so the input's staging (registers
-    for a plain input, the norm weight by cp.async before the wait) shows bit for bit."""
+    """Through an identity weight a GEMV returns its staged input, so the input's staging (through
+    registers, and the norm weight into shared memory before the wait) shows bit for bit."""
     K = 136  # 17 vectors: a ragged last vector round over the block's threads
     c = case(b, K, K, "bf16")
     got, clean = _emulated(gemv_emu, monkeypatch, lambda out, x, w: gemv(out, x, w), {"x": c["x"], "w": _identity(K)},
