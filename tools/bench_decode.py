@@ -72,16 +72,21 @@ def prompts(cfg, b: int, T: int, seed: int = 0) -> list[list[int]]:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, T)).tolist()
 
 
+def warm_up(st, b: int, prompt: int, arm: str, seed: int = 0) -> None:
+    """Fresh greedy prompts of `prompt` tokens for b rows, prefilled, then the three decode steps that run
+    eagerly, capture the graph and replay it once: what follows replays the captured step."""
+    st.start(prompts(st.cfg, b, prompt, seed=seed), sampling.sampling_params(0.0, 0, 1.0, 0))
+    st.prefill()
+    for _ in range(3):
+        decode.step(st, b, arm)
+
+
 def step_ms(st, b: int, steps: int, samples: int, prompt: int = PROMPT, arm: str | None = None) -> float:
     """Median ms per decode step of b rows (graph replay), from fresh prompts of `prompt` tokens."""
     dev, arm = st.device, arm or decode_arm(st, b)
     times = []
     for s in range(samples + 1):
-        p = prompts(st.cfg, b, prompt, seed=s)
-        st.start(p, sampling.sampling_params(0.0, 0, 1.0, 0))
-        st.prefill()
-        for _ in range(3):  # eager, capture, replay
-            decode.step(st, b, arm)
+        warm_up(st, b, prompt, arm, seed=s)
         start, end = dev.event(timing=True), dev.event(timing=True)
         start.record()
         for _ in range(steps):

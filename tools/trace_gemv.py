@@ -186,16 +186,12 @@ def report(records: np.ndarray) -> list[str]:
 def trace(preset: str, weights: str, arm: str, steps: int, prompt: int) -> np.ndarray:
     """The records of `steps` replayed batch-1 decode steps (after the eager step, the capture and a replay)."""
     import cupy
-    from bench_decode import engine, prompts
+    from bench_decode import engine, warm_up
 
     from cuengine.inference import decode
-    from cuengine.kernels import sampling
 
     m, st = engine(preset, 1, prompt + steps + 8, weights)
-    st.start(prompts(st.cfg, 1, prompt), sampling.sampling_params(0.0, 0, 1.0, 0))
-    st.prefill()
-    for _ in range(3):  # eager, capture, replay
-        decode.step(st, 1, arm)
+    warm_up(st, 1, prompt, arm)
     st.device.synchronize()
     mod = _build.module("gemv", st.device.index)
     counter = cupy.ndarray((1,), cupy.uint32, memptr=mod.get_global("gemv_trace_next"))
