@@ -54,9 +54,12 @@ def watchdog():
 
 
 # ---- mutations ----------------------------------------------------------------------------------
+# Any character but a lone surrogate, without st.text()'s default codec check: on Python 3.11 that check
+# warns (NonRoundTrippableCharactersWarning) about characters the header's JSON escapes anyway.
+chars = st.characters(exclude_categories=("Cs",))
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(chars, max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(chars, max_size=6), inner, max_size=3),
     max_leaves=6,
 )
 
@@ -98,7 +101,7 @@ def json_mutation(draw):
     kind = draw(st.sampled_from(["replace", "replace", "delete", "add", "nested", "document"]))
     index = draw(st.integers(0, 1000))
     value = draw(json_values)
-    key = draw(st.text(max_size=8))
+    key = draw(st.text(chars, max_size=8))
 
     def mutate(d):
         if kind == "document":
@@ -190,7 +193,7 @@ header_fields = st.sampled_from(["dtype", "shape", "data_offsets", "delete", "re
 
 @FUZZ
 @given(field=header_fields, index=st.integers(0, 1000), value=json_values,
-       shape=st.lists(st.integers(-2, 2**40), max_size=4), name=st.text(max_size=40))  # fmt: skip
+       shape=st.lists(st.integers(-2, 2**40), max_size=4), name=st.text(chars, max_size=40))  # fmt: skip
 def test_fuzz_import_weights_header(weights_case, field, index, value, shape, name):
     """One entry of the safetensors header changed: dtype, shape, offsets (to arbitrary values or
     plausible integers), an entry deleted, renamed or added, or the metadata replaced."""
