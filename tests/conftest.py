@@ -103,6 +103,20 @@ def garbage(t: ce.Tensor) -> ce.Tensor:
     return t
 
 
+def tiny(preset="tiny", **changes) -> ce.TransformerConfig:
+    """A preset's config with some fields changed (TransformerConfig.replace checks them)."""
+    return ce.TransformerConfig.preset(preset).replace(**changes)
+
+
+def run_cli(capsys, *argv):
+    """`cuengine ARGV...` in this process: (exit code, stdout, stderr)."""
+    from cuengine import cli
+
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def write_llmc(path, tokens, magic=20240520, version=1, count=None, dtype="<u2"):
     """An llm.c .bin shard written byte by byte from its spec (256 int32 header: magic, version,
     token count; then the tokens), independent of cuengine.data.write_bin. Returns path."""

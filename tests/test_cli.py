@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_llmc
+from conftest import run_cli, write_llmc
 
 from cuengine import cli
 from cuengine import train as train_loop
@@ -31,12 +31,6 @@ needs_model = pytest.mark.skipif(MODEL_ERROR is not None, reason=f"cuengine.mode
 
 # Small and quick on two cores; the loss must still fall clearly within 20 steps.
 FAST = ["--device", "cpu", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "1", "--sample-tokens", "0"]
-
-
-def run_cli(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def cli_proc(*argv, cwd, timeout=300, **kw):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_close, rng
+from conftest import assert_close, rng, tiny
 
 import cuengine as ce
 from cuengine import alloc as alloc_mod
@@ -167,10 +167,6 @@ def test_print_memory_report_is_the_summary():
 
 # ---- corrupt weight, config and checkpoint files --------------------------------------------------
 B, T = 2, 16
-
-
-def tiny(preset="tiny", **changes):
-    return ce.TransformerConfig.preset(preset).replace(**changes)
 
 
 def make(cfg, seed=1, run_state=True):

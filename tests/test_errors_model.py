@@ -14,19 +14,16 @@ import types
 
 import numpy as np
 import pytest
+from conftest import run_cli, tiny
 
 import cuengine as ce
-from cuengine import _cli_util, cli, dist
+from cuengine import _cli_util, dist
 from cuengine.dist import fake, rendezvous
 from cuengine.dist.zero import DataParallel
 from cuengine.kernels import activations, decode_attention, decode_layers, muon, qknorm, rmsnorm, rope
 from cuengine.model.weights import param_specs
 
 B, T = 2, 16
-
-
-def tiny(preset="tiny", **changes):
-    return ce.TransformerConfig.preset(preset).replace(**changes)
 
 
 def batch(cfg, b=B, t=T):
@@ -175,11 +172,6 @@ def test_decode_layers_refuses_a_length_outside_the_cache(inference_state):
 
 
 # ---- the command line ----------------------------------------------------------------------------
-def run_cli(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    return code, *capsys.readouterr()
-
-
 def test_model_that_does_not_import_is_unavailable(capsys, monkeypatch):
     """A build whose cuengine.model fails to import says so (exit 1) instead of a traceback."""
     monkeypatch.setitem(sys.modules, "cuengine.model", None)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import reference_model as ref
-from conftest import TOL
+from conftest import TOL, tiny
 
 import cuengine as ce
 from cuengine.alloc import DeviceMemoryStack
@@ -23,10 +23,6 @@ from cuengine.model.records import QuantTensor
 from cuengine.model.weights import hf_shapes, hf_views
 
 B, T = 2, 16
-
-
-def tiny(preset="tiny", **changes):
-    return TransformerConfig.preset(preset).replace(**changes)
 
 
 def batch(cfg, seed=0, b=B, t=T):

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import reference_model as ref
-from conftest import TOL, load_tool
+from conftest import TOL, load_tool, tiny
 from test_inference import SEQ, assert_logits_close, decode_logits, sequences
 from test_model import (
     FLAG_SETS,
@@ -30,10 +30,6 @@ from cuengine.model import LlamaModel, TrainOptions, TransformerConfig
 from cuengine.model.weights import hf_views
 
 FAMILIES = ["tiny-qwen3", "tiny-llama3"]
-
-
-def tiny(preset, **changes):
-    return TransformerConfig.preset(preset).replace(**changes)
 
 
 QWEN3_06B_CONFIG = {  # as published with Qwen/Qwen3-0.6B
