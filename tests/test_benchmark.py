@@ -214,8 +214,8 @@ def test_trace_gemv_instruments_a_compilable_copy(tmp_path, monkeypatch):
 
 def test_trace_gemv_summary_of_two_gemvs():
     """Launches are told apart by shape and grid though their blocks' records interleave, and the
-    phases (from clock64, scaled by the blocks' own ns a cycle), spans, releases and late starts come
-    out of the stamps."""
+    phases (from clock64, scaled by the blocks' own ns a cycle), spans, releases, late starts and tails
+    come out of the stamps."""
     tool = load_tool("trace_gemv")
     from cuengine.kernels import gemv
 
@@ -242,6 +242,7 @@ def test_trace_gemv_summary_of_two_gemvs():
     assert q["span"] == pytest.approx(3.5) and q["late"] == pytest.approx(0.2)
     assert q["wait"] == pytest.approx(1.05) and q["stage"] == pytest.approx(0.45)
     assert q["first"] == pytest.approx(0.55) and q["rest"] == pytest.approx(1.15)
+    assert q["tail"] == pytest.approx(0.25) and d["tail"] == pytest.approx(0.2)  # last end - median end
     assert d["release"] == pytest.approx(0.5)  # 4000 ns, the first pass of its wait, after qkv ended at 3500
     assert d["span"] == pytest.approx(2.4) and d["late"] == pytest.approx(0.3)
     assert tool.report(records)[2].startswith("qkv 896->1152")

@@ -16,7 +16,9 @@ launches of the per-launch figure):
 - span: first block's start to last block's end;
 - wait / stage / first / rest: a block's phases (median block): from its start to past the wait, the
   input staged (and normalised), the first tile's products, the remaining tiles, reductions and stores;
-- late: how long after the launch's first block passes its wait its last one does.
+- late: how long after the launch's first block passes its wait its last one does;
+- tail: how long after the median block ends the last one does (blocks that take longer than the rest,
+  with the same number of tiles, show here).
 
     python tools/trace_gemv.py --preset qwen2.5-0.5b --weights bf16 fp8
 """
@@ -136,7 +138,7 @@ def launches_of(records: np.ndarray) -> list[dict]:
     return sorted(done, key=lambda launch: int(launch["rows"][:, 0].min()))
 
 
-COLUMNS = ("blocks", "release", "span", "wait", "stage", "first", "rest", "late")
+COLUMNS = ("blocks", "release", "span", "wait", "stage", "first", "rest", "late", "tail")
 
 
 def summary(records: np.ndarray) -> tuple[float, dict[str, dict[str, float]]]:
@@ -159,6 +161,7 @@ def summary(records: np.ndarray) -> tuple[float, dict[str, dict[str, float]]]:
         f["release"] = np.nan if previous_end is None else (r[:, 1].min() - previous_end) / 1e3
         f["span"] = (end - r[:, 0].min()) / 1e3
         f["late"] = (r[:, 1].max() - r[:, 1].min()) / 1e3
+        f["tail"] = (end - np.median(r[:, 4])) / 1e3
         figures.setdefault(f"{launch['kind']} {launch['K']}->{launch['N']}", []).append(f)
         previous_end = end
     out = {}
@@ -214,6 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--arm", default="fused_up", choices=("fused", "fused_up", "split"))
     p.add_argument("--steps", type=int, default=4, help="replayed steps traced")
     p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--save", type=Path, help="also write each run's raw records to SAVE/<preset>-<weights>.npy")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="trace-gemv-") as tmp:
         traced = instrumented_dir(Path(tmp))
@@ -221,7 +225,11 @@ def main(argv=None) -> int:
         for preset in args.preset:
             for weights in args.weights:
                 print(f"== {preset} {weights} {args.arm}, {args.steps} steps")
-                print("\n".join(report(trace(preset, weights, args.arm, args.steps, args.prompt))))
+                records = trace(preset, weights, args.arm, args.steps, args.prompt)
+                print("\n".join(report(records)))
+                if args.save:
+                    args.save.mkdir(parents=True, exist_ok=True)
+                    np.save(args.save / f"{preset}-{weights}.npy", records)
     return 0
 
 
