@@ -14,12 +14,13 @@
 // input is staged in shared memory BT rows at a time: in fp32 for BT = 1, else in T.
 //
 // Work layout: a tile of WARPS / S groups of R weight rows is one block's work at a time; the grid is
-// at most one resident wave and blocks take tiles round-robin, so with b <= BT a block stages (and
-// normalises) its input once for all its tiles. The S warps of a group each reduce one K-slice:
-// lanes stride over 16-byte weight vectors, U per row in flight, fp32 accumulators for R rows x BT
-// input rows, then a warp shuffle sum and, for S > 1, an ordered sum of the S partials through shared
-// memory. Every sum has a fixed order that depends only on (N, K, S), never on timing, on the grid or
-// on b, so results are deterministic and batch-invariant; no float atomics.
+// one resident wave (two for a single row with many tiles a block: gemv._grid) and blocks take tiles
+// round-robin, so with b <= BT a block stages (and normalises) its input once for all its tiles. The S
+// warps of a group each reduce one K-slice: lanes stride over 16-byte weight vectors, U per row in
+// flight, fp32 accumulators for R rows x BT input rows, then a warp shuffle sum and, for S > 1, an
+// ordered sum of the S partials through shared memory. Every sum has a fixed order that depends only on
+// (N, K, S), never on timing, on the grid or on b, so results are deterministic and batch-invariant;
+// no float atomics.
 // gemv_dual pairs gate row j with up row j in one warp. b > BT runs ceil(b / BT) passes over each
 // tile's weight rows (re-read from L2). E4M3 weights are widened exactly, two at a time through
 // half (quantize_rows of a NaN row also writes a NaN scale, so the output is NaN).

@@ -207,14 +207,15 @@ def test_wide_rows_only_where_a_single_row_gemv_passes_one_wave():
 
 def test_input_tile_and_grid_sizes():
     """Input rows per pass: the smallest compiled tile holding b (at most 8) whose staged rows fit; the
-    grid: at most one resident wave (3 single-row or 2 multi-row blocks per SM, fewer when shared memory
-    runs out)."""
+    grid: one resident wave (3 single-row or 2 multi-row blocks per SM, fewer when shared memory runs
+    out), two for a single row past 8 tiles a block."""
     assert [_tile(b, 896, 2) for b in (1, 2, 3, 4, 5, 8, 17, 64)] == [1, 4, 4, 4, 8, 8, 8, 8]
     assert _tile(8, 14336, 2) == 4 and _tile(8, 14336, 4) == 1  # 115 KB of bf16, or one fp32 row
     sm132 = SimpleNamespace(num_sms=132)
     assert _grid(sm132, 304, 1, 1792) == 304  # 896 -> 4864: one tile per block
-    assert _grid(sm132, 9496, 1, 1792) == 396  # the LM head: 24 tiles per block
-    assert _grid(sm132, 9496, 8, 8 * 1792) == 264
+    assert _grid(sm132, 3168, 1, 1792) == 396  # 8 tiles per block: one wave
+    assert _grid(sm132, 4748, 1, 1792) == 792  # the LM head: two waves of 6 tiles a block, not one of 12
+    assert _grid(sm132, 9496, 8, 8 * 1792) == 264  # batched: one wave
     assert _grid(sm132, 512, 4, 4 * 28672) == 264  # two blocks with 112 KB of staged input fit an SM
     assert _grid(sm132, 512, 1, 150 * 1024) == 132  # one with 150 KB
 

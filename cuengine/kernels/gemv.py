@@ -41,6 +41,7 @@ _SMEM_ROW = 200 * 1024  # one single-row pass must fit (227 KB a block, less sta
 _PRO_NONE, _PRO_NORM, _PRO_SWIGLU, _PRO_NORM_STAGED = 0, 1, 2, 3  # enum Prologue in gemv.cuh
 _DUAL_NONE, _DUAL_PAIR, _DUAL_SWIGLU = 0, 1, 2  # enum Dual in gemv.cuh
 _RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
+_LONG_WAVE = 8  # tiles a block past which the grid takes two waves (_grid)
 _SM_SHARED = 228 * 1024  # shared memory per SM (sm_90); each block also takes 1 KB reserved + its static arrays
 
 
@@ -142,10 +143,15 @@ def _rows(N: int, bt: int, s: int, fp8: bool) -> int:
 
 
 def _grid(dev, tiles: int, bt: int, smem: int) -> int:
-    """One resident wave at most: blocks take tiles round-robin, so a grid larger than what fits the
-    GPU at once would only leave a tail, and each block stages (and normalises) its input once."""
+    """One resident wave, where blocks take tiles round-robin and each stages (and normalises) its input
+    once; a second wave of blocks would restage it (the bf16 gate/up's 608 tiles on 608 blocks: +2.3 µs a
+    layer). For a single input row past _LONG_WAVE tiles a block (the FP8 LM head's 12), the blocks'
+    share of slow DRAM replies makes the launch end with its slowest block (an 8.7 µs tail); two waves
+    of half as many tiles let the hardware hand the second wave's blocks to the SMs that finish first
+    (tools/PERF_NOTES.md 32)."""
     per_sm = min(_RESIDENT[bt], _SM_SHARED // (smem + 2048))
-    return max(1, min(tiles, dev.num_sms * max(1, per_sm)))
+    wave = dev.num_sms * max(1, per_sm)
+    return max(1, min(tiles, 2 * wave if bt == 1 and tiles > _LONG_WAVE * wave else wave))
 
 
 # ---- launchers ----------------------------------------------------------------------------
