@@ -738,3 +738,29 @@ def test_emulated_wide_tiles_keep_the_bits(gemv_emu, monkeypatch, K):
         assert names[-1].endswith("_1_r4") and not names[-2].endswith("_r4"), names[-2:]
         np.testing.assert_array_equal(got[2].view(np.uint16), got[4].view(np.uint16), err_msg=what)
         assert_close(got[4], calls_np[what](), "bf16", what)
+
+
+def test_emulated_two_waves_keep_the_bits(gemv_emu, monkeypatch):
+    """A single-row GEMV past _LONG_WAVE tiles a block launches two waves of blocks (the FP8 LM head's
+    rule, gemv._grid): the bits of one wave, over every epilogue, with a partial last tile."""
+    from cuengine.kernels import gemv as G
+
+    K, N = 64, 1560  # 98 tiles of 16 rows: past 8 a block of the emulated device's one wave of 12
+    c = case(1, K, N, "bf16")
+    arrays = {"x": c["x"], "w": c["w"], "b": c["bias"], "r": c["residual"], "nw": c["norm_weight"]}
+    grids = []
+
+    def recording(family, name, grid, *args, **kw):
+        grids.append(grid)
+        gemv_emu(family, name, grid, *args, **kw)
+
+    def call(out, x, w, b, r, nw):
+        gemv(out, x, w, bias=b, residual=r, norm_weight=nw, eps=EPS)
+
+    two, clean = _emulated(recording, monkeypatch, call, arrays, (1, N))
+    assert clean
+    monkeypatch.setattr(G, "_LONG_WAVE", 10**6)
+    one, clean = _emulated(recording, monkeypatch, call, arrays, (1, N))
+    assert clean and grids == [24, 12], grids
+    np.testing.assert_array_equal(two.view(np.uint16), one.view(np.uint16))
+    assert_close(two, gemv_np(c["x"], c["w"], None, c["bias"], c["residual"], c["norm_weight"], EPS), "bf16", "two")
