@@ -630,11 +630,17 @@ def test_the_wheel_holds_every_package():
 
 
 def test_test_command_output_has_no_skip_lines(tmp_path):
-    """The README's test command (`pytest -q` under this project's settings): skips are counted in
-    the summary line, not listed one line each (without a GPU there are many)."""
+    """The README's test command (its pytest options, under this project's settings): skips are
+    counted in the summary line, not listed one line each (without a GPU there are many)."""
+    pytest.importorskip("xdist")  # the command's -n needs pytest-xdist (the "test" extra)
+    root = Path(cli.__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    command = readme.split("Install and run the tests", 1)[1].split("```")[1].strip()
+    options = command.split("-m pytest", 1)[1].split()
+    assert "-q" in options, command
     (tmp_path / "test_skips.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(5))\n"
                                             "def test_gpu(i):\n    pytest.skip('no CUDA device')\n")  # fmt: skip
-    config = Path(cli.__file__).parents[1] / "pyproject.toml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", config, tmp_path / "test_skips.py"]
+    cmd = [sys.executable, "-m", "pytest", *options, "-p", "no:cacheprovider", "-c", root / "pyproject.toml",
+           tmp_path / "test_skips.py"]  # fmt: skip
     proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "5 skipped" in proc.stdout and "no CUDA device" not in proc.stdout, proc.stdout
