@@ -172,13 +172,14 @@ def test_auto_allocation_and_a_training_model_share_weights():
     assert fresh.generate([[1, 2, 3]], 4) == b
 
 
-@pytest.mark.parametrize("weights,head", [("bf16", 2), ("fp8", 1)])
+@pytest.mark.parametrize("weights,rows,head", [("bf16", 2, ["rmsnorm_forward", "matmul"]), ("bf16", 1, ["gemv"]),
+                                               ("fp8", 2, ["gemv"])])  # fmt: skip
 @pytest.mark.parametrize("arm,per_layer", [("fused", 5), ("fused_up", 5), ("split", 6), ("gemm", 8)])
-def test_launches_per_decode_step(monkeypatch, arm, per_layer, weights, head):
+def test_launches_per_decode_step(monkeypatch, arm, per_layer, weights, rows, head):
     """The fused decode step: 5 launcher calls per layer on the GEMV arms' fast path (the issue's
     target is <= 7; RoPE and the cache append ride in the attention launch), plus the embedding,
     sampler and position update once per step, and the LM head: RMSNorm + cuBLASLt for bf16
-    weights, one GEMV with the RMSNorm prologue for FP8 ones."""
+    weights at two rows or more, one GEMV with the RMSNorm prologue for one row and for FP8 weights."""
     if arm == "gemm" and weights == "fp8":
         pytest.skip("no gemm arm for fp8 weights")
     from cuengine import blas
@@ -196,8 +197,9 @@ def test_launches_per_decode_step(monkeypatch, arm, per_layer, weights, head):
         for name in names:
             fn = getattr(mod, name)
             monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
-    decode.decode_step_rows(st, 2, arm)
-    assert len(calls) == per_layer * m.cfg.num_layers + 3 + head, calls
+    decode.decode_step_rows(st, rows, arm)
+    assert len(calls) == per_layer * m.cfg.num_layers + 3 + len(head), calls
+    assert calls[-2 - len(head) : -2] == head, calls  # the head, then the sampler and the position update
 
 
 def test_advance_positions(dev):

@@ -94,7 +94,8 @@ class InferenceState:
         else:
             self.linears = {n: DecodeLinear(t) for n, t in src.items()}
         self._sources = src
-        # the LM head through cuBLASLt (decode.head_and_sample) where its rows meet cuBLASLt's 16-byte rule
+        # the LM head of two rows or more through cuBLASLt (decode.head_and_sample) where its rows meet
+        # cuBLASLt's 16-byte rule
         self.head_by_gemm = weights != "fp8" and (C * dt.itemsize) % 16 == 0 and (V * FP32.itemsize) % 16 == 0
 
         with alloc.context("Decode scratch"):
