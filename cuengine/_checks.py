@@ -48,6 +48,13 @@ def same_device(*tensors) -> object:
 VECTOR_BYTES = 16  # the kernels' vector loads and stores, and cuBLASLt's row alignment
 
 
+def overlaps(a, b) -> bool:
+    """True when tensors a and b (None allowed: never) share a byte of the same storage."""
+    if a is None or b is None or a.storage is not b.storage:
+        return False
+    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
 def is_aligned(*tensors, nbytes: int = VECTOR_BYTES) -> bool:
     """True when every tensor given (None skipped) starts at a multiple of `nbytes`; launchers
     with a `_scalar` kernel variant pick the vectorised one on it."""

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import VECTOR_BYTES, expect, is_aligned, same_device
+from ._checks import VECTOR_BYTES, expect, is_aligned, overlaps, same_device
 from .alloc import TensorAllocator
 from .dtypes import BF16, BYTE, FP8_E4M3, FP8_E5M2, FP16, FP32
 from .tensor import Tensor
@@ -114,10 +114,6 @@ def _as_matrix(t: Tensor, what: str) -> tuple[int, int]:
 
 def _describe(t: Tensor) -> str:
     return f"tensor {t.name!r} {t.shape} {t.dtype}"
-
-
-def _overlaps(x: Tensor, y: Tensor) -> bool:
-    return x.storage is y.storage and x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
 
 
 def _check_dtypes(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum) -> bool:
@@ -215,7 +211,7 @@ def _check(out, a, b, bias, trans_a, trans_b, accumulate, fast_accum) -> tuple[i
                 f"(byte offset {t.offset} into its storage)"
             )
     for t, what in ((a, "a"), (b, "b"), (bias, "bias")):
-        if t is not None and _overlaps(out, t):
+        if t is not None and overlaps(out, t):
             raise ValueError(
                 f"matmul: out {_describe(out)} overlaps {what} {_describe(t)}; cuBLASLt cannot work in place"
             )

@@ -40,9 +40,10 @@ BF16 = DType("bf16", 2, np.dtype(ml_dtypes.bfloat16), 14)
 FP8_E4M3 = DType("e4m3", 1, np.dtype(ml_dtypes.float8_e4m3fn), 28, 448.0)
 FP8_E5M2 = DType("e5m2", 1, np.dtype(ml_dtypes.float8_e5m2), 29, 57344.0)
 INT32 = DType("int32", 4, np.dtype(np.int32), 10)
+INT64 = DType("int64", 8, np.dtype(np.int64), 24)  # the decode arm's fixed-point accumulators (kernels/gemv.py)
 BYTE = DType("byte", 1, np.dtype(np.uint8), 8)
 
-ALL = (FP32, FP16, BF16, FP8_E4M3, FP8_E5M2, INT32, BYTE)
+ALL = (FP32, FP16, BF16, FP8_E4M3, FP8_E5M2, INT32, INT64, BYTE)
 
 _ALIASES = {
     "fp32": FP32, "float32": FP32, "f32": FP32, "float": FP32,
@@ -51,6 +52,7 @@ _ALIASES = {
     "e4m3": FP8_E4M3, "fp8_e4m3": FP8_E4M3, "float8_e4m3fn": FP8_E4M3,
     "e5m2": FP8_E5M2, "fp8_e5m2": FP8_E5M2, "float8_e5m2": FP8_E5M2,
     "int32": INT32, "i32": INT32,
+    "int64": INT64, "i64": INT64,
     "byte": BYTE, "uint8": BYTE, "u8": BYTE,
 }  # fmt: skip
 

@@ -9,7 +9,9 @@
 //                  w8[n, k] = e4m3(w[n, k] / w_scale[n]), clamped to +-448, round-to-nearest-even   (=)
 // r() rounds to out's dtype O (the model dtype T, or fp32 for logits). xin is x, or the RMSNorm
 // prologue r_T(x * rstd * norm_weight) with rstd = 1 / sqrt(mean(x^2) + eps) summed exactly as
-// rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), or the SwiGLU
+// rmsnorm.cu sums it (one warp per row, lane-strided 16-byte vectors, warp_sum), there over
+// x' = r_T(x + r_T(y)) when x_acc gives the fixed-point accumulator y that x misses (gemv.cuh; block 0
+// then writes x' to x_out, when given: the residual the layer after reads), or the SwiGLU
 // prologue r_T(silu(gate) * up) over x = [gate | up], computed as activations.cu computes it. The
 // input is staged in shared memory BT rows at a time: in fp32 for BT = 1, else in T.
 //
@@ -57,9 +59,11 @@ __device__ void quantize_rows_impl(fp8e4* w8, float* w_scale, const T* w, int N,
 #define GEMV_KERNEL(NAME, T, XS, W, O, BT, R, U, MIN_BLOCKS)                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                                \
         O* out, const T* x, const W* w, const float* w_scale, const T* bias, const O* residual,               \
-        const T* norm_weight, float eps, int prologue, int dual, int b, int K, int N, int S) {                \
-        gemv_impl<T, XS, W, O, BT, R, U>(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, \
-                                         b, K, N, S, blockIdx.x, gridDim.x, [] { grid_dependency_wait(); });  \
+        const T* norm_weight, const long long* x_acc, T* x_out, float eps, int prologue, int dual, int b,     \
+        int K, int N, int S) {                                                                                \
+        gemv_impl<T, XS, W, O, BT, R, U>(out, x, w, w_scale, bias, residual, norm_weight, x_acc, x_out, eps,   \
+                                         prologue, dual, b, K, N, S, blockIdx.x, gridDim.x,                   \
+                                         [] { grid_dependency_wait(); });                                     \
     }
 #define GEMV_KERNELS(SUF, T, W, O)                         \
     GEMV_KERNEL(gemv_##SUF##_1, T, float, W, O, 1, 2, 4, 3) \

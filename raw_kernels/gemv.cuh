@@ -43,6 +43,45 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
     return v;
 }
 
+// ---- fixed-point accumulators ---------------------------------------------------------------
+// A linear layer split over its input (the "ksplit" decode arm: the down projection over hidden units,
+// decode_mlp.cu) sums its blocks' partial outputs into an int64 row: each partial p is added as
+// round(p * 2^ACC_SHIFT). Integer addition is associative, so the sum, and y = float(sum) * 2^-ACC_SHIFT
+// rounded once, are the same whatever order the blocks' atomics land in: deterministic, no float atomics.
+// A partial that is not finite or has |p| >= ACC_LIMIT (where 2^12 of them could overflow the sum) adds
+// nothing and sets the row's flag word instead: a flagged row reads as NaN.
+// Row layout (kernels/gemv.py: acc_shape): K values, the flag, one pad word (rows of 16-byte multiples).
+constexpr int ACC_PAD = 2;
+#define ACC_SCALE 268435456.f  // 2^28
+#define ACC_LIMIT 8388608.f    // 2^23: |p| * 2^28 < 2^51, and 2^12 such partials sum within int64
+
+// The fixed-point value of partial p; `bad` is set (and 0 returned) where it could overflow.
+__device__ __forceinline__ long long acc_fix(float p, bool& bad) {
+    if (!(fabsf(p) < ACC_LIMIT)) {  // NaN fails the comparison too
+        bad = true;
+        return 0;
+    }
+    return __float2ll_rn(p * ACC_SCALE);  // exact scaling by a power of two, then one rounding
+}
+
+// Adds a thread's fixed-point sum and flag into accumulator row `row` at n (after every partial is in).
+__device__ __forceinline__ void acc_add(long long* row, int K, int n, long long q, bool bad) {
+    if (q != 0) atomicAdd(reinterpret_cast<unsigned long long*>(row + n), (unsigned long long)q);
+    if (bad) atomicOr(reinterpret_cast<unsigned long long*>(row + K), 1ull);
+}
+
+// The N values of accumulator row `row` at c .. c+N-1 (c a multiple of 2), read through L2: NaN if flagged.
+template <int N> __device__ __forceinline__ void acc_read(const long long* row, int K, int c, float (&y)[N]) {
+    const bool bad = __ldcg(row + K) != 0;
+    #pragma unroll
+    for (int k = 0; k < N; k += 2) {
+        const longlong2 v = __ldcg(reinterpret_cast<const longlong2*>(row + c + k));
+        y[k] = bad ? __int_as_float(0x7fffffff) : (float)v.x * (1.f / ACC_SCALE);
+        if (k + 1 < N) y[k + 1] = bad ? __int_as_float(0x7fffffff) : (float)v.y * (1.f / ACC_SCALE);
+    }
+}
+
+
 // Element j of a 32-bit word of W (fp32 or bf16), as a float, exactly.
 template <typename W> __device__ __forceinline__ float widen(unsigned word, int j);
 template <> __device__ __forceinline__ float widen<float>(unsigned word, int) { return __uint_as_float(word); }
@@ -88,9 +127,13 @@ template <typename XS, typename T> __device__ __forceinline__ void store_staged(
 // that the dot products read floats without converting each input once per weight row. The norm prologues
 // copy x's rows into raw (BT, K) T first (xs itself when XS is T). With PRO_NORM_STAGED, norm_weight
 // points at the copy in shared memory (loaded through registers before the wait).
+// x_acc (norm prologues only): rows of an accumulator (b, K + ACC_PAD) that x misses: the rows
+// normalised are x' = r(x + r(y)), y the accumulator's values, as a residual epilogue rounds them; the
+// caller passes x_out (b, K) to one block only, which writes x' there.
 template <typename T, typename XS, int BT>
 __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* __restrict__ norm_weight,
-                            float eps, int prologue, int m0, int b, int K) {
+                            float eps, int prologue, int m0, int b, int K, const long long* x_acc = nullptr,
+                            T* x_out = nullptr) {
     constexpr int VT = Pack16<T>::N;
     const int vecs = K / VT, total = BT * vecs;
     if (prologue == PRO_SWIGLU) {
@@ -124,8 +167,25 @@ __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* 
     // and norm weight 0.3-0.9 us more (PERF_NOTES 30); two staging fp32 (three spill). A norm prologue
     // keeps x's raw rows (in T) to normalise from.
     const bool norm = prologue != PRO_NONE;
+    if (norm && x_acc != nullptr) {
+        // x' = r(x + r(y)): one vector a thread in flight, beside its accumulator's four times the bytes
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+            const int t = BT == 1 ? 0 : i / vecs, c = (i - t * vecs) * VT, m = m0 + t;
+            Pack16<T> v;
+            if (m < b) {
+                v = load_pack_cg(x + (size_t)m * K + c);
+                float y[VT];
+                acc_read<VT>(x_acc + (size_t)m * (K + ACC_PAD), K, c, y);
+                for (int k = 0; k < VT; ++k) v.v[k] = from_float<T>(to_float(v.v[k]) + to_float(from_float<T>(y[k])));
+                if (x_out != nullptr) v.store(x_out + (size_t)m * K + c);
+            } else {
+                for (int k = 0; k < VT; ++k) v.v[k] = from_float<T>(0.f);
+            }
+            v.store(raw + (size_t)t * K + c);
+        }
+    }
     constexpr int SN = same_type<XS, T> ? 4 : 2;
-    for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
+    for (int i0 = norm && x_acc != nullptr ? total : threadIdx.x; i0 < total; i0 += blockDim.x * SN) {
         Pack16<T> v[SN];
         #pragma unroll
         for (int j = 0; j < SN; ++j) {
@@ -219,8 +279,9 @@ __device__ __forceinline__ void load_first(uint4 (&wv)[U][R], const W* const (&w
 // dual: a Dual (DUAL_SWIGLU writes out (b, N / 2)).
 template <typename T, typename XS, typename W, typename O, int BT, int R, int U, typename Wait>
 __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const float* w_scale, const T* bias,
-                          const O* residual, const T* __restrict__ norm_weight, float eps, int prologue, int dual,
-                          int b, int K, int N, int S, int block, int blocks, Wait wait) {
+                          const O* residual, const T* __restrict__ norm_weight, const long long* x_acc, T* x_out,
+                          float eps, int prologue, int dual, int b, int K, int N, int S, int block, int blocks,
+                          Wait wait) {
     extern __shared__ __align__(16) unsigned char smem[];
     XS* xs = reinterpret_cast<XS*>(smem);
     T* raw = same_type<XS, T> ? reinterpret_cast<T*>(xs) : reinterpret_cast<T*>(xs + (size_t)BT * K);
@@ -274,7 +335,8 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             // Under programmatic dependent launch everything above (weights only) overlaps the previous
             // kernel (or phase); its outputs (x, residual, out's memory) are touched only after this wait.
             if (!staged) wait();
-            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K);
+            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K, x_acc,
+                                   block == 0 ? x_out : nullptr);
             __syncthreads();
             staged = true;
         }

@@ -62,3 +62,13 @@ def test_an_edited_header_changes_the_source_cupy_caches(tmp_path, monkeypatch):
     (tmp_path / "gemv.cuh").write_text((tmp_path / "gemv.cuh").read_text() + "\n// edited\n")
     _build._headers_digest.cache_clear()
     assert _build.module_source(cu) != before
+
+
+@pytest.mark.parametrize("weights", ["__nv_bfloat16", "__nv_fp8_e4m3"])
+def test_decode_mlp_instantiation_compiles(weights):
+    """decode_mlp.cu's kernel is a template compiled per variant on demand: compile the 0.5B model's
+    bf16-row variant over bf16 and E4M3 weights (4 and 2 weight vectors a lane)."""
+    from cuengine.kernels._build import kernel_dir
+
+    xv = 4 if weights == "__nv_bfloat16" else 2
+    _compile(kernel_dir() / "decode_mlp.cu", f"decode_mlp<__nv_bfloat16, {weights}, {xv}>")

@@ -14,10 +14,13 @@ from conftest import assert_close, check_op, rng
 import cuengine as ce
 from cuengine.kernels.activations import activation_forward_np, swiglu_forward
 from cuengine.kernels.gemv import (
+    ACC_SHIFT,
     _grid,
     _rows,
     _split,
     _tile,
+    acc_input_np,
+    acc_shape,
     gemv,
     gemv_dual,
     gemv_dual_np,
@@ -508,6 +511,26 @@ def test_misaligned_device_pointer(cuda):
         gemv(ce.Tensor.empty(ce.BF16, (1, 32), cuda, name="out"), bad, w)
 
 
+# ---- the accumulator prologue (the "ksplit" decode arm) -------------------------------------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_acc_prologue_is_the_gemv_of_the_summed_input(dev, b, dtype):
+    """gemv(x, x_acc=acc) is gemv of x' = acc_input_np(x, acc), and x_out receives x' (both devices)."""
+    K, N = 136 if dtype == "bf16" else 132, 40
+    c = case(b, K, N, dtype)
+    acc = np.zeros(acc_shape(b, K), np.int64)
+    acc[:, :K] = np.rint(rng(4).normal(0, 2, (b, K)) * 2.0**ACC_SHIFT)
+    xin = acc_input_np(c["x"], acc)
+    t = tensors(dev, {"x": c["x"], "w": c["w"], "nw": c["norm_weight"], "bias": c["bias"], "acc": acc})
+    out = ce.Tensor.empty(ce.dtype(dtype), (b, N), dev, name="out")
+    x_out = ce.Tensor.empty(ce.dtype(dtype), (b, K), dev, name="x_out")
+    gemv(out, t["x"], t["w"], bias=t["bias"], norm_weight=t["nw"], eps=EPS, x_acc=t["acc"], x_out=x_out)
+    np.testing.assert_array_equal(x_out.numpy(), xin)
+    want = gemv_np(xin, c["w"], bias=c["bias"], norm_weight=c["norm_weight"], eps=EPS)
+    assert_close(out.numpy(), want, dtype, "gemv with x_acc")
+    assert not np.allclose(want, gemv_np(c["x"], c["w"], bias=c["bias"], norm_weight=c["norm_weight"], eps=EPS))
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def _t(dtype, shape, name="t"):
     return ce.Tensor.empty(dtype, shape, "cpu", name=name)
@@ -552,6 +575,27 @@ GEMV_ERRORS = {
         "partly overlaps out",
     ),
     "split": (lambda: _args(split=3), "split=3"),
+    "x_acc without norm": (lambda: _args(x_acc=_t("int64", (2, 66), "acc")), "x_acc: accumulator 'acc' is added in"),
+    "x_acc shape": (
+        lambda: _args(norm_weight=_t("bf16", (64,)), x_acc=_t("int64", (2, 64))),
+        r"gemv x_acc: expected shape \(2, 66\)",
+    ),
+    "x_acc dtype": (
+        lambda: _args(norm_weight=_t("bf16", (64,)), x_acc=_t("int32", (2, 66))),
+        "gemv x_acc: expected dtype int64",
+    ),
+    "x_out without x_acc": (lambda: _args(x_out=_t("bf16", (2, 64), "xo")), "x_out: tensor 'xo' is written only"),
+    "x_out shape": (
+        lambda: _args(norm_weight=_t("bf16", (64,)), x_acc=_t("int64", (2, 66)), x_out=_t("bf16", (2, 32))),
+        r"gemv x_out: expected shape \(2, 64\)",
+    ),
+    "x_out overlaps x": (
+        lambda: (
+            _args(N=64, norm_weight=_t("bf16", (64,)), x_acc=_t("int64", (2, 66)))
+            | {"x": _SHARED.rows(0, 2), "x_out": _SHARED.rows(1, 3)}
+        ),
+        "x_out: tensor 'shared' overlaps 'shared'",
+    ),
     "device": (lambda: _args() | {"w": ce.Tensor.empty("bf16", (32, 64), "cuda", name="w")}, "is on"),
 }
 
@@ -605,6 +649,10 @@ typedef unsigned short __nv_fp8x2_storage_t;
 inline __half2_raw __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t v, __nv_fp8_interpretation_t k) {
     return {__half_as_ushort((half)fp8_decode(v & 0xff, k)), __half_as_ushort((half)fp8_decode(v >> 8, k))};
 }
+struct alignas(16) longlong2 { long long x, y; };
+inline long long __float2ll_rn(float f) { return llrintf(f); }  // the host rounds half to even too
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { auto o = *p; *p += v; return o; }
+inline unsigned long long atomicOr(unsigned long long* p, unsigned long long v) { auto o = *p; *p |= v; return o; }
 inline float __shfl_down_sync(unsigned, float v, int d) {
     WarpX& w = warp_(); int l = lane_();
     w.f[l] = v; wbar(); float r = l + d < 32 ? w.f[l + d] : v; wbar(); return r;
@@ -672,6 +720,31 @@ def test_emulated_staging_is_exact(gemv_emu, monkeypatch, b):
     monkeypatch.setattr(G, "_SMEM_ROW", G._staged_bytes(G._tile(b, K, 2), K, 2, True))
     unstaged, _ = _emulated(gemv_emu, monkeypatch, normed, arrays, (b, K))
     np.testing.assert_array_equal(staged.view(np.uint16), unstaged.view(np.uint16))
+
+
+@pytest.mark.parametrize("b", [1, 3, 9])
+def test_emulated_acc_prologue_adds_before_the_norm(gemv_emu, monkeypatch, b):
+    """With x_acc the prologue normalises x' = r(x + r(y)) (y the accumulator's values), bit for bit what
+    it makes of x' itself (read back through an identity weight), and block 0 writes x' to x_out."""
+    K = 136
+    c = case(b, K, K, "bf16")
+    acc = np.zeros(acc_shape(b, K), np.int64)
+    acc[:, :K] = np.rint(rng(4).normal(0, 2, (b, K)) * 2.0**ACC_SHIFT)
+    xin = acc_input_np(c["x"], acc)
+    x_out = emu.tensor(np.zeros((b, K), ml_dtypes.bfloat16), "bf16", "x_out")
+
+    def with_acc(out, x, w, nw, acc):
+        gemv(out, x, w, norm_weight=nw, eps=EPS, x_acc=acc, x_out=x_out)
+
+    def normed(out, x, w, nw):
+        gemv(out, x, w, norm_weight=nw, eps=EPS)
+
+    got, clean = _emulated(gemv_emu, monkeypatch, with_acc,
+                           {"x": c["x"], "w": _identity(K), "nw": c["norm_weight"], "acc": acc}, (b, K))  # fmt: skip
+    want, _ = _emulated(gemv_emu, monkeypatch, normed, {"x": xin, "w": _identity(K), "nw": c["norm_weight"]}, (b, K))
+    assert clean and emu.margins_ok(x_out)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(x_out.numpy().view(np.uint16), xin.view(np.uint16))
 
 
 @pytest.mark.parametrize("wdtype", [None, "e4m3"])

@@ -37,7 +37,7 @@ def randomize(m, seed=0):
     r = np.random.default_rng(seed)
     for name, t in m.weights.tensors.items():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("ln1_w", "ln2_w", "lnf_w"):
+        if leaf in ("ln1_w", "ln2_w", "lnf_w", "q_norm_w", "k_norm_w"):
             v = r.uniform(0.5, 1.5, t.shape)
         elif leaf == "qkv_b":
             v = r.normal(0, 0.2, t.shape)
@@ -564,3 +564,107 @@ def test_persistent_launch_shape_needs_room_for_two_stages(cuda):
     rest = dl._MAX_SHARED - dl.STAGE_BYTES  # leaves room for one stage at most
     with pytest.raises(ValueError, match="leave no room for two 32768-byte stages"):
         dl._launch_shape(cuda, name, rest, dl.STAGE_BYTES)
+
+
+# ---- the ksplit arm: each layer's MLP in one launch, summed in fixed point ------------------------
+# (preset, config changes): Qwen2 (bias, tied), Llama (untied), Qwen3 (QK-norm between the qkv GEMV and the
+# attention), and the 0.5B shape's hidden size, GQA group and head size (its decode_mlp refills ring stages)
+KSPLIT_SHAPES = {
+    "qwen2": ("tiny", {}),
+    "llama": ("tiny-llama", {}),
+    "qwen3": ("tiny-qwen3", {}),
+    "gqa7": ("tiny-hs64", dict(hidden_size=896, intermediate_size=4864, num_q_heads=14, num_kv_heads=2)),
+}
+
+
+def forward_logits(m, seq):
+    """(len, V) logits of the full training forward over seq (one row)."""
+    m.allocate_run_state(1, len(seq))
+    return m.logits(np.asarray(seq, np.int32)[None])[0]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(KSPLIT_SHAPES))
+def test_ksplit_decode_matches_full_forward(dev, shape, dtype):
+    """Teacher-forced batch-1 steps after a 5-token prompt (captured and replayed from a graph) against the
+    full forward at the same positions."""
+    preset, changes = KSPLIT_SHAPES[shape]
+    seq = np.random.default_rng(3).integers(0, 256, 12)
+    m = model(preset, dtype, dev, **changes)
+    got = step_logits(m, seq, 5, "ksplit", "bf16")
+    want = forward_logits(m, seq)[5:]
+    assert np.isfinite(want).all() and np.abs(want).max() > 1
+    if dtype == "fp32":  # the 0.5B shape's logits reach 60: fp32's tolerance of their size
+        assert_close(got, want, "fp32", f"ksplit {shape}", scale=np.abs(want).max())
+    else:
+        assert_logits_close(got, want, dtype, f"ksplit {shape}")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["qwen2", "gqa7"])
+def test_ksplit_fp8_weights_are_the_fused_up_arm_to_rounding(dev, shape, dtype):
+    """Over the same per-row E4M3 weights the ksplit arm computes what fused_up computes; only the down
+    projection's order of summation differs."""
+    preset, changes = KSPLIT_SHAPES[shape]
+    seq = np.random.default_rng(4).integers(0, 256, 10)
+    got = step_logits(model(preset, dtype, dev, **changes), seq, 4, "ksplit", "fp8")
+    want = step_logits(model(preset, dtype, dev, **changes), seq, 4, "fused_up", "fp8")
+    if dtype == "fp32":
+        assert_close(got, want, "fp32", f"ksplit fp8 {shape}", scale=np.abs(want).max())
+    else:
+        assert_logits_close(got, want, dtype, f"ksplit fp8 {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_ksplit_generation_graph_equals_eager_and_cpu(cuda, weights):
+    out = []
+    for graphs in (True, False):
+        m = model("tiny-hs64", "bf16", cuda)
+        m.allocate_inference_state(max_batch=1, max_seq_len=64, weights=weights, ffn_arm="ksplit", cuda_graphs=graphs)
+        out.append(m.generate([[1, 2, 3]], 12, temperature=0.8, top_p=0.9, seed=2))
+        if graphs:
+            assert ("decode", 1, "ksplit") in m.inference_state.graphs
+    assert out[0] == out[1]
+    seq = np.random.default_rng(5).integers(0, 256, 14)
+    gpu = step_logits(model("tiny-hs64", "bf16", cuda), seq, 6, "ksplit", weights)
+    cpu = step_logits(model("tiny-hs64", "bf16", "cpu"), seq, 6, "ksplit", weights)
+    assert_logits_close(gpu, cpu, "bf16", "ksplit cuda vs cpu")
+
+
+def test_ksplit_arm_says_why_it_cannot_run():
+    m = model("tiny", "bf16")
+    with pytest.raises(ValueError, match="ffn_arm='ksplit' cannot run: it runs batch 1 only, got 2 rows"):
+        m.generate([[1, 2], [3]], 3, ffn_arm="ksplit")
+    odd = model("tiny", "fp32", intermediate_size=100)
+    with pytest.raises(ValueError, match="ffn_arm='ksplit' cannot run: the intermediate size 100 must be a multiple"):
+        odd.generate([[1, 2]], 3, ffn_arm="ksplit")
+    assert odd.generate([[1, 2]], 3) == odd.generate([[1, 2]], 3, ffn_arm="fused_up")  # the other arms run it
+
+
+def test_ksplit_launches_four_kernels_a_layer(monkeypatch):
+    """qkv GEMV (adding the MLP accumulator in its prologue), attention, output GEMV, the MLP; then the LM
+    head GEMV adds the last accumulator. One memset of the accumulators per step (not a launcher)."""
+    from cuengine.kernels import decode_mlp, decode_step, encoder, gemv
+
+    m = model("tiny-llama", "bf16")
+    st = m.allocate_inference_state(max_batch=1, max_seq_len=16, ffn_arm="ksplit")
+    m.generate([[1, 2]], 2)
+    calls = []
+    from cuengine.kernels import decode_attention
+
+    launchers = {
+        gemv: ("gemv",),
+        decode_attention: ("decode_attention",),
+        decode_mlp: ("decode_mlp",),
+        encoder: ("encoder_forward",),
+        sampling: ("sample_tokens",),
+        decode_step: ("advance_positions",),
+    }
+    for mod, names in launchers.items():
+        for name in names:
+            fn = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+    decode.decode_step_rows(st, 1, "ksplit")
+    layer = ["gemv", "decode_attention", "gemv", "decode_mlp"]
+    assert calls == ["encoder_forward", *layer * m.cfg.num_layers, "gemv", "sample_tokens", "advance_positions"]

@@ -105,9 +105,10 @@ def decode_arm(st, b: int) -> str:
 def launches(st, fn) -> int:
     """Kernel launches (cuBLASLt calls included) that fn() makes, run eagerly."""
     from cuengine import blas
-    from cuengine.kernels import activations, decode_attention, decode_step, encoder, gemv, rmsnorm
+    from cuengine.kernels import activations, decode_attention, decode_mlp, decode_step, encoder, gemv, rmsnorm
 
-    patched = [(m, "launch") for m in (activations, decode_attention, decode_step, encoder, gemv, rmsnorm, sampling)]
+    patched = [(m, "launch") for m in (activations, decode_attention, decode_mlp, decode_step, encoder, gemv, rmsnorm,
+                                       sampling)]  # fmt: skip
     patched.append((blas, "matmul"))
     saved = [getattr(m, name) for m, name in patched]
     count = [0]

@@ -77,7 +77,8 @@ __device__ __forceinline__ TraceStamps trace_start(int N, int K, int prologue, i
 }
 """.replace("SLOTS", str(SLOTS)).replace("FIELDS", str(FIELDS))
 _STAGED = (
-    "            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K);\n"
+    "            stage_input<T, XS, BT>(xs, raw, s_rstd, x, norm_in, eps, prologue, m0, b, K, x_acc,\n"
+    "                                   block == 0 ? x_out : nullptr);\n"
     "            __syncthreads();\n"
 )
 _NEXT = "        // the next item's first weights go out before this one's reduction and stores\n"

@@ -50,8 +50,9 @@ class InferenceMixin:
             max_seq_len: prompt + new tokens, at most the config's max_position_embeddings
                 (None: 2048, or max_position_embeddings when that is smaller).
             weights: "bf16" (the model's own weights, shared) or "fp8" (W8A16 decode GEMVs).
-            ffn_arm: "auto", "split", "fused", "fused_up", "gemm" or "persistent" (batch 1: every layer in one
-                launch; opt-in, slower than the GEMV arms on the H200 so far); see inference.state.choose_ffn_arm.
+            ffn_arm: "auto", "split", "fused", "fused_up", "gemm", "persistent" (batch 1: every layer in one
+                launch; opt-in, slower than the GEMV arms on the H200 so far) or "ksplit" (batch 1: the MLP in
+                one launch, summed in fixed point); see inference.state.choose_ffn_arm.
             cuda_graphs: capture each decode step once per batch size and replay it.
         """
         if self._inference is not None:
@@ -78,7 +79,7 @@ class InferenceMixin:
                 probability reaches top_p (1 = all). seed: the same seed gives the same samples.
             stop_tokens: ids that end a sequence; the stop token is included as its last token.
             ffn_arm: override the state's arm for this call ("auto", "split", "fused", "fused_up", "gemm",
-                "persistent").
+                "persistent", "ksplit").
         Returns:
             [[new ids of prompt 0], [new ids of prompt 1], ...]; a list is shorter than
             max_new_tokens only when it ends with a stop token.

@@ -15,7 +15,15 @@ the sequence more than 32 ways):
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
 The "persistent" arm runs every layer of a batch-1 step in one launch (kernels/decode_layers.py): the
 "fused" arm's phases meeting at counters, with each block's weights streamed into shared memory ahead
-of them, bit-identical to it. The "gemm" arm (8
+of them, bit-identical to it. The "ksplit" arm (batch 1, 4 launches a layer) runs the whole MLP as one
+launch (kernels/decode_mlp.py), its down projection split over the hidden units and summed in a
+fixed-point accumulator; the next layer's qkv GEMV (and the LM head) adds that accumulator to the
+residual in its RMSNorm prologue:
+    qkv  = gemv(res + acc[i-1], qkv_w, norm_weight=ln1, bias); res_in = res + acc[i-1] (written by it)
+    att  = decode_attention(...);  res = gemv(att, atto_w, residual=res_in)
+    acc[i] = decode_mlp(res, ln2, up_w, down_w)
+Its sums differ from the other arms' only in the down projection's order (exact integer sums of
+per-chunk partials rounded at 2^-28), so its logits match them to rounding. The "gemm" arm (8
 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead,
 which read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
 GEMM with its bias, the output projection and the down projection accumulated into the residual.
@@ -42,6 +50,7 @@ from ..kernels import (
     activations,
     decode_attention,
     decode_layers,
+    decode_mlp,
     decode_step,
     encoder,
     gemv,
@@ -82,8 +91,9 @@ def ffn(st, i: int, b: int, arm: str) -> None:
         _gemv(st, res, act, p + "down_w", residual=res)
 
 
-def layer(st, i: int, b: int, arm: str) -> None:
-    """Block i on the b rows of st.residual, appending each row's k and v at its position."""
+def attention(st, i: int, b: int, arm: str, x_acc=None, x_out=None) -> None:
+    """st.att[:b] = the attention of block i over RMSNorm(st.residual[:b] [+ x_acc]), appending each row's
+    k and v at its position (x_out: where the qkv GEMV writes the residual plus x_acc)."""
     cfg = st.cfg
     Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
     W, p = st.model.weights, f"layers.{i}."
@@ -94,12 +104,20 @@ def layer(st, i: int, b: int, arm: str) -> None:
         rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, w["ln1_w"], eps)
         blas.matmul(qkv, ln, W[p + "qkv_w"], w.get("qkv_b"))
     else:
-        _gemv(st, qkv, res, p + "qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps)
+        _gemv(st, qkv, res, p + "qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"], eps=eps, x_acc=x_acc,
+              x_out=x_out)  # fmt: skip
     if cfg.qk_norm:  # in place, before RoPE, as the training forward
         qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, b), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
     # RoPE at each row's position and the cache append run inside the attention launch (row r is slot r)
     decode_attention.decode_attention(att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, b), Hq, Hkv,
                                       st.att_scratch, freqs=st.freqs)  # fmt: skip
+
+
+def layer(st, i: int, b: int, arm: str) -> None:
+    """Block i on the b rows of st.residual, appending each row's k and v at its position."""
+    W, p = st.model.weights, f"layers.{i}."
+    res, att = st.residual.rows(0, b), st.att.rows(0, b)
+    attention(st, i, b, arm)
     if arm == "gemm":
         blas.matmul(res, att, W[p + "atto_w"], accumulate=True)
     else:
@@ -107,9 +125,27 @@ def layer(st, i: int, b: int, arm: str) -> None:
     ffn(st, i, b, arm)
 
 
-def head_and_sample(st, b: int) -> None:
-    """Final RMSNorm + LM head (fp32 logits) of st.residual[:b], sample into st.tokens[:b], and
-    move every row one position on."""
+def ksplit_layers(st):
+    """Every layer of a batch-1 step on the "ksplit" arm (the module's docstring); returns the last
+    layer's MLP accumulator, which the LM head adds to st.residual."""
+    cfg, W, eps = st.cfg, st.model.weights, st.cfg.rms_norm_eps
+    res, res_in = st.residual.rows(0, 1), st.res_in
+    st.acc_mlp.fill_zero()
+    acc = None  # the MLP output that res misses (none before the first layer)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        attention(st, i, 1, "ksplit", x_acc=acc, x_out=None if acc is None else res_in)
+        _gemv(st, res, st.att.rows(0, 1), p + "atto_w", residual=res if acc is None else res_in)
+        acc = st.acc_mlp.rows(i, i + 1)
+        up, down = st.linears[p + "up_w"], st.linears[p + "down_w"]
+        decode_mlp.decode_mlp(acc, res, W.block(i)["ln2_w"], up.w, down.w, eps=eps, up_scale=up.scale,
+                              down_scale=down.scale)  # fmt: skip
+    return acc
+
+
+def head_and_sample(st, b: int, x_acc=None) -> None:
+    """Final RMSNorm + LM head (fp32 logits) of st.residual[:b] (plus the accumulator x_acc of the "ksplit"
+    arm), sample into st.tokens[:b], and move every row one position on."""
     W, eps = st.model.weights, st.cfg.rms_norm_eps
     logits, res = st.logits.rows(0, b), st.residual.rows(0, b)
     if st.head_by_gemm and b > 1:  # one row: the GEMV (the module's docstring)
@@ -117,7 +153,7 @@ def head_and_sample(st, b: int) -> None:
         rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, W["lnf_w"], eps)
         blas.matmul(logits, ln, W.lm_head)
     else:
-        _gemv(st, logits, res, "lm_head", norm_weight=W["lnf_w"], eps=eps)
+        _gemv(st, logits, res, "lm_head", norm_weight=W["lnf_w"], eps=eps, x_acc=x_acc)
     sampling.sample_tokens(st.tokens.rows(0, b), st.logits.rows(0, b), st.params)
     decode_step.advance_positions(st.positions.rows(0, b), st.lengths.rows(0, b))
 
@@ -135,12 +171,15 @@ def persistent_layers(st) -> None:
 def decode_step_rows(st, b: int, arm: str) -> None:
     """One decode step of rows 0..b-1 from their input tokens st.tokens[:b]. Enqueued only."""
     encoder.encoder_forward(st.residual.rows(0, b), st.tokens.rows(0, b), st.model.weights["wte"])
+    acc = None
     if arm == "persistent":
         persistent_layers(st)
+    elif arm == "ksplit":
+        acc = ksplit_layers(st)
     else:
         for i in range(st.cfg.num_layers):
             layer(st, i, b, arm)
-    head_and_sample(st, b)
+    head_and_sample(st, b, acc)
 
 
 def step(st, b: int, arm: str) -> None:
@@ -150,4 +189,8 @@ def step(st, b: int, arm: str) -> None:
         why = st.persistent_why or decode_layers.unsupported(st.cfg, st.dtype, st.device, b)
         if why:
             raise ValueError(f"ffn_arm='persistent' cannot run: {why}; use 'fused' or 'auto'")
+    if arm == "ksplit":
+        why = st.ksplit_why or (None if b == 1 else f"it runs batch 1 only, got {b} rows")
+        if why:
+            raise ValueError(f"ffn_arm='ksplit' cannot run: {why}; use 'fused_up' or 'auto'")
     st.run(("decode", b, arm), lambda: decode_step_rows(st, b, arm))

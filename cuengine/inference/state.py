@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from .. import blas
-from ..dtypes import BF16, FP8_E4M3, FP16, FP32, INT32
+from ..dtypes import BF16, FP8_E4M3, FP16, FP32, INT32, INT64
 from ..dtypes import dtype as _dtype
-from ..kernels import decode_attention, decode_layers, gemv, rope, sampling
+from ..kernels import decode_attention, decode_layers, decode_mlp, gemv, rope, sampling
 from . import decode
 from .prefill import prefill_group
 
 WEIGHTS = ("bf16", "fp8")  # "bf16": the model's own weights (fp32 for an fp32 model); "fp8": per-row E4M3
-FFN_ARMS = ("split", "fused", "fused_up", "gemm", "persistent")
+FFN_ARMS = ("split", "fused", "fused_up", "gemm", "persistent", "ksplit")
 LINEARS = ("qkv_w", "atto_w", "up_w", "down_w")
 RING = 16  # steps of sampled tokens in flight between the device and the host
 MAX_BATCH = 64  # the decode kernels' row limit
@@ -131,6 +131,13 @@ class InferenceState:
                 self.layer_table = a(INT32, "decode_layer_table", decode_layers.layer_table_shape(L))
                 decode_layers.write_layer_table(self.layer_table, self.layer_weights)
                 self.layer_sync = a(INT32, "decode_layer_sync", decode_layers.sync_shape()).fill_zero()
+            # the "ksplit" arm (batch 1): each layer's MLP sums into a fixed-point accumulator (zeroed at every
+            # step's start) that the next layer's qkv GEMV adds to the residual row, which it writes to res_in
+            self.ksplit_why = ksplit_unsupported(cfg, dt, dev, FP8_E4M3 if weights == "fp8" else dt)
+            self.res_in = self.acc_mlp = None
+            if self.ksplit_why is None:
+                self.res_in = a(dt, "decode_residual_in", (1, C))
+                self.acc_mlp = a(INT64, "decode_acc_mlp", (L, gemv.acc_shape(1, C)[1]))
             # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows
             self.p_res = a(dt, "prefill_residual", (S, C))
             self.p_res_att = a(dt, "prefill_res_att", (S, C))
@@ -318,9 +325,17 @@ def choose_ffn_arm(b: int, weights: str) -> str:
     return "fused_up" if b <= FUSED_MAX_BATCH else "gemm"
 
 
+def ksplit_unsupported(cfg, dtype, device, weight_dtype) -> str | None:
+    """Why the "ksplit" arm cannot run this model (None when it can): decode_mlp's shapes, and bulk copies
+    into shared memory (compute capability 9.0) on a GPU. The batch (1) is checked per step."""
+    if device.is_cuda and device.compute_capability < (9, 0):
+        return "it needs compute capability 9.0 (bulk copies into shared memory)"
+    return decode_mlp.unsupported(cfg.hidden_size, cfg.intermediate_size, dtype, weight_dtype)
+
+
 def check_ffn_arm(arm: str, weights: str) -> None:
     """ValueError saying why `arm` cannot run with `weights`."""
-    if arm != "auto" and arm not in FFN_ARMS:  # "persistent" is checked per step: it needs batch 1
+    if arm != "auto" and arm not in FFN_ARMS:  # "persistent" and "ksplit" are checked per step: batch 1
         raise ValueError(f"ffn_arm must be 'auto' or one of {FFN_ARMS}, got {arm!r}")
     if arm == "gemm" and weights == "fp8":
         raise ValueError(

@@ -228,18 +228,12 @@ def _qkv_layout(qkv, what: str, Hq: int, Hkv: int) -> tuple[int, int, int]:
     return B, T, C3 // H3
 
 
-def _overlap(a, b) -> bool:
-    if a is None or b is None or a.storage is not b.storage:
-        return False
-    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
-
-
 def _check_no_alias(outputs: dict, inputs: dict) -> None:
     """Outputs must not share memory with inputs (the kernels read inputs while writing) or each other."""
     out = list(outputs.items())
     for i, (oname, o) in enumerate(out):
         for iname, t in list(inputs.items()) + out[i + 1 :]:
-            if _overlap(o, t):
+            if _checks.overlaps(o, t):
                 raise ValueError(f"attention: {oname} ({o.name!r}) overlaps {iname} ({t.name!r}) in memory")
 
 

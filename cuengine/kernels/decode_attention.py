@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .._checks import expect, same_device
+from .._checks import expect, overlaps, same_device
 from ..dtypes import BF16, FP16, FP32, INT32
 from ._build import ceil_div, launch
 
@@ -173,10 +173,6 @@ def _check_aligned(dev, *tensors, nbytes: int = 16) -> None:
                 raise ValueError(f"tensor {t.name!r}: device address {t.ptr:#x} is not {nbytes}-byte aligned")
 
 
-def _overlap(a, b) -> bool:
-    return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
-
-
 # ---- launchers ----------------------------------------------------------------------------
 def rope_kv_append(qkv, k_cache, v_cache, slots, positions, freqs, n_q_heads: int, n_kv_heads: int,
                    rotate: bool = True, stream=None) -> None:  # fmt: skip
@@ -207,7 +203,7 @@ def rope_kv_append(qkv, k_cache, v_cache, slots, positions, freqs, n_q_heads: in
     max_pos = freqs.shape[0] if freqs is not None else 0
     dev = same_device(qkv, k_cache, v_cache, slots, positions, freqs)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if _overlap(t, qkv):
+        if overlaps(t, qkv):
             raise ValueError(f"{what}: {name} {t.name!r} overlaps qkv {qkv.name!r}")
     if dev.is_cpu:
         sl, pos = slots.array(), positions.array()
@@ -301,7 +297,7 @@ def decode_attention(out, qkv, k_cache, v_cache, lengths, n_q_heads: int, n_kv_h
         expect(freqs, f"{what} freqs", FP16 if qkv.dtype == BF16 else FP32, (None, hs))
     max_pos = 0 if freqs is None else freqs.shape[0]
     dev = same_device(out, qkv, k_cache, v_cache, lengths, scratch, freqs)
-    if _overlap(out, qkv):
+    if overlaps(out, qkv):
         raise ValueError(f"{what}: out {out.name!r} overlaps qkv {qkv.name!r}")
     if dev.is_cpu:
         ln = lengths.array()

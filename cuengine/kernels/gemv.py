@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_aligned, check_vector_width, expect, same_device
-from ..dtypes import BF16, FP8_E4M3, FP32
+from .._checks import check_aligned, check_vector_width, expect, overlaps, same_device
+from ..dtypes import BF16, FP8_E4M3, FP32, INT64
 from ._build import ceil_div, grid_size, kernel_name, launch
 from .activations import activation_forward_np
 from .rmsnorm import rmsnorm_forward_np
@@ -43,6 +43,44 @@ _DUAL_NONE, _DUAL_PAIR, _DUAL_SWIGLU = 0, 1, 2  # enum Dual in gemv.cuh
 _RESIDENT = {1: 3, 4: 2, 8: 2}  # blocks per SM that the kernel of each BT is compiled for (__launch_bounds__)
 _LONG_WAVE = 8  # tiles a block past which the grid takes two waves (_grid)
 _SM_SHARED = 228 * 1024  # shared memory per SM (sm_90); each block also takes 1 KB reserved + its static arrays
+# Fixed-point accumulators (gemv.cuh): a partial p is added as round(p * 2^ACC_SHIFT); a row holds K values,
+# a flag word and a pad word. A partial at or past ACC_LIMIT in magnitude (or not finite) sets the flag.
+ACC_SHIFT = 28
+ACC_PAD = 2
+ACC_LIMIT = 2.0**23
+
+
+# ---- fixed-point accumulators --------------------------------------------------------------
+def acc_shape(b: int, K: int) -> tuple[int, int]:
+    """Shape (b, K + ACC_PAD) int64 of an accumulator for b rows of K values, zeroed before its first
+    partial: the decode arm "ksplit" sums a layer's output split over its input into one (gemv.cuh)."""
+    return (b, K + ACC_PAD)
+
+
+def acc_fix_np(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, bad): the int64 fixed-point values of fp32 partials p (round half to even), 0 where a partial
+    is not finite or |p| >= ACC_LIMIT, and `bad` there (acc_fix in gemv.cuh)."""
+    p = np.asarray(p, np.float32)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(p) < np.float32(ACC_LIMIT))
+    q = np.rint(np.where(bad, 0, p).astype(np.float64) * 2.0**ACC_SHIFT).astype(np.int64)
+    return q, bad
+
+
+def acc_values_np(acc: np.ndarray) -> np.ndarray:
+    """(b, K) fp32 values of accumulator rows (b, K + ACC_PAD): float(sum) * 2^-ACC_SHIFT, rounded once;
+    NaN for a flagged row (acc_read in gemv.cuh)."""
+    acc = np.asarray(acc)
+    K = acc.shape[-1] - ACC_PAD
+    y = (acc[..., :K].astype(np.float32) * np.float32(2.0**-ACC_SHIFT)).astype(np.float32)
+    return np.where(acc[..., K : K + 1] != 0, np.float32(np.nan), y)
+
+
+def acc_input_np(x: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """x' = round(x + round(y)) in x's dtype, y = acc_values_np(acc): a residual with the accumulator
+    it misses added as a residual epilogue adds a layer's output."""
+    y = acc_values_np(acc).astype(x.dtype).astype(np.float32)
+    return (x.astype(np.float32) + y).astype(x.dtype)
 
 
 # ---- NumPy twins --------------------------------------------------------------------------
@@ -155,10 +193,6 @@ def _grid(dev, tiles: int, bt: int, smem: int) -> int:
 
 
 # ---- launchers ----------------------------------------------------------------------------
-def _overlaps(a, b) -> bool:
-    return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
-
-
 def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, dual=_DUAL_NONE):
     """(b, K, N, device) after every boundary check gemv and gemv_dual share (`dual`: gemv_dual's
     output, [gate | up] or its SwiGLU)."""
@@ -201,14 +235,14 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, du
         expect(bias, f"{what} bias", x.dtype, (N,))
     if residual is not None:
         expect(residual, f"{what} residual", out.dtype, (b, N))
-        if _overlaps(out, residual) and residual.offset != out.offset:
+        if overlaps(out, residual) and residual.offset != out.offset:
             raise ValueError(
                 f"{what} residual: tensor {residual.name!r} partly overlaps out; it may only be out itself"
             )
     if norm_weight is not None:
         expect(norm_weight, f"{what} norm_weight", x.dtype, (K,))
     for t in (x, w, w_scale, bias, norm_weight):
-        if t is not None and _overlaps(out, t):
+        if t is not None and overlaps(out, t):
             raise ValueError(f"{what} out: tensor {out.name!r} overlaps input {t.name!r}; only residual may alias out")
     if split not in (None, *_SPLITS):
         raise ValueError(f"{what}: split={split!r}; choose None (by shape) or one of {_SPLITS}")
@@ -217,7 +251,27 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, du
     return b, K, N, dev
 
 
-def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream):
+def _check_acc(what, x_acc, x_out, x, b, K, norm_weight, *others) -> None:
+    """The accumulator prologue's operands: x_acc (b, K + ACC_PAD) int64 beside an RMSNorm prologue, and
+    x_out (b, K) in x's dtype beside x_acc, overlapping nothing else."""
+    if x_acc is None:
+        if x_out is not None:
+            raise ValueError(f"{what} x_out: tensor {x_out.name!r} is written only with x_acc (x plus the accumulator)")
+        return
+    if norm_weight is None:
+        raise ValueError(f"{what} x_acc: accumulator {x_acc.name!r} is added in the RMSNorm prologue; pass norm_weight")
+    expect(x_acc, f"{what} x_acc", INT64, acc_shape(b, K))
+    same_device(x, x_acc, x_out)
+    check_aligned(what, x_acc, x_out)
+    if x_out is not None:
+        expect(x_out, f"{what} x_out", x.dtype, (b, K))
+        for t in (x, x_acc, norm_weight, *others):
+            if t is not None and overlaps(x_out, t):
+                raise ValueError(f"{what} x_out: tensor {x_out.name!r} overlaps {t.name!r}")
+
+
+def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual, b, K, N, split, dev, stream,
+            x_acc=None, x_out=None):  # fmt: skip
     bt = _tile(b, K, x.dtype.itemsize)
     s = split or _split(N, K * w.dtype.itemsize // 16)
     rows = _rows(N, bt, s, w.dtype.is_fp8)
@@ -225,14 +279,14 @@ def _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, dual
     smem = _staged_bytes(bt, K, x.dtype.itemsize, prologue == _PRO_NORM)
     if prologue == _PRO_NORM and smem + K * x.dtype.itemsize <= _SMEM_ROW:
         prologue, smem = _PRO_NORM_STAGED, smem + K * x.dtype.itemsize  # the norm weight, staged before the wait
-    args = (out, x, w, w_scale, bias, residual, norm_weight, np.float32(eps), np.int32(prologue), np.int32(dual),
-            np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
+    args = (out, x, w, w_scale, bias, residual, norm_weight, x_acc, x_out, np.float32(eps), np.int32(prologue),
+            np.int32(dual), np.int32(b), np.int32(K), np.int32(N), np.int32(s))  # fmt: skip
     launch(FAMILY, name, _grid(dev, ceil_div(N, rows * _WARPS // s), bt, smem), 32 * _WARPS, args, dev, stream,
            shared_mem=smem, dependent=True)  # fmt: skip
 
 
 def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None, eps=1e-6, act=None, split=None,
-         stream=None) -> None:  # fmt: skip
+         x_acc=None, x_out=None, stream=None) -> None:  # fmt: skip
     """out = [residual +] xin · Wᵀ [+ bias], one decode step of a linear layer.
 
     Args:
@@ -247,13 +301,21 @@ def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None,
         eps: the RMSNorm epsilon.
         act: None, or "swiglu": xin = round(silu(gate) * up), as activations.swiglu_forward.
         split: K-slices per row (1, 2, 4, 8) for tuning; None picks it from (N, K).
+        x_acc: (b, K + ACC_PAD) int64, with norm_weight only: a fixed-point accumulator (acc_shape) of
+            what x misses; the RMSNorm prologue then normalises x' = round(x + round(y)) (acc_input_np).
+        x_out: (b, K) x's dtype, with x_acc: written (=) with x' (one block writes it; the residual the
+            layer after reads). Must not overlap x, out or the other operands.
     Raises ValueError for a dtype, shape, alignment or aliasing the kernel does not take, and for
-    norm_weight together with act. NumPy equivalent: gemv_np.
+    norm_weight together with act. NumPy equivalent: gemv_np (on acc_input_np(x, x_acc)).
     """
     b, K, N, dev = _check("gemv", out, x, w, w_scale, bias, residual, norm_weight, act, split)
+    _check_acc("gemv", x_acc, x_out, x, b, K, norm_weight, out, w, w_scale, bias, residual)
     if dev.is_cpu:
+        xin = x.array() if x_acc is None else acc_input_np(x.array(), x_acc.array())
+        if x_out is not None:
+            x_out.array()[...] = xin
         out.array()[...] = gemv_np(
-            x.array(), w.array(), None if w_scale is None else w_scale.array(), None if bias is None else bias.array(),
+            xin, w.array(), None if w_scale is None else w_scale.array(), None if bias is None else bias.array(),
             None if residual is None else residual.array(), None if norm_weight is None else norm_weight.array(),
             eps, act, out.dtype.np,
         )  # fmt: skip
@@ -261,7 +323,8 @@ def gemv(out, x, w, *, w_scale=None, bias=None, residual=None, norm_weight=None,
     if b == 0 or N == 0:
         return
     prologue = _PRO_SWIGLU if act else _PRO_NORM if norm_weight is not None else _PRO_NONE
-    _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, _DUAL_NONE, b, K, N, split, dev, stream)
+    _launch(out, x, w, w_scale, bias, residual, norm_weight, eps, prologue, _DUAL_NONE, b, K, N, split, dev, stream,
+            x_acc, x_out)  # fmt: skip
 
 
 def gemv_dual(out, x, w_up, *, w_scale=None, norm_weight=None, eps=1e-6, act=None, split=None,

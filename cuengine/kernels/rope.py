@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_aligned, check_vector_width, expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, overlaps, same_device
 from ..dtypes import BF16, FP16, FP32
 from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 
@@ -82,10 +82,6 @@ def rope_np(qkv: np.ndarray, freqs: np.ndarray, n_q_heads: int, n_kv_heads: int,
 
 
 # ---- launchers ----------------------------------------------------------------------------
-def _overlap(a, b) -> bool:
-    return a.storage is b.storage and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
-
-
 def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse, stream):
     out_name, inp_name = names
     expect(inp, f"{what} {inp_name}", FLOATS)
@@ -108,7 +104,7 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
         expect(abs_max, f"{what} abs_max", FP32, (1,))
     dev = same_device(out, inp, freqs, abs_max)
     in_place = out.storage is inp.storage and out.offset == inp.offset
-    if not in_place and _overlap(out, inp):
+    if not in_place and overlaps(out, inp):
         raise ValueError(
             f"{what}: {out_name} {out.name!r} partly overlaps {inp_name} {inp.name!r}; use the same tensor or none"
         )
