@@ -72,3 +72,11 @@ def test_decode_mlp_instantiation_compiles(weights):
 
     xv = 4 if weights == "__nv_bfloat16" else 2
     _compile(kernel_dir() / "decode_mlp.cu", f"decode_mlp<__nv_bfloat16, {weights}, {xv}>")
+
+
+def test_decode_attention_o_instantiation_compiles():
+    """decode_attention_o.cu's kernel is a template compiled per variant on demand: the 0.5B model's
+    (bf16 rows, head size 64: decode_attention's v8 layout)."""
+    from cuengine.kernels._build import kernel_dir
+
+    _compile(kernel_dir() / "decode_attention_o.cu", "decode_attention_o<__nv_bfloat16, __nv_bfloat16, 8, 1, 8>")

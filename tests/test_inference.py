@@ -642,20 +642,18 @@ def test_ksplit_arm_says_why_it_cannot_run():
     assert odd.generate([[1, 2]], 3) == odd.generate([[1, 2]], 3, ffn_arm="fused_up")  # the other arms run it
 
 
-def test_ksplit_launches_four_kernels_a_layer(monkeypatch):
-    """qkv GEMV (adding the MLP accumulator in its prologue), attention, output GEMV, the MLP; then the LM
-    head GEMV adds the last accumulator. One memset of the accumulators per step (not a launcher)."""
-    from cuengine.kernels import decode_mlp, decode_step, encoder, gemv
+def test_ksplit_launches_three_kernels_a_layer(monkeypatch):
+    """qkv GEMV (adding the MLP accumulator in its prologue), attention with the output projection, the MLP;
+    then the LM head GEMV adds the last accumulator. Two memsets of the accumulators per step (no launcher)."""
+    from cuengine.kernels import decode_attention_o, decode_mlp, decode_step, encoder, gemv
 
     m = model("tiny-llama", "bf16")
     st = m.allocate_inference_state(max_batch=1, max_seq_len=16, ffn_arm="ksplit")
     m.generate([[1, 2]], 2)
     calls = []
-    from cuengine.kernels import decode_attention
-
     launchers = {
         gemv: ("gemv",),
-        decode_attention: ("decode_attention",),
+        decode_attention_o: ("decode_attention_o",),
         decode_mlp: ("decode_mlp",),
         encoder: ("encoder_forward",),
         sampling: ("sample_tokens",),
@@ -666,5 +664,5 @@ def test_ksplit_launches_four_kernels_a_layer(monkeypatch):
             fn = getattr(mod, name)
             monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     decode.decode_step_rows(st, 1, "ksplit")
-    layer = ["gemv", "decode_attention", "gemv", "decode_mlp"]
+    layer = ["gemv", "decode_attention_o", "decode_mlp"]
     assert calls == ["encoder_forward", *layer * m.cfg.num_layers, "gemv", "sample_tokens", "advance_positions"]

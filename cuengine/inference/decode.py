@@ -15,15 +15,17 @@ the sequence more than 32 ways):
       "split": up = gemv_dual(...); act = swiglu_forward(up); residual = gemv(act, down_w, residual=...)
 The "persistent" arm runs every layer of a batch-1 step in one launch (kernels/decode_layers.py): the
 "fused" arm's phases meeting at counters, with each block's weights streamed into shared memory ahead
-of them, bit-identical to it. The "ksplit" arm (batch 1, 4 launches a layer) runs the whole MLP as one
-launch (kernels/decode_mlp.py), its down projection split over the hidden units and summed in a
-fixed-point accumulator; the next layer's qkv GEMV (and the LM head) adds that accumulator to the
-residual in its RMSNorm prologue:
-    qkv  = gemv(res + acc[i-1], qkv_w, norm_weight=ln1, bias); res_in = res + acc[i-1] (written by it)
-    att  = decode_attention(...);  res = gemv(att, atto_w, residual=res_in)
-    acc[i] = decode_mlp(res, ln2, up_w, down_w)
-Its sums differ from the other arms' only in the down projection's order (exact integer sums of
-per-chunk partials rounded at 2^-28), so its logits match them to rounding. The "gemm" arm (8
+of them, bit-identical to it. The "ksplit" arm (batch 1, 3 launches a layer) splits the output
+projection over the q heads and the down projection over the hidden units, so that the attention
+and its output projection are one launch (kernels/decode_attention_o.py) and the whole MLP another
+(kernels/decode_mlp.py); each sums its blocks' partial outputs in a fixed-point accumulator that the
+launch after it adds to the residual in its RMSNorm prologue:
+    qkv  = gemv(res + acc_mlp[i-1], qkv_w, norm_weight=ln1, bias); res_in = res + acc_mlp[i-1]
+    acc_o[i] = decode_attention_o(qkv, cache, o_w)                (att · o_wᵀ, split over heads)
+    acc_mlp[i] = decode_mlp(res_in + acc_o[i], ln2, up_w, down_w); res = res_in + acc_o[i]
+(layer 0 reads the embedding from res_in; the LM head adds the last acc_mlp). Its sums differ from
+the other arms' only in the order of the two split projections (exact integer sums of per-head and
+per-chunk partials each rounded at 2^-28), so its logits match them to rounding. The "gemm" arm (8
 launches) runs every linear layer through cuBLASLt's M = b GEMMs instead,
 which read each weight once for all rows where a GEMV re-reads it per group of 8: RMSNorm then the qkv
 GEMM with its bias, the output projection and the down projection accumulated into the residual.
@@ -49,6 +51,7 @@ from .. import blas
 from ..kernels import (
     activations,
     decode_attention,
+    decode_attention_o,
     decode_layers,
     decode_mlp,
     decode_step,
@@ -126,20 +129,26 @@ def layer(st, i: int, b: int, arm: str) -> None:
 
 
 def ksplit_layers(st):
-    """Every layer of a batch-1 step on the "ksplit" arm (the module's docstring); returns the last
-    layer's MLP accumulator, which the LM head adds to st.residual."""
+    """Every layer of a batch-1 step on the "ksplit" arm (the module's docstring), from the embedding in
+    st.res_in; returns the last layer's MLP accumulator, which the LM head adds to st.residual."""
     cfg, W, eps = st.cfg, st.model.weights, st.cfg.rms_norm_eps
-    res, res_in = st.residual.rows(0, 1), st.res_in
+    Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
+    res, res_in, qkv, att = st.residual.rows(0, 1), st.res_in, st.qkv.rows(0, 1), st.att.rows(0, 1)
+    st.acc_o.fill_zero()
     st.acc_mlp.fill_zero()
-    acc = None  # the MLP output that res misses (none before the first layer)
+    acc = None  # the MLP output that res misses (none before the first layer, whose input is res_in)
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        attention(st, i, 1, "ksplit", x_acc=acc, x_out=None if acc is None else res_in)
-        _gemv(st, res, st.att.rows(0, 1), p + "atto_w", residual=res if acc is None else res_in)
-        acc = st.acc_mlp.rows(i, i + 1)
-        up, down = st.linears[p + "up_w"], st.linears[p + "down_w"]
-        decode_mlp.decode_mlp(acc, res, W.block(i)["ln2_w"], up.w, down.w, eps=eps, up_scale=up.scale,
-                              down_scale=down.scale)  # fmt: skip
+        w, p = W.block(i), f"layers.{i}."
+        _gemv(st, qkv, res_in if acc is None else res, p + "qkv_w", bias=w.get("qkv_b"), norm_weight=w["ln1_w"],
+              eps=eps, x_acc=acc, x_out=None if acc is None else res_in)  # fmt: skip
+        if cfg.qk_norm:  # in place, before RoPE, as the training forward
+            qknorm.qknorm_forward(qkv, st.qk_rstd.rows(0, 1), qkv, w["q_norm_w"], w["k_norm_w"], Hq, Hkv, eps)
+        o, up, down = st.linears[p + "atto_w"], st.linears[p + "up_w"], st.linears[p + "down_w"]
+        acc_o, acc = st.acc_o.rows(i, i + 1), st.acc_mlp.rows(i, i + 1)
+        decode_attention_o.decode_attention_o(acc_o, att, qkv, st.k_cache[i], st.v_cache[i], st.lengths.rows(0, 1),
+                                              Hq, Hkv, st.att_scratch, st.freqs, o.w, o_scale=o.scale)  # fmt: skip
+        decode_mlp.decode_mlp(acc, res_in, w["ln2_w"], up.w, down.w, eps=eps, up_scale=up.scale,
+                              down_scale=down.scale, x_acc=acc_o, x_out=res)  # fmt: skip
     return acc
 
 
@@ -170,7 +179,8 @@ def persistent_layers(st) -> None:
 
 def decode_step_rows(st, b: int, arm: str) -> None:
     """One decode step of rows 0..b-1 from their input tokens st.tokens[:b]. Enqueued only."""
-    encoder.encoder_forward(st.residual.rows(0, b), st.tokens.rows(0, b), st.model.weights["wte"])
+    emb = st.res_in if arm == "ksplit" else st.residual.rows(0, b)
+    encoder.encoder_forward(emb, st.tokens.rows(0, b), st.model.weights["wte"])
     acc = None
     if arm == "persistent":
         persistent_layers(st)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import blas
 from ..dtypes import BF16, FP8_E4M3, FP16, FP32, INT32, INT64
 from ..dtypes import dtype as _dtype
-from ..kernels import decode_attention, decode_layers, decode_mlp, gemv, rope, sampling
+from ..kernels import decode_attention, decode_attention_o, decode_layers, decode_mlp, gemv, rope, sampling
 from . import decode
 from .prefill import prefill_group
 
@@ -131,12 +131,14 @@ class InferenceState:
                 self.layer_table = a(INT32, "decode_layer_table", decode_layers.layer_table_shape(L))
                 decode_layers.write_layer_table(self.layer_table, self.layer_weights)
                 self.layer_sync = a(INT32, "decode_layer_sync", decode_layers.sync_shape()).fill_zero()
-            # the "ksplit" arm (batch 1): each layer's MLP sums into a fixed-point accumulator (zeroed at every
-            # step's start) that the next layer's qkv GEMV adds to the residual row, which it writes to res_in
+            # the "ksplit" arm (batch 1): each layer's output projection and MLP sum into fixed-point
+            # accumulators (zeroed at every step's start); the launch after each adds it to the residual row
+            # and writes the sum to the other residual buffer (res_in: a layer's input, residual: its middle)
             self.ksplit_why = ksplit_unsupported(cfg, dt, dev, FP8_E4M3 if weights == "fp8" else dt)
-            self.res_in = self.acc_mlp = None
+            self.res_in = self.acc_o = self.acc_mlp = None
             if self.ksplit_why is None:
                 self.res_in = a(dt, "decode_residual_in", (1, C))
+                self.acc_o = a(INT64, "decode_acc_o", (L, gemv.acc_shape(1, C)[1]))
                 self.acc_mlp = a(INT64, "decode_acc_mlp", (L, gemv.acc_shape(1, C)[1]))
             # prefill of a group of n prompts padded to T tokens, n * T <= max_seq rows
             self.p_res = a(dt, "prefill_residual", (S, C))
@@ -326,11 +328,14 @@ def choose_ffn_arm(b: int, weights: str) -> str:
 
 
 def ksplit_unsupported(cfg, dtype, device, weight_dtype) -> str | None:
-    """Why the "ksplit" arm cannot run this model (None when it can): decode_mlp's shapes, and bulk copies
-    into shared memory (compute capability 9.0) on a GPU. The batch (1) is checked per step."""
+    """Why the "ksplit" arm cannot run this model (None when it can): decode_mlp's and decode_attention_o's
+    shapes, and bulk copies into shared memory (compute capability 9.0) on a GPU. The batch (1) is
+    checked per step."""
     if device.is_cuda and device.compute_capability < (9, 0):
         return "it needs compute capability 9.0 (bulk copies into shared memory)"
-    return decode_mlp.unsupported(cfg.hidden_size, cfg.intermediate_size, dtype, weight_dtype)
+    return decode_mlp.unsupported(cfg.hidden_size, cfg.intermediate_size, dtype, weight_dtype) or (
+        decode_attention_o.unsupported(cfg.head_size, dtype, weight_dtype)
+    )
 
 
 def check_ffn_arm(arm: str, weights: str) -> None:
