@@ -35,9 +35,12 @@ template <typename W> struct Chunk {
     static constexpr int PIECES = CU * sizeof(W) / 16;  // 16-byte pieces of a down row's slice
 };
 
-// ---- the ring: mbarriers, bulk copies and cp.async ------------------------------------------------------
+// ---- PTX helpers: the ring's mbarriers, bulk copies and cp.async ------------------------------------------
+// (tests/test_decode_mlp.py swaps this block for synchronous host copies to run the kernel on the host)
 __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
+// Every stage's mbarrier counts THREADS + 1 arrivals a fill: each thread's, once its cp.async pieces
+// have landed, and the issuer's with the bulk bytes.
 __device__ __forceinline__ void ring_init(unsigned long long* full, int stages) {
     for (int s = 0; s < stages; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(full + s)), "r"(THREADS + 1)
@@ -45,35 +48,25 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, int stages) 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// Stage `dst` <- chunk c (units [c CU, c CU + CU)): [gate rows | up rows | down pieces (C, CU)]. Every
-// thread arrives once (after its cp.async pieces land) and the issuer once more with the bulk bytes.
-template <typename W>
-__device__ void fill(unsigned char* dst, unsigned long long* full, const W* w_up, const W* w_down, int c, int C,
-                     int I) {
-    using Ch = Chunk<W>;
-    const unsigned rows = (unsigned)(Ch::CU * C * sizeof(W));
-    if (threadIdx.x == ISSUER) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(full)),
-                     "r"(2 * rows)
-                     : "memory");
-        const W* gate = w_up + (size_t)c * Ch::CU * C;
-        const W* up = w_up + ((size_t)I + (size_t)c * Ch::CU) * C;
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_address(dst)),
-                     "l"(gate), "r"(rows), "r"(smem_address(full))
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_address(dst + rows)),
-                     "l"(up), "r"(rows), "r"(smem_address(full))
-                     : "memory");
-    }
-    unsigned char* down = dst + 2 * rows;
-    for (int p = threadIdx.x; p < C * Ch::PIECES; p += THREADS) {
-        const int n = p / Ch::PIECES, k = p - n * Ch::PIECES;
-        const W* src = w_down + (size_t)n * I + (size_t)c * Ch::CU + k * Ch::VW;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_address(down + (size_t)p * 16)), "l"(src)
-                     : "memory");
-    }
+__device__ __forceinline__ void ring_expect(unsigned long long* full, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(full)), "r"(bytes)
+                 : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on `full`
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* full) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(full))
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_address(dst)), "l"(src) : "memory");
+}
+
+// This thread's arrival on `full`, once its cp.async copies so far have landed.
+__device__ __forceinline__ void ring_arrive(unsigned long long* full) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(full)) : "memory");
 }
 
@@ -86,6 +79,26 @@ __device__ __forceinline__ void stage_wait(unsigned long long* full, unsigned pa
         "@!ready bra WAIT;\n}" ::"r"(smem_address(full)),
         "r"(parity)
         : "memory");
+}
+// ---- end of PTX helpers ----
+
+// Stage `dst` <- chunk c (units [c CU, c CU + CU)): [gate rows | up rows | down pieces (C, CU)].
+template <typename W>
+__device__ void fill(unsigned char* dst, unsigned long long* full, const W* w_up, const W* w_down, int c, int C,
+                     int I) {
+    using Ch = Chunk<W>;
+    const unsigned rows = (unsigned)(Ch::CU * C * sizeof(W));
+    if (threadIdx.x == ISSUER) {
+        ring_expect(full, 2 * rows);
+        bulk_copy(dst, w_up + (size_t)c * Ch::CU * C, rows, full);
+        bulk_copy(dst + rows, w_up + ((size_t)I + (size_t)c * Ch::CU) * C, rows, full);
+    }
+    unsigned char* down = dst + 2 * rows;
+    for (int p = threadIdx.x; p < C * Ch::PIECES; p += THREADS) {
+        const int n = p / Ch::PIECES, k = p - n * Ch::PIECES;
+        copy16(down + (size_t)p * 16, w_down + (size_t)n * I + (size_t)c * Ch::CU + k * Ch::VW);
+    }
+    ring_arrive(full);
 }
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -100,7 +113,7 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
     using Ch = Chunk<W>;
     constexpr int CU = Ch::CU, VW = Ch::VW;
     extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ __align__(8) unsigned long long full[MAX_STAGES];
+    __shared__ unsigned long long full[MAX_STAGES];  // one mbarrier per stage
     __shared__ float s_act[2][CU];
     __shared__ float s_rstd[1];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

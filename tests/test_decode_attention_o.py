@@ -67,7 +67,7 @@ def test_device_matches_twin(dev, hq, hkv, hs, C, length, dtype, fp8):
         dao.decode_attention_o(acc, att, t["qkv"], t["kc"], t["vc"], t["lengths"], hq, hkv, scratch, t["freqs"],
                                t["w_o"], o_scale=t.get("o_scale"))  # fmt: skip
         assert_close(att.numpy(), att_want, dtype, f"att (launch {rep})")
-        np.testing.assert_array_equal(t["kc"].numpy(), kc_want)
+        assert_close(t["kc"].numpy(), kc_want, dtype, "k_cache")  # the row's k rotated (fp32: to its rounding)
         np.testing.assert_array_equal(t["vc"].numpy(), vc_want)
     want = 2 * gv.acc_values_np(delta)
     got = gv.acc_values_np(acc.numpy())

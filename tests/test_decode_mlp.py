@@ -225,3 +225,98 @@ def test_outputs_may_not_overlap_inputs():
     x_bf = ce.Tensor.from_numpy(c["x"], "cpu", name="x")
     with pytest.raises(ValueError, match="decode_mlp: tensor 'x' overlaps 'x'"):
         _call(x=x_bf, x_acc=a_in, x_out=x_bf)
+
+
+# ---- the kernel on the host (tests/kernel_emulator.py) ----------------------------------------
+# decode_mlp.cu with its PTX helpers swapped for host ones: copies land at issue (so a stage refilled
+# while a warp still reads it, or a chunk read from the wrong stage, shows), and each mbarrier is a count
+# of the fill's THREADS + 1 arrivals and of the phases completed, which stage_wait's parity reads; gemv.cuh
+# as test_gemv.py emulates it. Checked: the chunk ranges, ring slots and parities, the staging, the
+# products, the SiLU·mul, the down partials and their fixed-point sum; not the hardware's asynchrony.
+_EMU_PTX = r"""
+inline unsigned smem_address(const void*) { return 0; }
+inline void mb_arrive(unsigned long long* full) {  // low word: arrivals of this phase; high: phases done
+    unsigned* w = reinterpret_cast<unsigned*>(full);
+    if (++w[0] == THREADS + 1) { w[0] = 0; w[1]++; }
+    g_progress++;
+}
+inline void ring_init(unsigned long long* full, int stages) { for (int s = 0; s < stages; ++s) full[s] = 0; }
+inline void ring_expect(unsigned long long* full, unsigned) { mb_arrive(full); }
+inline void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long*) {
+    if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16) fail("misaligned bulk copy");
+    memcpy(dst, src, bytes);
+}
+inline void copy16(void* dst, const void* src) {
+    if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) fail("misaligned cp.async");
+    memcpy(dst, src, 16);
+}
+inline void ring_arrive(unsigned long long* full) { mb_arrive(full); }
+inline void stage_wait(unsigned long long* full, unsigned parity) {
+    while ((reinterpret_cast<unsigned*>(full)[1] & 1u) == parity) yield_();
+}
+"""
+# the emulated variants, under C names the emulator's kernel table can hold
+_EMU_VARIANTS = {
+    "decode_mlp<__nv_bfloat16, __nv_bfloat16, 1>": "decode_mlp_bf16_bf16_1",
+    "decode_mlp<__nv_bfloat16, __nv_bfloat16, 4>": "decode_mlp_bf16_bf16_4",
+    "decode_mlp<__nv_bfloat16, __nv_fp8_e4m3, 1>": "decode_mlp_bf16_e4m3_1",
+}
+
+
+@pytest.fixture(scope="module")
+def mlp_emu(tmp_path_factory):
+    """A `launch` running decode_mlp.cu's kernel on the host, or a skip without g++."""
+    import functools
+    from pathlib import Path
+
+    import kernel_emulator as emu
+    import test_gemv
+
+    work = tmp_path_factory.mktemp("decode_mlp_emu")
+    gemv_cuh = (emu.kernel_dir() / "gemv.cuh").read_text()
+    for old, new in test_gemv._EMU_REPLACE.items():
+        gemv_cuh = gemv_cuh.replace(old, new)
+    (work / "gemv.cuh").write_text(gemv_cuh)
+    src = (emu.kernel_dir() / "decode_mlp.cu").read_text()
+    a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
+    src = src[:a] + _EMU_PTX + src[b:]
+    src = src.replace("extern __shared__ __align__(128) unsigned char smem[];", "unsigned char* smem = g_smem;")
+    src += "".join(f"\nauto {c} = &{n.replace('<', '<', 1)};" for n, c in _EMU_VARIANTS.items())
+    kernel_dir = work / "src"
+    kernel_dir.mkdir()
+    (kernel_dir / "decode_mlp.cu").write_text(src)
+    original = emu.kernel_dir
+    emu.kernel_dir = lambda: Path(kernel_dir)
+    try:
+        lib = emu.build("decode_mlp", list(_EMU_VARIANTS.values()), work)
+    finally:
+        emu.kernel_dir = original
+    run = emu.launch if lib is None else functools.partial(emu.launch, emu.or_skip(lib))
+
+    def launch(family, name, *args, **kw):
+        return run(family, _EMU_VARIANTS[name], *args, **kw)
+
+    return launch if lib is not None else emu.or_skip(None)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("C,H", [(64, 96), (64, 2048), (128, 4096)])  # one stage; ring refills; 8 chunks a block
+def test_emulated_kernel_matches_twin(mlp_emu, monkeypatch, C, H, fp8):
+    import kernel_emulator as emu
+
+    monkeypatch.setattr(dm, "launch", mlp_emu)
+    monkeypatch.setattr(dm, "SMEM_BUDGET", 3 * dm._stage_bytes(C, H, ce.FP8_E4M3 if fp8 else ce.BF16) + 4096)
+    c = case(C, H, "bf16", fp8)
+    a_in = np.zeros(gv.acc_shape(1, C), np.int64)
+    a_in[0, :C] = np.rint(rng(9).normal(0, 0.5, C) * 2.0**gv.ACC_SHIFT)
+    t = {k: emu.tensor(v, "e4m3" if v.dtype == ml_dtypes.float8_e4m3fn else v.dtype, k) for k, v in c.items()}
+    acc = emu.tensor(np.zeros(gv.acc_shape(1, C), np.int64), "int64", "acc")
+    x_acc = emu.tensor(a_in, "int64", "x_acc")
+    x_out = emu.tensor(np.zeros((1, C), BF), "bf16", "x_out")
+    dm.decode_mlp(acc, t["x"], t["norm_weight"], t["w_up"], t["w_down"], eps=EPS, up_scale=t.get("up_scale"),
+                  down_scale=t.get("down_scale"), x_acc=x_acc, x_out=x_out)  # fmt: skip
+    delta, xin = dm.decode_mlp_np(c["x"], c["norm_weight"], c["w_up"], c["w_down"], EPS, x_acc=a_in, **scales(c))
+    assert emu.margins_ok(acc) and emu.margins_ok(x_out)
+    np.testing.assert_array_equal(x_out.numpy(), xin)
+    want = gv.acc_values_np(delta)
+    assert_close(gv.acc_values_np(acc.numpy()), want, "bf16", "emulated decode_mlp", scale=np.abs(want).max())

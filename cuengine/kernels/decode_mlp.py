@@ -29,9 +29,10 @@ _THREADS = 256  # THREADS in decode_mlp.cu
 _MAX_STAGES = 8  # MAX_STAGES
 _MAX_C = 2048  # hidden size at most: MAX_ROWS_PT down rows of 256 threads
 _XV = (1, 2, 4, 6, 8)  # compiled variants: a lane's 16-byte weight vectors per row
-# Shared memory a block takes at most: the ring and the staged row. Under 227 KB, so that the small
-# decode kernels around it (a GEMV's 5-10 KB) find room on its SM while it streams.
-SMEM_BUDGET = 200 * 1024
+# Shared memory a block takes at most: the ring and the staged row. Well under the SM's 228 KB, so that
+# the decode kernels before and after it (a GEMV's 5-10 KB, the attention's W_o slice: 13 KB at the 0.5B
+# shape, 36 KB at 1.5B) find room on its SM while it streams; the 0.5B and 1.5B shapes keep 4 and 2 stages.
+SMEM_BUDGET = 176 * 1024
 _SMEM_MAX = 226 * 1024  # a block's dynamic shared memory at most (227 KB on sm_90, less the static arrays)
 _CTYPE = {"bf16": "__nv_bfloat16", "fp32": "float", "e4m3": "__nv_fp8_e4m3"}
 
