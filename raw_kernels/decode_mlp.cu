@@ -15,9 +15,9 @@
 //
 // Work layout: a block per SM takes a contiguous range of chunks. A chunk's weights (its CU gate rows and
 // CU up rows, two bulk copies, and the CU-wide slice of every down row, a 16-byte cp.async per piece) land
-// in one stage of a shared-memory ring whose completion an mbarrier counts. The ring is filled before the
-// dependent-launch wait: the weights do not depend on the step, so they stream while the kernels before
-// this one still run. After the wait the block stages x (with its norm), holds its slice of h in registers
+// in one stage of a shared-memory ring whose completion an mbarrier counts. Its first `early` stages are
+// filled before the dependent-launch wait: the weights do not depend on the step, so they stream while the
+// kernels before this one still run. After the wait the block stages x (with its norm), holds its slice of h in registers
 // (a lane's 16-byte weight vectors v = lane + 32 i of each row, XV of them), and per chunk: warp w takes
 // the gate/up pairs w, w + 8, ..., each lane's products then a warp sum; lane 0 writes a_j; one barrier;
 // every thread adds its down rows' partials (rows n = thread + 256 k) into int64 registers, and the stage
@@ -109,7 +109,7 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
                                 const T* __restrict__ norm_weight, const W* __restrict__ w_up,
                                 const float* __restrict__ up_scale, const W* __restrict__ w_down,
                                 const float* __restrict__ down_scale, float eps, int C, int I, int stages,
-                                int stage_bytes) {
+                                int stage_bytes, int early) {
     using Ch = Chunk<W>;
     constexpr int CU = Ch::CU, VW = Ch::VW;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -125,11 +125,11 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
     float* scales = reinterpret_cast<float*>(nw + C);  // (nch, 2, CU): gate then up scales of each chunk
     launch_dependents();
 
-    // Before the wait: the weights only. The ring's first stages, the norm weight and the row scales.
+    // Before the wait: the weights only. The ring's first `early` stages, the norm weight and the row scales.
     if (threadIdx.x == 0) ring_init(full, stages);
     __syncthreads();
-    for (int j = 0; j < min(stages, nch); ++j)
-        fill<W>(smem + (size_t)j * stage_bytes, full + j, w_up, w_down, c0 + j, C, I);
+    const int filled = min(stages, nch), before = min(early, filled);
+    for (int j = 0; j < before; ++j) fill<W>(smem + (size_t)j * stage_bytes, full + j, w_up, w_down, c0 + j, C, I);
     for (int c = threadIdx.x * Pack16<T>::N; c < C; c += THREADS * Pack16<T>::N)
         Pack16<T>::load(norm_weight + c).store(nw + c);
     if (up_scale != nullptr)
@@ -145,6 +145,7 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
     }
 
     grid_dependency_wait();  // x and x_acc come from the kernels before
+    for (int j = before; j < filled; ++j) fill<W>(smem + (size_t)j * stage_bytes, full + j, w_up, w_down, c0 + j, C, I);
     stage_input<T, float, 1>(xs, raw, s_rstd, x, nw, eps, PRO_NORM_STAGED, 0, 1, C, x_acc,
                              blockIdx.x == 0 ? x_out : nullptr);
     __syncthreads();
@@ -243,7 +244,7 @@ template <typename T, typename W, int XV>
 __global__ void __launch_bounds__(THREADS, 2)
     decode_mlp(long long* acc, T* x_out, const T* x, const long long* x_acc, const T* norm_weight, const W* w_up,
                const float* up_scale, const W* w_down, const float* down_scale, float eps, int C, int I,
-               int stages, int stage_bytes) {
+               int stages, int stage_bytes, int early) {
     decode_mlp_impl<T, W, XV>(acc, x_out, x, x_acc, norm_weight, w_up, up_scale, w_down, down_scale, eps, C, I,
-                              stages, stage_bytes);
+                              stages, stage_bytes, early);
 }

@@ -299,12 +299,14 @@ def mlp_emu(tmp_path_factory):
     return launch if lib is not None else emu.or_skip(None)
 
 
+@pytest.mark.parametrize("early", [0, 1, dm.EARLY_STAGES])  # ring stages filled before the wait
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("C,H", [(64, 96), (64, 2048), (128, 4096)])  # one stage; ring refills; 8 chunks a block
-def test_emulated_kernel_matches_twin(mlp_emu, monkeypatch, C, H, fp8):
+@pytest.mark.parametrize("C,H", [(64, 96), (64, 2048), (128, 4096)])  # 3 chunks a block; ring refills; 8 chunks
+def test_emulated_kernel_matches_twin(mlp_emu, monkeypatch, C, H, fp8, early):
     import kernel_emulator as emu
 
     monkeypatch.setattr(dm, "launch", mlp_emu)
+    monkeypatch.setattr(dm, "EARLY_STAGES", early)
     monkeypatch.setattr(dm, "SMEM_BUDGET", 3 * dm._stage_bytes(C, H, ce.FP8_E4M3 if fp8 else ce.BF16) + 4096)
     c = case(C, H, "bf16", fp8)
     a_in = np.zeros(gv.acc_shape(1, C), np.int64)

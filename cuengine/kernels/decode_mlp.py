@@ -35,6 +35,9 @@ _XV = (1, 2, 4, 6, 8)  # compiled variants: a lane's 16-byte weight vectors per 
 SMEM_BUDGET = 176 * 1024
 _SMEM_MAX = 226 * 1024  # a block's dynamic shared memory at most (227 KB on sm_90, less the static arrays)
 _CTYPE = {"bf16": "__nv_bfloat16", "fp32": "float", "e4m3": "__nv_fp8_e4m3"}
+# Ring stages filled before the dependent-launch wait (the rest right after it): the weights stream while
+# the attention runs, but every byte requested then queues ahead of the kernels on the critical path.
+EARLY_STAGES = _MAX_STAGES
 
 
 def chunk_units(w_dtype) -> int:
@@ -172,5 +175,6 @@ def decode_mlp(acc, x, norm_weight, w_up, w_down, *, eps=1e-6, up_scale=None, do
     xv = next(v for v in _XV if 32 * v * (16 // w_up.dtype.itemsize) >= C)
     name = f"decode_mlp<{_CTYPE[x.dtype.name]}, {_CTYPE[w_up.dtype.name]}, {xv}>"
     args = (acc, x_out, x, x_acc, norm_weight, w_up, up_scale, w_down, down_scale, np.float32(eps), np.int32(C),
-            np.int32(H), np.int32(stages), np.int32(_stage_bytes(C, H, w_up.dtype)))  # fmt: skip
+            np.int32(H), np.int32(stages), np.int32(_stage_bytes(C, H, w_up.dtype)),
+            np.int32(EARLY_STAGES))  # fmt: skip
     launch(FAMILY, name, grid, _THREADS, args, dev, stream, shared_mem=smem, dependent=True)
