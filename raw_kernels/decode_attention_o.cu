@@ -103,16 +103,7 @@ __device__ void attention_o_impl(long long* acc, float* scratch, T* att, const T
     bool bad = false;
     for (int r = tid / LPR; r < rows + (per - rows % per) % per; r += per) {
         float y = 0.f;
-        if (r < rows) {
-            const uint4 v = *reinterpret_cast<const uint4*>(ws + (size_t)r * hs + li * VW);
-            const unsigned words[4] = {v.x, v.y, v.z, v.w};
-            #pragma unroll
-            for (int e = 0; e < VW; e += 2) {
-                const float2 pw = widen_pair<W>(words, e);
-                y = fmaf(pw.x, att_s[li * VW + e], y);
-                y = fmaf(pw.y, att_s[li * VW + e + 1], y);
-            }
-        }
+        if (r < rows) y = dot16<W>(*reinterpret_cast<const uint4*>(ws + (size_t)r * hs + li * VW), att_s + li * VW, y);
         for (int o = LPR / 2; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
         if (r < rows && li == 0) {
             if (o_scale != nullptr) y *= o_scale[n0 + r];

@@ -22,6 +22,7 @@
 // last block to leave resets them.
 #include "decode_attention.cuh"
 #include "gemv.cuh"
+#include "ring.cuh"
 
 constexpr int THREADS = WARPS * 32;  // the GEMV phases' block; the attention phase runs two NW-warp teams
 static_assert(THREADS == 2 * NW * 32, "two attention teams per block");
@@ -79,31 +80,6 @@ __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned tar
 // shared-memory loads (a pointer passed around would be generic).
 extern __shared__ __align__(128) unsigned char dyn[];
 
-__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void stage_expect(unsigned long long* full, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(full)), "r"(bytes)
-                 : "memory");
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on `full`
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* full) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(full))
-                 : "memory");
-}
-
-// Until the stage's copies of its `parity`-th use (mod 2) have landed.
-__device__ __forceinline__ void stage_wait(unsigned long long* full, unsigned parity) {
-    asm volatile(
-        "{\n\t.reg .pred ready;\n"
-        "WAIT:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n\t"
-        "@!ready bra WAIT;\n}" ::"r"(shared_address(full)),
-        "r"(parity)
-        : "memory");
-}
-
 // The linears of a layer in the order a block streams them. A block owns rows [b n / G, (b + 1) n / G)
 // of each (for UP: gate rows and the up rows I apart, as pairs), in tiles of at most `per_tile` rows
 // (pairs) cut evenly.
@@ -143,7 +119,7 @@ template <typename W> struct Stream {
         const unsigned char* w = weights[4 * l + k];
         unsigned char* dst = dyn + (size_t)(t % stages) * stage_bytes;
         unsigned long long* bar = full + t % stages;
-        stage_expect(bar, f[k].dual ? 2 * bytes : bytes);
+        ring_expect(bar, f[k].dual ? 2 * bytes : bytes);
         bulk_copy(dst, w + (size_t)r0 * row, bytes, bar);
         if (f[k].dual) bulk_copy(dst + bytes, w + ((size_t)f[k].n + r0) * row, bytes, bar);
     }
@@ -262,9 +238,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     st.weights = weights;
     __syncthreads();
     if (threadIdx.x == ISSUER) {
-        for (int s = 0; s < stages; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(full + s)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        ring_init(full, stages, 1);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         for (int t = 0; t < stages; ++t) st.issue(t);
     }

@@ -23,6 +23,7 @@
 // every thread adds its down rows' partials (rows n = thread + 256 k) into int64 registers, and the stage
 // of the chunk before is refilled. The block's sums go out as one atomic per row at the end.
 #include "gemv.cuh"
+#include "ring.cuh"
 
 constexpr int THREADS = WARPS * 32;
 constexpr int MAX_STAGES = 8;   // ring stages at most (decode_mlp.py: _MAX_STAGES)
@@ -35,52 +36,6 @@ template <typename W> struct Chunk {
     static constexpr int PIECES = CU * sizeof(W) / 16;  // 16-byte pieces of a down row's slice
 };
 
-// ---- PTX helpers: the ring's mbarriers, bulk copies and cp.async ------------------------------------------
-// (tests/test_decode_mlp.py swaps this block for synchronous host copies to run the kernel on the host)
-__device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// Every stage's mbarrier counts THREADS + 1 arrivals a fill: each thread's, once its cp.async pieces
-// have landed, and the issuer's with the bulk bytes.
-__device__ __forceinline__ void ring_init(unsigned long long* full, int stages) {
-    for (int s = 0; s < stages; ++s)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(full + s)), "r"(THREADS + 1)
-                     : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-__device__ __forceinline__ void ring_expect(unsigned long long* full, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(full)), "r"(bytes)
-                 : "memory");
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on `full`
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* full) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_address(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_address(full))
-                 : "memory");
-}
-
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_address(dst)), "l"(src) : "memory");
-}
-
-// This thread's arrival on `full`, once its cp.async copies so far have landed.
-__device__ __forceinline__ void ring_arrive(unsigned long long* full) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(full)) : "memory");
-}
-
-// Until the stage's `parity`-th fill (mod 2) has landed.
-__device__ __forceinline__ void stage_wait(unsigned long long* full, unsigned parity) {
-    asm volatile(
-        "{\n\t.reg .pred ready;\n"
-        "WAIT:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n\t"
-        "@!ready bra WAIT;\n}" ::"r"(smem_address(full)),
-        "r"(parity)
-        : "memory");
-}
-// ---- end of PTX helpers ----
 
 // Stage `dst` <- chunk c (units [c CU, c CU + CU)): [gate rows | up rows | down pieces (C, CU)].
 template <typename W>
@@ -126,7 +81,7 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
     launch_dependents();
 
     // Before the wait: the weights only. The ring's first `early` stages, the norm weight and the row scales.
-    if (threadIdx.x == 0) ring_init(full, stages);
+    if (threadIdx.x == 0) ring_init(full, stages, THREADS + 1);  // every thread's arrival and the issuer's
     __syncthreads();
     const int filled = min(stages, nch), before = min(early, filled);
     for (int j = 0; j < before; ++j) fill<W>(smem + (size_t)j * stage_bytes, full + j, w_up, w_down, c0 + j, C, I);
@@ -217,16 +172,8 @@ __device__ void decode_mlp_impl(long long* acc, T* x_out, const T* x, const long
             if (n < C) {
                 float p = 0.f;
                 #pragma unroll
-                for (int q = 0; q < Ch::PIECES; ++q) {
-                    const uint4 wq = *reinterpret_cast<const uint4*>(down + (size_t)n * CU + q * VW);
-                    const unsigned wd[4] = {wq.x, wq.y, wq.z, wq.w};
-                    #pragma unroll
-                    for (int e = 0; e < VW; e += 2) {
-                        const float2 pw = widen_pair<W>(wd, e);
-                        p = fmaf(pw.x, a[q * VW + e], p);
-                        p = fmaf(pw.y, a[q * VW + e + 1], p);
-                    }
-                }
+                for (int q = 0; q < Ch::PIECES; ++q)
+                    p = dot16<W>(*reinterpret_cast<const uint4*>(down + (size_t)n * CU + q * VW), a + q * VW, p);
                 tot[k] += acc_fix(p * ds[k], bad);
             }
         }

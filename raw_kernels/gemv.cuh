@@ -102,6 +102,19 @@ template <> __device__ __forceinline__ float2 widen_pair<fp8e4>(const unsigned (
     return make_float2(__half2float(__ushort_as_half(h.x)), __half2float(__ushort_as_half(h.y)));
 }
 
+// y plus the dot product of a 16-byte weight vector (VW = 16 / sizeof(W) weights, widened exactly) with
+// x[0 .. VW), in order: the split projections' partials (decode_mlp.cu, decode_attention_o.cu).
+template <typename W, typename X> __device__ __forceinline__ float dot16(uint4 v, const X* x, float y) {
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    #pragma unroll
+    for (int e = 0; e < 16 / (int)sizeof(W); e += 2) {
+        const float2 pw = widen_pair<W>(words, e);
+        y = fmaf(pw.x, to_float(x[e]), y);
+        y = fmaf(pw.y, to_float(x[e + 1]), y);
+    }
+    return y;
+}
+
 // SiLU(g) * u as activations.cu's act_value(ACT_SILU, g) * u computes it
 __device__ __forceinline__ float swiglu_value(float g, float u) { return g * __fdividef(1.f, 1.f + __expf(-g)) * u; }
 

@@ -228,19 +228,23 @@ def test_outputs_may_not_overlap_inputs():
 
 
 # ---- the kernel on the host (tests/kernel_emulator.py) ----------------------------------------
-# decode_mlp.cu with its PTX helpers swapped for host ones: copies land at issue (so a stage refilled
-# while a warp still reads it, or a chunk read from the wrong stage, shows), and each mbarrier is a count
-# of the fill's THREADS + 1 arrivals and of the phases completed, which stage_wait's parity reads; gemv.cuh
-# as test_gemv.py emulates it. Checked: the chunk ranges, ring slots and parities, the staging, the
-# products, the SiLU·mul, the down partials and their fixed-point sum; not the hardware's asynchrony.
-_EMU_PTX = r"""
-inline unsigned smem_address(const void*) { return 0; }
-inline void mb_arrive(unsigned long long* full) {  // low word: arrivals of this phase; high: phases done
-    unsigned* w = reinterpret_cast<unsigned*>(full);
-    if (++w[0] == THREADS + 1) { w[0] = 0; w[1]++; }
+# decode_mlp.cu with a host stand-in for ring.cuh: copies land at issue (so a stage refilled while a warp
+# still reads it, or a chunk read from the wrong stage, shows), and each mbarrier word holds the expected
+# count, the arrivals of the current phase and the phases completed, which stage_wait's parity reads; gemv.cuh
+# as test_gemv.py emulates it. Checked: the chunk ranges, ring slots and parities, the staging, the products,
+# the SiLU·mul, the down partials and their fixed-point sum; not the hardware's asynchrony.
+_EMU_RING = r"""
+#pragma once
+struct MbWord { unsigned short count, arrived; unsigned phases; };
+inline MbWord& mb_(unsigned long long* full) { return *reinterpret_cast<MbWord*>(full); }
+inline void ring_init(unsigned long long* full, int stages, unsigned count) {
+    for (int s = 0; s < stages; ++s) mb_(full + s) = {(unsigned short)count, 0, 0};
+}
+inline void mb_arrive(unsigned long long* full) {
+    MbWord& w = mb_(full);
+    if (++w.arrived == w.count) { w.arrived = 0; w.phases++; }
     g_progress++;
 }
-inline void ring_init(unsigned long long* full, int stages) { for (int s = 0; s < stages; ++s) full[s] = 0; }
 inline void ring_expect(unsigned long long* full, unsigned) { mb_arrive(full); }
 inline void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long*) {
     if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16) fail("misaligned bulk copy");
@@ -252,7 +256,7 @@ inline void copy16(void* dst, const void* src) {
 }
 inline void ring_arrive(unsigned long long* full) { mb_arrive(full); }
 inline void stage_wait(unsigned long long* full, unsigned parity) {
-    while ((reinterpret_cast<unsigned*>(full)[1] & 1u) == parity) yield_();
+    while ((mb_(full).phases & 1u) == parity) yield_();
 }
 """
 # the emulated variants, under C names the emulator's kernel table can hold
@@ -277,9 +281,8 @@ def mlp_emu(tmp_path_factory):
     for old, new in test_gemv._EMU_REPLACE.items():
         gemv_cuh = gemv_cuh.replace(old, new)
     (work / "gemv.cuh").write_text(gemv_cuh)
+    (work / "ring.cuh").write_text(_EMU_RING)
     src = (emu.kernel_dir() / "decode_mlp.cu").read_text()
-    a, b = src.index("// ---- PTX helpers"), src.index("// ---- end of PTX helpers ----")
-    src = src[:a] + _EMU_PTX + src[b:]
     src = src.replace("extern __shared__ __align__(128) unsigned char smem[];", "unsigned char* smem = g_smem;")
     src += "".join(f"\nauto {c} = &{n.replace('<', '<', 1)};" for n, c in _EMU_VARIANTS.items())
     kernel_dir = work / "src"

@@ -30,7 +30,7 @@ from .decode_attention import (
     decode_attention_np,
     rope_kv_append_np,
 )
-from .gemv import acc_fix_np, acc_shape
+from .gemv import acc_shape, acc_sum_np, check_row_scales
 
 FAMILY = "decode_attention_o"
 _THREADS = 128  # THREADS in decode_attention_o.cu
@@ -57,13 +57,7 @@ def decode_attention_o_np(qkv, k_cache, v_cache, lengths, freqs, n_q_heads, n_kv
     heads = att.astype(np.float32).reshape(b, n_q_heads, hs)
     wo = w_o.astype(np.float32).reshape(C, n_q_heads, hs)
     parts = np.einsum("nhe,bhe->bhn", wo, heads, dtype=np.float64).astype(np.float32)
-    if o_scale is not None:
-        parts = (parts * o_scale.astype(np.float32)).astype(np.float32)
-    qf, bad = acc_fix_np(parts)
-    delta = np.zeros(acc_shape(b, C), np.int64)
-    delta[:, :C] = qf.sum(axis=1)
-    delta[:, C] = bad.any(axis=(1, 2))
-    return att, delta
+    return att, acc_sum_np(parts, o_scale)
 
 
 # ---- sizes --------------------------------------------------------------------------------
@@ -112,12 +106,7 @@ def decode_attention_o(acc, att, qkv, k_cache, v_cache, lengths, n_q_heads: int,
     expect(w_o, f"{what} w_o", (qkv.dtype, FP8_E4M3), (None, A))
     C = w_o.shape[0]
     expect(acc, f"{what} acc", INT64, acc_shape(1, C))
-    if w_o.dtype.is_fp8:
-        if o_scale is None:
-            raise ValueError(f"{what} o_scale: e4m3 weight {w_o.name!r} needs its ({C},) fp32 row scales")
-        expect(o_scale, f"{what} o_scale", FP32, (C,))
-    elif o_scale is not None:
-        raise ValueError(f"{what} o_scale: only e4m3 weights take row scales, but w_o {w_o.name!r} is {w_o.dtype}")
+    check_row_scales(what, "o_scale", w_o, o_scale)
     why = unsupported(hs, qkv.dtype, w_o.dtype)
     if why:
         raise ValueError(f"{what}: {why}")

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_aligned, expect, overlaps, same_device
-from ..dtypes import FP8_E4M3, FP32, INT64
+from ..dtypes import FP8_E4M3, INT64
 from ..dtypes import dtype as _dtype
 from ._build import ceil_div, launch
-from .gemv import MODEL, acc_fix_np, acc_input_np, acc_shape, gemv_dual_np
+from .gemv import MODEL, acc_input_np, acc_shape, acc_sum_np, check_row_scales, gemv_dual_np
 from .rmsnorm import rmsnorm_forward_np
 
 FAMILY = "decode_mlp"
@@ -62,13 +62,7 @@ def decode_mlp_np(x, norm_weight, w_up, w_down, eps=1e-6, up_scale=None, down_sc
     cu = chunk_units(_dtype(w_down.dtype))
     wd = w_down.astype(np.float32).reshape(C, H // cu, cu)
     parts = np.einsum("ncu,bcu->bcn", wd, act.reshape(b, H // cu, cu), dtype=np.float64).astype(np.float32)
-    if down_scale is not None:
-        parts = (parts * down_scale.astype(np.float32)).astype(np.float32)
-    q, bad = acc_fix_np(parts)
-    delta = np.zeros(acc_shape(b, C), np.int64)
-    delta[:, :C] = q.sum(axis=1)
-    delta[:, C] = bad.any(axis=(1, 2))
-    return delta, xin
+    return acc_sum_np(parts, down_scale), xin
 
 
 # ---- sizes --------------------------------------------------------------------------------
@@ -135,13 +129,8 @@ def decode_mlp(acc, x, norm_weight, w_up, w_down, *, eps=1e-6, up_scale=None, do
         raise ValueError(f"{what} w_up: expected (2H, {C}) = [gate | up], got tensor {w_up.name!r} {w_up.shape}")
     H = w_up.shape[0] // 2
     expect(w_down, f"{what} w_down", w_up.dtype, (C, H))
-    for name, w, s, n in (("up_scale", w_up, up_scale, 2 * H), ("down_scale", w_down, down_scale, C)):
-        if w.dtype.is_fp8:
-            if s is None:
-                raise ValueError(f"{what} {name}: e4m3 weight {w.name!r} needs its ({n},) fp32 row scales")
-            expect(s, f"{what} {name}", FP32, (n,))
-        elif s is not None:
-            raise ValueError(f"{what} {name}: only e4m3 weights take row scales, but {w.name!r} is {w.dtype}")
+    check_row_scales(what, "up_scale", w_up, up_scale)
+    check_row_scales(what, "down_scale", w_down, down_scale)
     expect(acc, f"{what} acc", INT64, acc_shape(1, C))
     if x_acc is not None:
         expect(x_acc, f"{what} x_acc", INT64, acc_shape(1, C))

@@ -67,6 +67,21 @@ def acc_fix_np(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, bad
 
 
+def acc_sum_np(parts: np.ndarray, row_scale=None) -> np.ndarray:
+    """(b, K + ACC_PAD) int64: a zeroed accumulator after the fp32 partial outputs parts (b, P, K), each
+    times row_scale (K,) fp32 when given, are added: the sum of their fixed-point values (acc_fix_np), and
+    the flag where one of them could overflow."""
+    parts = np.asarray(parts, np.float32)
+    if row_scale is not None:
+        parts = (parts * np.asarray(row_scale, np.float32)).astype(np.float32)
+    q, bad = acc_fix_np(parts)
+    b, _, K = parts.shape
+    acc = np.zeros(acc_shape(b, K), np.int64)
+    acc[:, :K] = q.sum(axis=1)
+    acc[:, K] = bad.any(axis=(1, 2))
+    return acc
+
+
 def acc_values_np(acc: np.ndarray) -> np.ndarray:
     """(b, K) fp32 values of accumulator rows (b, K + ACC_PAD): float(sum) * 2^-ACC_SHIFT, rounded once;
     NaN for a flagged row (acc_read in gemv.cuh)."""
@@ -193,6 +208,18 @@ def _grid(dev, tiles: int, bt: int, smem: int) -> int:
 
 
 # ---- launchers ----------------------------------------------------------------------------
+def check_row_scales(what: str, label: str, w, scale) -> None:
+    """ValueError unless an e4m3 weight w (N, K) comes with its (N,) fp32 row scales (quantize_rows) and a
+    model-dtype weight with none: the decode launchers' W8A16 rule."""
+    if w.dtype.is_fp8:
+        if scale is None:
+            raise ValueError(f"{what} {label}: e4m3 weight {w.name!r} needs its ({w.shape[0]},) fp32 row scales "
+                             "(quantize_rows)")  # fmt: skip
+        expect(scale, f"{what} {label}", FP32, (w.shape[0],))
+    elif scale is not None:
+        raise ValueError(f"{what} {label}: only e4m3 weights take row scales, but {w.name!r} is {w.dtype}")
+
+
 def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, dual=_DUAL_NONE):
     """(b, K, N, device) after every boundary check gemv and gemv_dual share (`dual`: gemv_dual's
     output, [gate | up] or its SwiGLU)."""
@@ -219,12 +246,7 @@ def _check(what, out, x, w, w_scale, bias, residual, norm_weight, act, split, du
             f"{what}: K = {K} is too large: one input row is staged in shared memory as fp32 (with its "
             f"{x.dtype} copy for an RMSNorm prologue), at most {_SMEM_ROW * K // row} values here"
         )
-    if w.dtype.is_fp8:
-        if w_scale is None:
-            raise ValueError(f"{what} w_scale: e4m3 weight {w.name!r} needs its ({N},) fp32 row scales (quantize_rows)")
-        expect(w_scale, f"{what} w_scale", FP32, (N,))
-    elif w_scale is not None:
-        raise ValueError(f"{what} w_scale: only e4m3 weights take row scales, but w {w.name!r} is {w.dtype}")
+    check_row_scales(what, "w_scale", w, w_scale)
     if dual and N % 2:
         raise ValueError(f"{what} w_up: expected (2H, K) = [gate | up], got tensor {w.name!r} {w.shape}")
     if dual == _DUAL_SWIGLU:  # SiLU·mul rounds to the model dtype, as swiglu_forward does
