@@ -68,8 +68,9 @@ __device__ bool arrive(unsigned long long* counter, unsigned nact) {
 // 2^(m_s - M) (shared memory, (GM, S)), then every output element of the tile sums its splits in order.
 // Loads go out MERGE_OUT outputs x MERGE_T splits at a time, so a merge of n splits costs a few L2 round
 // trips rather than one per split and output.
+// HEAD_OUT: out points at the tile's own gt * hs values (decode_attention_o.cu's shared memory), not the rows'.
 constexpr int MERGE_OUT = 4, MERGE_T = 8;
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool HEAD_OUT = false>
 __device__ void merge_partials(T* out, float* sm_wt, const float* partials, int Hq, int hs, int S, int i, int h0,
                                int gt, int nact) {
     __shared__ float sm_L[32];
@@ -115,7 +116,8 @@ __device__ void merge_partials(T* out, float* sm_wt, const float* partials, int 
         for (int k = 0; k < MERGE_OUT; ++k) {
             const int idx = base + k * NW * 32;
             if (idx < total)
-                out[(size_t)i * Hq * hs + (size_t)h0 * hs + idx] = from_float<T>(sm_L[hh[k]] > 0.f ? acc[k] / sm_L[hh[k]] : 0.f);
+                out[HEAD_OUT ? idx : (size_t)i * Hq * hs + (size_t)h0 * hs + idx] =
+                    from_float<T>(sm_L[hh[k]] > 0.f ? acc[k] / sm_L[hh[k]] : 0.f);
         }
     }
 }
@@ -132,7 +134,7 @@ __device__ void merge_partials(T* out, float* sm_wt, const float* partials, int 
 // the row's length and, with the fused append, its first step of K and V: those were written by earlier
 // decode steps or the prefill (the contract in kernels/decode_attention.py), and position len - 1, which
 // this launch appends, is replaced from shared memory after the wait.
-template <typename T, int VN, int NV, int LP, int GM, int U, int TEAM = -1, typename Wait>
+template <typename T, int VN, int NV, int LP, int GM, int U, int TEAM = -1, bool HEAD_OUT = false, typename Wait>
 __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* v_cache,
                            const int* lengths, int Hq, int Hkv, int hs, int max_seq, int S, int tiles, int tile_heads,
                            float scale_log2, long long part_offset, bool fused,
@@ -141,6 +143,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
     constexpr int NE = VN * NV, NG = NW * 32 / LP, HSMAX = LP * NE;
     alignas(16) __shared__ float sm_q[GM][HSMAX];
     alignas(16) __shared__ T sm_new[2][HSMAX];  // with the append: this row's rotated k and its v, kv head g
+    __shared__ float sm_cs[HSMAX];               // with the append: the cos | sin row of position len - 1
     __shared__ float sm_o[NW][GM][HSMAX], sm_m[NW][GM], sm_l[NW][GM];
     const int g = y / tiles, tile = y - g * tiles;
     const int group = Hq / Hkv, h0 = g * group + tile * tile_heads;
@@ -187,6 +190,10 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
     if (append) {
         load_step(kr, kb, p0, nullptr);
         load_step(vr, vb, p0, nullptr);
+        // the position's cos | sin row too (a table no kernel writes): after the wait it would be a DRAM
+        // round trip on the critical path, queued behind whatever weights the kernels around it stream
+        for (int e = tid; e < hs; e += NW * 32) sm_cs[e] = to_float(freqs[(size_t)pos * hs + e]);
+        team_sync<TEAM>();
         wait();
     } else {  // the separate rope_kv_append kernel before this one wrote position len - 1
         wait();
@@ -198,7 +205,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
         const auto rotate = [&](const T* x, int e) {
             const int half = hs / 2, j = e < half ? e : e - half;
             const float a = to_float(load_cg(x + j)), bb = to_float(load_cg(x + j + half));
-            const float c = to_float(freqs[(size_t)pos * hs + j]), sk = to_float(freqs[(size_t)pos * hs + half + j]);
+            const float c = sm_cs[j], sk = sm_cs[half + j];
             return from_float<T>(e < half ? a * c - bb * sk : bb * c + a * sk);
         };
         for (int idx = tid; idx < GM * HSMAX; idx += NW * 32) {
@@ -357,7 +364,7 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
         }
         const int h = h0 + hh;
         if (nact <= 1) {
-            out[(size_t)i * Hq * hs + (size_t)h * hs + e] = from_float<T>(L > 0.f ? O / L : 0.f);
+            out[HEAD_OUT ? idx : (size_t)i * Hq * hs + (size_t)h * hs + e] = from_float<T>(L > 0.f ? O / L : 0.f);
         } else {
             float* part = partials + (((size_t)i * Hq + h) * S + s) * (hs + 2);
             part[e] = O;
@@ -378,5 +385,5 @@ __device__ void split_impl(float* scratch, T* out, const T* qkv, T* k_cache, T* 
     team_sync<TEAM>();
     if (!s_last) return;
     __threadfence();
-    merge_partials<T, TEAM>(out, sm_wt, partials, Hq, hs, S, i, h0, gt, nact);
+    merge_partials<T, TEAM, HEAD_OUT>(out, sm_wt, partials, Hq, hs, S, i, h0, gt, nact);
 }

@@ -147,7 +147,11 @@ __device__ int run_linear(const Stream<W>& st, int k, int t, T* out, const float
         // the finisher of tile row q = thread q: its output column and epilogue operands, in flight now
         const int q = threadIdx.x;
         const int n = q < pairs ? r0 + q : r0 + q - pairs + f.n;  // UP: gate rows, then the up rows I apart
-        const Epilogue ep = q < rows ? fetch_epilogue<T, T>(w_scale, bias, residual, 0, n, N) : Epilogue{1.f, 0.f, 0.f};
+        Epilogue ep = Epilogue{1.f, 0.f, 0.f};
+        if (q < rows) {
+            ep = fetch_weights<T>(w_scale, bias, n);
+            fetch_residual<T>(ep, residual, 0, n, N);
+        }
         const int slot = t % st.stages;
         stage_wait(st.full + slot, (unsigned)(t / st.stages) & 1u);
         const W* sw = reinterpret_cast<const W*>(dyn + (size_t)slot * st.stage_bytes);

@@ -241,18 +241,22 @@ __device__ void stage_input(XS* xs, T* raw, float* s_rstd, const T* x, const T* 
     }
 }
 
-// The epilogue operands of one output, loaded before the dot products so that they arrive during them.
+// The epilogue operands of one output, loaded before the dot products so that they arrive during them:
+// the weight-side ones (row scale, bias; fetch_weights, for a block's first item before the dependent-launch
+// wait) and the residual (after it).
 struct Epilogue {
     float scale, bias, residual;
 };
-template <typename T, typename O>
-__device__ __forceinline__ Epilogue fetch_epilogue(const float* w_scale, const T* bias, const O* residual, int m,
-                                                   int n, int N) {
+template <typename T>
+__device__ __forceinline__ Epilogue fetch_weights(const float* w_scale, const T* bias, int n) {
     Epilogue e{1.f, 0.f, 0.f};
     if (w_scale) e.scale = w_scale[n];
     if (bias) e.bias = to_float(bias[n]);
-    if (residual) e.residual = to_float(load_cg(residual + (size_t)m * N + n));
     return e;
+}
+template <typename O>
+__device__ __forceinline__ void fetch_residual(Epilogue& e, const O* residual, int m, int n, int N) {
+    if (residual) e.residual = to_float(load_cg(residual + (size_t)m * N + n));
 }
 
 // The epilogue of one output: scale, round, bias, round, residual, round.
@@ -330,6 +334,10 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
     set_rows(tile_index);
     uint4 wv[U][R];
     load_first<W, R, U>(wv, wrow, c0, c1, lane);  // in flight while the block stages its input
+    // the first item's row scale and bias too: after the wait they would be DRAM round trips of their own
+    Epilogue first = Epilogue{1.f, 0.f, 0.f};
+    if (finisher && tile_index * groups * R + fr < N)
+        first = fetch_weights<T>(w_scale, bias, weight_row(tile_index * groups * R + fr, N, dual));
     // The norm weight is a weight too: into shared memory behind xs before the wait (PRO_NORM_STAGED)
     const T* norm_in = norm_weight;
     if (prologue == PRO_NORM_STAGED) {
@@ -356,7 +364,8 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
         const int fq = tile + fr, fm = m0 + ft;
         const bool writes = finisher && fq < N && fm < b;
         const int fn = weight_row(min(fq, N - 1), N, dual);
-        const Epilogue ep = writes ? fetch_epilogue<T, O>(w_scale, bias, residual, fm, fn, N) : Epilogue{1.f, 0.f, 0.f};
+        Epilogue ep = tile_index == block ? first : writes ? fetch_weights<T>(w_scale, bias, fn) : Epilogue{1.f, 0.f, 0.f};
+        if (writes) fetch_residual<O>(ep, residual, fm, fn, N);
 
         float acc[R][BT];
         for (int r = 0; r < R; ++r)

@@ -137,7 +137,7 @@ def decode_attention_o(acc, att, qkv, k_cache, v_cache, lengths, n_q_heads: int,
     nc = blocks_per_head(n_q_heads, C, dev.num_sms)
     splits = min(nc, scratch.shape[0] - counter_rows)
     rows = -(-C // nc)
-    smem = (rows * hs * w_o.dtype.itemsize + 15) // 16 * 16 + 4 * splits
+    smem = (rows * hs * w_o.dtype.itemsize + 15) // 16 * 16 + 4 * (rows + splits)
     name = f"decode_attention_o<{_CTYPE[qkv.dtype.name]}, {_CTYPE[w_o.dtype.name]}, {vn}, {nv}, {lp}>"
     args = (acc, scratch, att, qkv, k_cache, v_cache, lengths, freqs, w_o, o_scale, np.int32(n_q_heads),
             np.int32(n_kv_heads), np.int32(hs), np.int32(max_seq), np.int32(freqs.shape[0]), np.int32(C),
