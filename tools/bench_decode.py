@@ -49,6 +49,7 @@ from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
 from cuengine.kernels import decode_attention, decode_layers, decode_mlp, sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+MLP_DEFAULTS = {"EARLY_STAGES": decode_mlp.EARLY_STAGES, "SMEM_BUDGET": decode_mlp.SMEM_BUDGET}
 PROMPT = 16  # prompt tokens before timed decode steps (--prompt)
 TARGET_BOUND = 1.5  # batch-1 bf16 per-token time target: 1.5 x the bound (0.5B)
 
@@ -132,31 +133,41 @@ def launches(st, fn) -> int:
 
 
 # ---- sections -------------------------------------------------------------------------------
-def arm_runs(arms: list[str], early_stages: list[int] | None) -> list[tuple[str, int | None]]:
-    """(arm, EARLY_STAGES) pairs to time: the ksplit arm once per `--early-stages` value, if given."""
-    return [(arm, e) for arm in arms for e in (early_stages if arm == "ksplit" and early_stages else [None])]
+def arm_runs(args) -> list[tuple[str, str, dict]]:
+    """(arm, label, decode_mlp settings) to time: the ksplit arm once per `--early-stages` x `--mlp-smem-kb`
+    value given (both are baked into the captured step)."""
+    runs = []
+    for arm in args.arms:
+        early = args.early_stages if arm == "ksplit" and args.early_stages else [None]
+        kb = args.mlp_smem_kb if arm == "ksplit" and args.mlp_smem_kb else [None]
+        for e in early:
+            for k in kb:
+                knobs = {"EARLY_STAGES": e, "SMEM_BUDGET": None if k is None else k << 10}
+                label = arm + (f"/e{e}" if e is not None else "") + (f"/{k}k" if k is not None else "")
+                runs.append((arm, label, {n: v for n, v in knobs.items() if v is not None}))
+    return runs
 
 
 def token_section(args, dev, bw) -> list[str]:
     rows = [f"copy ceiling measured: {bw / 1e12:.2f} TB/s; prompt {args.prompt} tokens; weight ring stages of "
             f"{decode_layers.STAGE_BYTES >> 10} KB (persistent); attention blocks of up to "
             f"{decode_attention.SMALL_BATCH_TILE_HEADS} q heads", "",
-            f"{'shape':<14}{'weights':>8}{'arm':>11}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
+            f"{'shape':<14}{'weights':>8}{'arm':>16}{'ms/token':>10}{'bound ms':>10}{'x bound':>9}{'GB/s':>8}"
             f"{'launches':>10}"]  # fmt: skip
     for preset in args.preset:
         for weights in ("bf16", "fp8"):
             m, st = engine(preset, 1, args.prompt + 8 * args.steps, weights)
-            for arm, early in arm_runs(args.arms, args.early_stages):
-                label = arm if early is None else f"{arm}/e{early}"
-                if early is not None:  # baked into the captured step: capture it again
-                    decode_mlp.EARLY_STAGES = early
+            for arm, label, knobs in arm_runs(args):
+                if knobs:  # baked into the captured step: capture it again
+                    for name, value in {**MLP_DEFAULTS, **knobs}.items():
+                        setattr(decode_mlp, name, value)
                     st.graphs.clear()
                     st.warm.clear()
                 ms = step_ms(st, 1, args.steps, args.samples, args.prompt, arm)
                 nbytes = st.bytes_per_token()
                 bound = nbytes / bw * 1e3
                 n = launches(st, lambda st=st, arm=arm: decode.decode_step_rows(st, 1, arm))
-                rows.append(f"{preset:<14}{weights:>8}{label:>11}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
+                rows.append(f"{preset:<14}{weights:>8}{label:>16}{ms:>10.3f}{bound:>10.3f}{ms / bound:>9.2f}"
                             f"{nbytes / ms / 1e6:>8.0f}{n:>10}")  # fmt: skip
             del m, st
     rows.append(f"target: 0.5B bf16 <= {TARGET_BOUND} x bound; fp8 <= 0.6 x the bf16 time")
@@ -431,6 +442,8 @@ def main(argv=None) -> int:
     p.add_argument("--stage-kb", type=int, help="token: the persistent arm's weight ring stage (KB)")
     p.add_argument("--early-stages", nargs="+", type=int,
                    help="token: time the ksplit arm with each of these decode_mlp.EARLY_STAGES")  # fmt: skip
+    p.add_argument("--mlp-smem-kb", nargs="+", type=int,
+                   help="token: time the ksplit arm with each of these decode_mlp.SMEM_BUDGET (KB)")  # fmt: skip
     p.add_argument("--tile-heads", type=int, choices=(1, 2, 4, 8),
                    help="q heads per decode attention block while a batch's blocks fit one wave")  # fmt: skip
     p.add_argument("--peer-child", choices=PEER_MODES, help=argparse.SUPPRESS)  # the peer section's process
