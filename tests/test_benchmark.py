@@ -163,6 +163,23 @@ def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
         bench.main(["--device", "cpu", "--family", "nope"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm, per_layer", [("fused_up", 5), ("ksplit", 3)])
+def test_bench_decode_counts_every_kernel_of_a_step(cuda, arm, per_layer):
+    """bench_decode's launches column, as test_inference counts the launchers: every family's kernels (it once
+    missed decode_attention_o's, and read 52 for the ksplit arm's 76 at the 0.5B shape), plus the embedding,
+    the LM head GEMV, the sampling and the position advance."""
+    from cuengine.inference import decode
+
+    bench = load_tool("bench_decode")
+    cfg = ce.TransformerConfig.preset("tiny-llama").replace(dtype="bf16")
+    m = ce.LlamaModel(cfg, device=cuda)
+    m.init_weights(0)
+    st = m.allocate_inference_state(max_batch=1, max_seq_len=16, ffn_arm=arm)
+    m.generate([[1, 2]], 2)
+    assert bench.launches(st, lambda: decode.decode_step_rows(st, 1, arm)) == per_layer * cfg.num_layers + 4
+
+
 def test_ab_bench_runs_each_variant_in_turn(tmp_path):
     """tools/ab_bench.sh: each variant's copy has its patches applied (a leading - reverses one), the
     command runs in every copy round after round, and a patch that does not apply stops it."""

@@ -46,7 +46,7 @@ from bench_kernels import fill, tensor  # noqa: E402
 import cuengine as ce  # noqa: E402
 from cuengine.benchmark import time_ms  # noqa: E402
 from cuengine.inference import choose_ffn_arm, decode  # noqa: E402
-from cuengine.kernels import decode_attention, decode_layers, decode_mlp, sampling  # noqa: E402
+from cuengine.kernels import decode_attention, decode_attention_o, decode_layers, decode_mlp, sampling  # noqa: E402
 
 PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 MLP_DEFAULTS = {"EARLY_STAGES": decode_mlp.EARLY_STAGES, "SMEM_BUDGET": decode_mlp.SMEM_BUDGET}
@@ -106,10 +106,12 @@ def decode_arm(st, b: int) -> str:
 def launches(st, fn) -> int:
     """Kernel launches (cuBLASLt calls included) that fn() makes, run eagerly."""
     from cuengine import blas
-    from cuengine.kernels import activations, decode_attention, decode_mlp, decode_step, encoder, gemv, rmsnorm
+    from cuengine.kernels import _build, activations, decode_step, encoder, gemv, rmsnorm
 
-    patched = [(m, "launch") for m in (activations, decode_attention, decode_mlp, decode_step, encoder, gemv, rmsnorm,
-                                       sampling)]  # fmt: skip
+    # _build.launch itself for the persistent arm, which calls it through the module
+    modules = (_build, activations, decode_attention, decode_attention_o, decode_mlp, decode_step, encoder, gemv,
+               rmsnorm, sampling)  # fmt: skip
+    patched = [(m, "launch") for m in modules]
     patched.append((blas, "matmul"))
     saved = [getattr(m, name) for m, name in patched]
     count = [0]
@@ -401,6 +403,16 @@ def arm_cases(dev, b: int, sweep: bool, rotate: float = ROTATE_BYTES):
                     blas.matmul(out, h, Wd.w[i % Wd.copies])
 
                 yield f"{name} FFN arm gemm", wd, ffn, copies, gemm_arm
+            if b == 1 and not decode_mlp.unsupported(hidden, inter, ce.BF16, Wup.w[0].dtype):
+                acc = ce.Tensor.empty(ce.INT64, gemv.acc_shape(1, hidden), dev, name="acc")
+                dev.fill_zero(acc)
+                norm = tensor(dev, ce.BF16, (hidden,), 1.0, 3, name="norm")
+
+                def ksplit_arm(i, Wu=Wup, Wd=Wdown, x=x, acc=acc, norm=norm):
+                    j, k = i % Wu.copies, i % Wd.copies
+                    decode_mlp.decode_mlp(acc, x, norm, Wu.w[j], Wd.w[k], up_scale=Wu.scale[j], down_scale=Wd.scale[k])
+
+                yield f"{name} FFN arm ksplit (decode_mlp, +norm)", wd, ffn, copies, ksplit_arm
             del Wup, Wdown
 
 
