@@ -52,8 +52,8 @@ class InferenceMixin:
             weights: "bf16" (the model's own weights, shared) or "fp8" (W8A16 decode GEMVs).
             ffn_arm: "auto", "split", "fused", "fused_up", "gemm", "persistent" (batch 1: every layer in one
                 launch; opt-in, slower than the GEMV arms on the H200 so far) or "ksplit" (batch 1: a layer in
-                3 launches, the output and down projections summed in fixed point; opt-in, slower than "fused_up"
-                on the H100 so far, tools/PERF_NOTES.md 34); see inference.state.choose_ffn_arm.
+                3 launches, the output and down projections summed in fixed point; opt-in, 1.2-1.5x slower than
+                "fused_up" on the H100 and the H200, tools/PERF_NOTES.md 34-35); see inference.state.choose_ffn_arm.
             cuda_graphs: capture each decode step once per batch size and replay it.
         """
         if self._inference is not None:
