@@ -12,8 +12,9 @@
 //
 // Work layout: block (c, h) takes q head h and rows [c C / NC, (c + 1) C / NC) of W_o (NC = gridDim.x);
 // its W_o slice is copied into shared memory (cp.async) before the dependent-launch wait, with its row
-// scales, beside the first step of K and V and the position's cos | sin row. A row of up to long_len positions: every block of the head runs the whole attention
-// itself (split_impl with one split). A longer row: block c runs split c of `splits` (chunks of at least
+// scales, beside the first step of K and V and the position's cos | sin row. A row of up to long_len
+// positions: every block of the head runs the whole attention itself (split_impl with one split), into
+// shared memory (HEAD_OUT). A longer row: block c runs split c of `splits` (chunks of at least
 // MIN_CHUNK positions), the NC blocks of the head meet at a counter, and each merges the partials itself
 // (merge_partials). Those blocks spin on each other, so they must all be resident: the grid is one wave,
 // and the next dependent launch is released only after the meeting. Then lane groups of hs / VW lanes take

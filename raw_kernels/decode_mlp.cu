@@ -17,11 +17,11 @@
 // CU up rows, two bulk copies, and the CU-wide slice of every down row, a 16-byte cp.async per piece) land
 // in one stage of a shared-memory ring whose completion an mbarrier counts. Its first `early` stages are
 // filled before the dependent-launch wait: the weights do not depend on the step, so they stream while the
-// kernels before this one still run. After the wait the block stages x (with its norm), holds its slice of h in registers
-// (a lane's 16-byte weight vectors v = lane + 32 i of each row, XV of them), and per chunk: warp w takes
-// the gate/up pairs w, w + 8, ..., each lane's products then a warp sum; lane 0 writes a_j; one barrier;
-// every thread adds its down rows' partials (rows n = thread + 256 k) into int64 registers, and the stage
-// of the chunk before is refilled. The block's sums go out as one atomic per row at the end.
+// kernels before this one still run. After the wait the block stages x (with its norm), holds its slice of
+// h in registers (a lane's 16-byte weight vectors v = lane + 32 i of each row, XV of them), and per chunk:
+// warp w takes the gate/up pairs w, w + 8, ..., each lane's products then a warp sum; lane 0 writes a_j; one
+// barrier; every thread adds its down rows' partials (rows n = thread + 256 k) into int64 registers, and
+// the stage of the chunk before is refilled. The block's sums go out as one atomic per row at the end.
 #include "gemv.cuh"
 #include "ring.cuh"
 
@@ -35,7 +35,6 @@ template <typename W> struct Chunk {
     static constexpr int VW = 16 / sizeof(W);           // weights per 16-byte vector
     static constexpr int PIECES = CU * sizeof(W) / 16;  // 16-byte pieces of a down row's slice
 };
-
 
 // Stage `dst` <- chunk c (units [c CU, c CU + CU)): [gate rows | up rows | down pieces (C, CU)].
 template <typename W>
