@@ -466,27 +466,6 @@ def test_dependent_launch_can_be_switched_off(monkeypatch):
         _build._dependent_launch_supported.cache_clear()
 
 
-def test_dependent_launch_packs_each_parameter_in_its_slot():
-    """A dependent launch hands cuLaunchKernelEx one 8-byte slot per parameter (pointer, int, float), each at
-    the address the pointer array names; types it cannot pass are a clear error."""
-    import struct
-
-    from cuengine.kernels import _build
-
-    class Kernel:  # stands in for a compiled function: only hashed here
-        pass
-
-    args = [np.uint64(0xDEADBEEF12), np.uint64(0), np.int32(-7), np.float32(1.5), np.int64(-(1 << 40))]
-    struct.pack_into(_build._param_format(Kernel(), args), _build._slots.values, 0, *args)
-    slots = _build._slots.values
-    assert [int(p) - slots.ctypes.data for p in _build._slots.pointers[:5]] == [0, 8, 16, 24, 32]
-    assert slots[0] == 0xDEADBEEF12 and slots[1] == 0
-    assert slots[2:3].view(np.int32)[0] == -7 and slots[3:4].view(np.float32)[0] == 1.5
-    assert slots[4:5].view(np.int64)[0] == -(1 << 40)
-    with pytest.raises(TypeError, match="parameter types"):
-        _build._param_format(Kernel(), [np.int16(1)])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("captured", [False, True])
 def test_dependent_launches_wait_for_their_predecessor(cuda, monkeypatch, captured):

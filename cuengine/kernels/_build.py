@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import glob
 import os
-import struct
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -204,69 +202,23 @@ def _dependent_launch_supported(device_index: int) -> bool:
     return int(cupy.cuda.Device(device_index).compute_capability) >= 90
 
 
-# Parameter formats of a dependent launch, by NumPy scalar type: every parameter gets an 8-byte slot
-_PARAM_FORMAT = {"Q": "Q", "L": "Q", "q": "q", "l": "q", "d": "d", "I": "I4x", "i": "i4x", "f": "f4x"}
-_MAX_PARAMS = 64
-
-
-class _ParamSlots(threading.local):
-    """One 8-byte slot per kernel parameter and the array of their addresses, reused by every dependent
-    launch of a thread: cuLaunchKernelEx copies the values before it returns. Packing into them is ~2 µs
-    where a NumPy array per parameter cost ~25 (the H100's host: 35 µs a dependent launch against CuPy's
-    17 for an ordinary one)."""
-
-    def __init__(self):
-        self.values = np.zeros(_MAX_PARAMS, np.uint64)
-        self.pointers = np.uint64(self.values.ctypes.data) + 8 * np.arange(_MAX_PARAMS, dtype=np.uint64)
-        self.address = self.pointers.ctypes.data
-
-
-_slots = _ParamSlots()
-_param_formats: dict = {}  # (kernel, parameter types) -> struct format
-_launch_configs: dict = {}  # (kernel, grid, block, stream, shared memory) -> (CUlaunchConfig, CUfunction)
-
-
-def _param_format(fn, args) -> str:
-    key = (fn, *map(type, args))
-    fmt = _param_formats.get(key)
-    if fmt is None:
-        if len(args) > _MAX_PARAMS:
-            raise ValueError(f"a dependent launch takes at most {_MAX_PARAMS} kernel parameters, got {len(args)}")
-        chars = [a.dtype.char for a in args]
-        if any(c not in _PARAM_FORMAT for c in chars):
-            raise TypeError(f"dependent launch: parameter types {chars}; use pointers, 32/64-bit ints and floats")
-        fmt = _param_formats[key] = "=" + "".join(_PARAM_FORMAT[c] for c in chars)
-    return fmt
-
-
-def _launch_config(fn, grid, block, stream_ptr: int, shared_mem: int):
-    """(CUlaunchConfig with programmatic stream serialization allowed, CUfunction), made once per launch shape."""
-    key = (fn, grid, block, stream_ptr, shared_mem)
-    config = _launch_configs.get(key)
-    if config is None:
-        from cuda.bindings import driver
-
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config = driver.CUlaunchConfig()
-        (config.gridDimX, config.gridDimY, config.gridDimZ) = (*grid, 1, 1)[:3]
-        (config.blockDimX, config.blockDimY, config.blockDimZ) = (*block, 1, 1)[:3]
-        config.sharedMemBytes = shared_mem
-        config.hStream = driver.CUstream(stream_ptr)
-        config.attrs = [attr]
-        config.numAttrs = 1
-        config = _launch_configs[key] = (config, driver.CUfunction(fn.kernel.ptr))
-    return config
-
-
 def _launch_dependent(fn, grid, block, args, stream_ptr: int, shared_mem: int) -> None:
     """cuLaunchKernelEx with programmatic stream serialization allowed; `args` as _arg returns them."""
     from cuda.bindings import driver
 
-    struct.pack_into(_param_format(fn, args), _slots.values, 0, *args)
-    config, function = _launch_config(fn, grid, block, stream_ptr, shared_mem)
-    (err,) = driver.cuLaunchKernelEx(config, function, _slots.address, 0)
+    values = [np.array([a]) for a in args]  # each parameter's bytes, alive until the launch has copied them
+    pointers = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    (config.gridDimX, config.gridDimY, config.gridDimZ) = (*grid, 1, 1)[:3]
+    (config.blockDimX, config.blockDimY, config.blockDimZ) = (*block, 1, 1)[:3]
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream_ptr)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.kernel.ptr), pointers.ctypes.data, 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx: {err.name}")
 
