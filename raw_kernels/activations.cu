@@ -302,29 +302,35 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
 #define GATED_KERNELS(SUF, T, LAYOUT, INTERLEAVED)                                                            \
     extern "C" __global__ void gated_forward_##LAYOUT##_##SUF(T* out, const T* inp, float* abs_max, int act,  \
                                                               long long N, int H) {                          \
+        grid_dependency_wait();                                                                               \
         gated_forward_impl<T, INTERLEAVED, false>(out, inp, abs_max, act, N, H);                              \
     }                                                                                                          \
     extern "C" __global__ void gated_forward_quant_##LAYOUT##_##SUF(fp8e4* out, const T* inp, float* stats,   \
                                                                     int act, long long N, int H) {           \
+        grid_dependency_wait();                                                                               \
         gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GATED_THREADS)                                                \
         gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max, int act,        \
                                         long long N, int H) {                                                 \
+        grid_dependency_wait();                                                                                \
         gated_backward_impl<T, INTERLEAVED>(dinp, dout, inp, abs_max, act, N, H);                              \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void act_forward_##SUF(T* out, const T* inp, float* abs_max, int act,              \
                                                  long long vecs) {                                          \
+        grid_dependency_wait();                                                                              \
         plain_forward_impl<T, false>(out, inp, abs_max, act, vecs);                                          \
     }                                                                                                          \
     extern "C" __global__ void act_forward_quant_##SUF(fp8e4* out, const T* inp, float* stats, int act,      \
                                                        long long vecs) {                                    \
+        grid_dependency_wait();                                                                              \
         plain_forward_impl<T, true>(out, inp, stats, act, vecs);                                             \
     }                                                                                                          \
     extern "C" __global__ void act_backward_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max,       \
                                                   int act, long long vecs) {                                \
+        grid_dependency_wait();                                                                              \
         plain_backward_impl<T>(dinp, dout, inp, abs_max, act, vecs);                                         \
     }                                                                                                          \
     GATED_KERNELS(SUF, T, split, false)                                                                        \

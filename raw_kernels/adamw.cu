@@ -216,15 +216,18 @@ template <typename T> __device__ void norm_multi_impl(float* sums, const TensorR
     extern "C" __global__ void __launch_bounds__(256) adamw_##PS##_##GS##_##MS##_##VS(                        \
         TP* param, const TG* grad, TM* m, TV* v, const float* hp, const float* grad_scale, int wd_on,         \
         u32 seed, long long n, long long off) {                                                               \
+        grid_dependency_wait();                                                                               \
         adamw_impl<TP, TG, TM, TV, true>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);             \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) adamw_##PS##_##GS##_##MS##_##VS##_scalar(               \
         TP* param, const TG* grad, TM* m, TV* v, const float* hp, const float* grad_scale, int wd_on,         \
         u32 seed, long long n, long long off) {                                                               \
+        grid_dependency_wait();                                                                               \
         adamw_impl<TP, TG, TM, TV, false>(param, grad, m, v, hp, grad_scale, wd_on, seed, n, off);            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) adamw_multi_##PS##_##GS##_##MS##_##VS(                  \
         const TensorRecord* tab, const int* owner, const float* hp, const float* grad_scale) {                \
+        grid_dependency_wait();                                                                               \
         adamw_multi_impl<TP, TG, TM, TV>(tab, owner, hp, grad_scale);                                         \
     }
 #define ADAMW_MV(PS, TP, GS, TG)                                                                              \
@@ -239,10 +242,12 @@ ADAMW_MV(bf16, bf16, bf16, bf16)
 
 extern "C" __global__ void __launch_bounds__(256)
     global_norm_squared_multi_f32(float* sums, const TensorRecord* tab, const int* owner, int count) {
+    grid_dependency_wait();
     norm_multi_impl<float>(sums, tab, owner, count);
 }
 extern "C" __global__ void __launch_bounds__(256)
     global_norm_squared_multi_bf16(float* sums, const TensorRecord* tab, const int* owner, int count) {
+    grid_dependency_wait();
     norm_multi_impl<bf16>(sums, tab, owner, count);
 }
 
@@ -250,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(1024)
     global_norm_fold_multi(float* partials, const float* sums, const TensorRecord* tab, int count, int total,
                            int slots) {
+    grid_dependency_wait();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
         float acc = 0.f;
 #pragma unroll 8  // the loads run ahead; only the adds are a chain

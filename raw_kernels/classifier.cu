@@ -474,6 +474,7 @@ __device__ void fused_classifier_impl(T* logits, float* losses, float* lse_out, 
     extern "C" __global__ void __launch_bounds__(THREADS)                                                     \
         NAME(T* logits, float* losses, float* lse, float* amax, const int* targets, float d_loss,             \
              const float* d_loss_dev, float z_loss, int write_dlogits, int N, int V, int cache_n) {           \
+        grid_dependency_wait();                                                                               \
         fused_classifier_impl<T, P, UNROLL, WARP>(logits, losses, lse, amax, targets, d_loss, d_loss_dev,     \
                                                   z_loss, write_dlogits, N, V, cache_n);                      \
     }

@@ -337,9 +337,11 @@ template <typename T> __device__ void bias_reduce_impl(T* dbias, const float* sc
 
 #define ABS_MAX_KERNELS(SUF, T)                                                                               \
     extern "C" __global__ void abs_max_##SUF(float* amax, const T* x, long long n) {                          \
+        grid_dependency_wait();                                                                               \
         abs_max_impl<T, true>(amax, x, n);                                                                    \
     }                                                                                                         \
     extern "C" __global__ void abs_max_##SUF##_scalar(float* amax, const T* x, long long n) {                 \
+        grid_dependency_wait();                                                                               \
         abs_max_impl<T, false>(amax, x, n);                                                                   \
     }
 ABS_MAX_KERNELS(f32, float)
@@ -348,34 +350,41 @@ ABS_MAX_KERNELS(bf16, bf16)
 #define QUANT_KERNELS(SUF, TIN, QSUF, TQ)                                                                     \
     extern "C" __global__ void quantize_##SUF##_##QSUF(TQ* out, float* stats, const float* amax,              \
                                                        const TIN* x, long long n) {                           \
+        grid_dependency_wait();                                                                               \
         quantize_impl<TIN, TQ, true>(out, stats, amax, x, n);                                                 \
     }                                                                                                         \
     extern "C" __global__ void quantize_##SUF##_##QSUF##_scalar(TQ* out, float* stats, const float* amax,     \
                                                                 const TIN* x, long long n) {                  \
+        grid_dependency_wait();                                                                               \
         quantize_impl<TIN, TQ, false>(out, stats, amax, x, n);                                                \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) quantize_transpose_##SUF##_##QSUF(                      \
         TQ* out, float* stats, const float* amax, const TIN* inp, int N, int C) {                             \
+        grid_dependency_wait();                                                                               \
         quantize_transpose_impl<TIN, TQ, true>(out, stats, amax, inp, N, C);                                  \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) quantize_transpose_##SUF##_##QSUF##_scalar(             \
         TQ* out, float* stats, const float* amax, const TIN* inp, int N, int C) {                             \
+        grid_dependency_wait();                                                                               \
         quantize_transpose_impl<TIN, TQ, false>(out, stats, amax, inp, N, C);                                 \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF(                           \
         TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
         int C) {                                                                                              \
+        grid_dependency_wait();                                                                               \
         quantize_dual_impl<TIN, TQ, true>(rows, out, stats_rows, stats_out, amax, inp, N, C, first_block(),   \
                                           grid_tile(), gridDim.y);                                            \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) quantize_dual_##SUF##_##QSUF##_scalar(                  \
         TQ* rows, TQ* out, float* stats_rows, float* stats_out, const float* amax, const TIN* inp, int N,     \
         int C) {                                                                                              \
+        grid_dependency_wait();                                                                               \
         quantize_dual_impl<TIN, TQ, false>(rows, out, stats_rows, stats_out, amax, inp, N, C, first_block(),  \
                                            grid_tile(), gridDim.y);                                           \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 8) quantize_dual_multi_##SUF##_##QSUF(                  \
         const DualRecord* tab, const int* owner) {                                                            \
+        grid_dependency_wait();                                                                               \
         quantize_dual_multi_impl<TIN, TQ>(tab, owner);                                                        \
     }
 QUANT_KERNELS(f32, float, e4m3, fp8e4)
@@ -385,10 +394,12 @@ QUANT_KERNELS(bf16, bf16, e5m2, fp8e5)
 
 #define TRANSPOSE_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(256) transpose_##SUF(T* out, const T* inp, int N, int C) {   \
+        grid_dependency_wait();                                                                               \
         transpose_tile<T, T, T, false, true>(out, inp, N, C, 1.f, grid_tile(), gridDim.y);                    \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) transpose_##SUF##_scalar(T* out, const T* inp, int N,   \
                                                                                int C) {                       \
+        grid_dependency_wait();                                                                               \
         transpose_tile<T, T, T, false, false>(out, inp, N, C, 1.f, grid_tile(), gridDim.y);                   \
     }
 TRANSPOSE_KERNELS(u8, u8)
@@ -397,14 +408,17 @@ TRANSPOSE_KERNELS(u16, u16)
 #define BIAS_KERNELS(SUF, T)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4) bias_partial_##SUF(float* scratch, const T* dout,  \
                                                                             int N, int OC, int rows) {        \
+        grid_dependency_wait();                                                                               \
         bias_partial_impl<T, 16 / sizeof(T)>(scratch, dout, N, OC, rows);                                     \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 4) bias_partial_##SUF##_scalar(float* scratch,          \
                                                                                      const T* dout, int N,    \
                                                                                      int OC, int rows) {      \
+        grid_dependency_wait();                                                                               \
         bias_partial_impl<T, 1>(scratch, dout, N, OC, rows);                                                  \
     }                                                                                                         \
     extern "C" __global__ void bias_reduce_##SUF(T* dbias, const float* scratch, int chunks, int OC) {        \
+        grid_dependency_wait();                                                                               \
         bias_reduce_impl<T>(dbias, scratch, chunks, OC);                                                      \
     }
 BIAS_KERNELS(f32, float)

@@ -269,22 +269,26 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
     extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_v##V##_##SUF(                        \
         T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
         const float* rstd, float* abs_max, int N, int C) {                                                  \
+        grid_dependency_wait();                                                                             \
         rmsnorm_backward_rows_impl<T, V>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C); \
     }
 
 #define RMSNORM_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(FWD_WARPS * 32) rmsnorm_forward_##SUF(                     \
         T* out, float* rstd, const T* inp, const T* weight, float* abs_max, float eps, int N, int C) {     \
+        grid_dependency_wait();                                                                             \
         rmsnorm_forward_impl<T, false>(out, rstd, nullptr, inp, nullptr, weight, abs_max, eps, N, C);       \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(FWD_WARPS * 32) fused_residual_rmsnorm_forward_##SUF(      \
         T* residual, T* out, float* rstd, const T* inp1, const T* inp2, const T* weight, float* abs_max,    \
         float eps, int N, int C) {                                                                          \
+        grid_dependency_wait();                                                                             \
         rmsnorm_forward_impl<T, true>(out, rstd, residual, inp1, inp2, weight, abs_max, eps, N, C);         \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_##SUF(                                \
         T* dinp, float* scratch, const T* dresidual, const T* dout, const T* inp, const T* weight,          \
         const float* rstd, float* abs_max, int N, int C) {                                                  \
+        grid_dependency_wait();                                                                             \
         rmsnorm_backward_loop_impl<T>(dinp, scratch, dresidual, dout, inp, weight, rstd, abs_max, N, C);    \
     }                                                                                                       \
     RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 1)                                                                 \
@@ -294,6 +298,7 @@ __device__ void rmsnorm_backward_dweight_impl(T* dweight, const float* scratch, 
     RMSNORM_BACKWARD_ROWS_KERNEL(SUF, T, 8)                                                                 \
     extern "C" __global__ void __launch_bounds__(DW_WARPS * 32) rmsnorm_backward_dweight_##SUF(             \
         T* dweight, const float* scratch, int P, int C) {                                                   \
+        grid_dependency_wait();                                                                             \
         rmsnorm_backward_dweight_impl<T>(dweight, scratch, P, C);                                           \
     }
 RMSNORM_KERNELS(f32, float)

@@ -224,6 +224,7 @@ __device__ __forceinline__ void rope_dispatch(T* out, const T* inp, const F* fre
     extern "C" __global__ void __launch_bounds__(ROPE_THREADS, ROPE_BLOCKS_PER_SM)                             \
         rope_##SUF##_##SUFF(T* out, const T* inp, const F* freqs, float* abs_max, long long rows, int T_len,      \
                             int Hq, int Hkv, int hs, int inverse, int copy_v) {                                \
+        grid_dependency_wait();                                                                               \
         rope_dispatch<T, F>(out, inp, freqs, abs_max, rows, T_len, Hq, Hkv, hs, inverse, copy_v);             \
     }
 #define ROPE_KERNELS(SUF, T)        \

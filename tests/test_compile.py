@@ -4,6 +4,9 @@ Uses the same COMPILE_OPTIONS and include paths as the runtime loader, with the
 CUDA headers of the nvidia-cuda-runtime wheel.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 
 from cuengine.kernels import _build
@@ -80,3 +83,29 @@ def test_decode_attention_o_instantiation_compiles():
     from cuengine.kernels._build import kernel_dir
 
     _compile(kernel_dir() / "decode_attention_o.cu", "decode_attention_o<__nv_bfloat16, __nv_bfloat16, 8, 1, 8>")
+
+
+# The training step's kernel families: each kernel waits for the kernel before it as its first statement, so
+# its launcher may launch it as a programmatic dependent launch (the launch overlaps the tail of the kernel
+# before; nothing is read or written before the wait). The decode families prefetch weights before their wait.
+WAIT_FIRST = ("rmsnorm", "activations", "rope", "classifier", "adamw", "fp8")
+
+
+def _kernel_bodies(src: str):
+    """(name, first statement) of every extern "C" __global__ kernel of a .cu source (macros unfolded by line)."""
+    text = re.sub(r"\\\n", "\n", src)
+    for m in re.finditer(r'extern "C" __global__[^{;]*?([\w#]+)\s*\(([^)]*)\)\s*\{', text):
+        body = text[m.end() :].lstrip()
+        yield m.group(1), body[: body.index(";") + 1]
+
+
+@pytest.mark.parametrize("family", WAIT_FIRST)
+def test_training_kernels_wait_first_and_launch_as_dependents(family):
+    src = (_build.kernel_dir() / f"{family}.cu").read_text()
+    kernels = list(_kernel_bodies(src))
+    assert kernels, f"{family}.cu: no kernels found"
+    late = [name for name, first in kernels if first != "grid_dependency_wait();"]
+    assert not late, f"{family}.cu: these kernels do not call grid_dependency_wait() first: {late}"
+    launcher = (Path(_build.__file__).parent / f"{family}.py").read_text()
+    calls = len(re.findall(r"(?<![\w.])(?:_build\.)?launch\(", launcher))
+    assert calls and launcher.count("dependent=True") == calls, f"{family}.py: every launch should be dependent"

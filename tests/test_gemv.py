@@ -466,6 +466,51 @@ def test_dependent_launch_can_be_switched_off(monkeypatch):
         _build._dependent_launch_supported.cache_clear()
 
 
+def test_launch_packs_each_parameter_in_its_slot():
+    """A launch hands cuLaunchKernelEx one 8-byte slot per parameter (pointer, int, float), each at
+    the address the pointer array names; types it cannot pass are a clear error."""
+    import struct
+
+    from cuengine.kernels import _build
+
+    class Kernel:  # stands in for a compiled function: only hashed here
+        pass
+
+    args = [np.uint64(0xDEADBEEF12), np.uint64(0), np.int32(-7), np.float32(1.5), np.int64(-(1 << 40))]
+    struct.pack_into(_build._param_format(Kernel(), args), _build._slots.values, 0, *args)
+    slots = _build._slots.values
+    assert [int(p) - slots.ctypes.data for p in _build._slots.pointers[:5]] == [0, 8, 16, 24, 32]
+    assert slots[0] == 0xDEADBEEF12 and slots[1] == 0
+    assert slots[2:3].view(np.int32)[0] == -7 and slots[3:4].view(np.float32)[0] == 1.5
+    assert slots[4:5].view(np.int64)[0] == -(1 << 40)
+    with pytest.raises(TypeError, match="parameter types"):
+        _build._param_format(Kernel(), [np.int16(1)])
+
+
+def test_launch_config_allows_overlap_only_for_dependent_launches():
+    """Only a dependent launch's config carries programmatic stream serialization; each config is made once
+    per launch shape and reused."""
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver
+
+    from cuengine.kernels import _build
+
+    class Kernel:  # stands in for a compiled function: its handle is read, never launched
+        kernel = type("Function", (), {"ptr": 0})
+
+    fn = Kernel()
+    plain, _ = _build._launch_config(fn, (3, 2), (128,), 0, 1024, False)
+    dependent, _ = _build._launch_config(fn, (3, 2), (128,), 0, 1024, True)
+    for config in (plain, dependent):
+        assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX) == (3, 2, 1, 128)
+        assert config.sharedMemBytes == 1024
+    assert plain.numAttrs == 0 and dependent.numAttrs == 1
+    attr = dependent.attrs[0]
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    assert _build._launch_config(fn, (3, 2), (128,), 0, 1024, True)[0] is dependent
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("captured", [False, True])
 def test_dependent_launches_wait_for_their_predecessor(cuda, monkeypatch, captured):
@@ -476,8 +521,8 @@ def test_dependent_launches_wait_for_their_predecessor(cuda, monkeypatch, captur
     from cuengine.kernels import _build
 
     calls = []
-    real = _build._launch_dependent
-    monkeypatch.setattr(_build, "_launch_dependent", lambda *a: (calls.append(a[1]), real(*a)))
+    real = _build._launch_packed
+    monkeypatch.setattr(_build, "_launch_packed", lambda *a: (a[-1] and calls.append(a[1]), real(*a)))
     K, links = 896, 24
     c = case(1, K, K, "fp32")
     w = c["w"] * np.float32(0.5)

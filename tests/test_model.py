@@ -846,6 +846,28 @@ def test_gpu_bitwise_options_and_fp8_training():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_gpu_dependent_launches_keep_training_bitwise(monkeypatch, precision, graphs):
+    """The training kernels go out as programmatic dependent launches (each waits for the kernel before
+    it, test_compile.WAIT_FIRST): three steps with them are bitwise the steps with ordinary launches
+    (CUENGINE_DEPENDENT_LAUNCH=0), eagerly and replayed from graphs."""
+    from cuengine.kernels import _build
+
+    cfg = tiny("tiny-hs64")
+    runs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("CUENGINE_DEPENDENT_LAUNCH", env)
+        _build._dependent_launch_supported.cache_clear()
+        m, losses, norms = run_steps(cfg, device="cuda", use_cuda_graphs=graphs, **PRECISIONS[precision])
+        runs[env] = losses, [n.tobytes() for n in norms], weights_snapshot(m)
+    _build._dependent_launch_supported.cache_clear()
+    assert runs["1"][:2] == runs["0"][:2]
+    for k, v in runs["0"][2].items():
+        np.testing.assert_array_equal(runs["1"][2][k], v, err_msg=k)
+
+
+@pytest.mark.gpu
 def test_gpu_reference_fp32():
     """Per element within 2x the fp32 tolerance (cpu: 0.3x; the device's exp2 and sums in another
     order add a few ulps)."""

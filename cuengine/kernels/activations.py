@@ -176,7 +176,7 @@ def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: 
         name, sizes = kernel_name(f"act_{kernel}", inp), (np.int64(vecs),)
     args = (*tensors, np.int32(_ACT_ID[activation]), *sizes)
     grid = ceil_div(vecs, 256) if activation in GATED and kernel == "backward" else grid_size(dev, vecs, 256)
-    launch(FAMILY, name, grid, 256, args, dev, stream)
+    launch(FAMILY, name, grid, 256, args, dev, stream, dependent=True)
 
 
 def activation_forward(out, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:

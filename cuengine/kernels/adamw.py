@@ -161,7 +161,7 @@ def adamw_update(param, grad, m, v, hparams, grad_scale, weight_decay_on: bool, 
     grid = _build.grid_size(dev, n, 256 * (8 if vec else 1), 8)
     args = (param, grad, m, v, hparams, grad_scale, np.int32(bool(weight_decay_on)), np.uint32(seed), np.int64(n),
             np.int64(index_offset))  # fmt: skip
-    _build.launch("adamw", name, grid, 256, args, dev, stream)
+    _build.launch("adamw", name, grid, 256, args, dev, stream, dependent=True)
 
 
 # ---- multi-tensor: one launch over every parameter -------------------------------------------------
@@ -316,7 +316,7 @@ def adamw_update_multi(table: MultiTensorTable, hparams, grad_scale, stream=None
         return
     name = _build.kernel_name("adamw_multi", *table.dtypes)
     args = (table.table, table.chunk_owner, hparams, grad_scale)
-    _build.launch("adamw", name, table.chunks, 256, args, dev, stream)
+    _build.launch("adamw", name, table.chunks, 256, args, dev, stream, dependent=True)
 
 
 def global_norm_squared_multi(partials, sums, table: MultiTensorTable, stream=None) -> None:
@@ -343,6 +343,6 @@ def global_norm_squared_multi(partials, sums, table: MultiTensorTable, stream=No
     grad = table.dtypes[1]
     name = _build.kernel_name("global_norm_squared_multi", grad)
     args = (sums, table.table, table.norm_owner, count)
-    _build.launch("adamw", name, table.norm_blocks, _NORM_THREADS, args, dev, stream)
+    _build.launch("adamw", name, table.norm_blocks, _NORM_THREADS, args, dev, stream, dependent=True)
     args = (partials, sums, table.table, count, np.int32(table.norm_blocks), np.int32(NORM_SLOTS))
-    _build.launch("adamw", "global_norm_fold_multi", 1, 1024, args, dev, stream)
+    _build.launch("adamw", "global_norm_fold_multi", 1, 1024, args, dev, stream, dependent=True)

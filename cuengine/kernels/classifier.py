@@ -124,4 +124,4 @@ def fused_classifier(logits, losses, lse, targets, d_loss, z_loss: float = 0.0, 
     args = (logits, losses, lse, abs_max, targets, np.float32(0.0 if on_device else d_loss),
             d_loss if on_device else None, np.float32(z_loss), np.int32(bool(write_dlogits)), np.int32(n), np.int32(v),
             np.int32(cache_n))  # fmt: skip
-    _build.launch("classifier", name, blocks, threads, args, dev, stream, shared_mem=smem)
+    _build.launch("classifier", name, blocks, threads, args, dev, stream, shared_mem=smem, dependent=True)

@@ -100,7 +100,7 @@ def abs_max(amax, inp, stream=None) -> None:
     vec = _checks.is_aligned(inp)
     grid = _build.grid_size(dev, n, 512 * (8 if vec else 1), 4)
     name = _build.kernel_name("abs_max", inp, scalar=not vec)
-    _build.launch("fp8", name, grid, 512, (amax, inp, np.int64(n)), dev, stream)
+    _build.launch("fp8", name, grid, 512, (amax, inp, np.int64(n)), dev, stream, dependent=True)
 
 
 def _write_twin_stats(out, stats, src) -> None:
@@ -143,7 +143,7 @@ def quantize_with_abs_max(out, inp, abs_max=None, stream=None) -> None:
     vec = _checks.is_aligned(out, inp)
     name = _build.kernel_name("quantize", inp, out, scalar=not vec)
     grid = _build.grid_size(dev, n, 256 * (8 if vec else 1))
-    _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int64(n)), dev, stream)
+    _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int64(n)), dev, stream, dependent=True)
 
 
 def _transpose_grid(n: int, c: int, itemsize: int, what: str) -> tuple[int, int]:
@@ -180,7 +180,9 @@ def quantize_and_transpose(out, inp, abs_max=None, stream=None) -> None:
     vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, inp)
     name = _build.kernel_name("quantize_transpose", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
-    _build.launch("fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream)
+    _build.launch(
+        "fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream, dependent=True
+    )
 
 
 def _check_dual(out, out_tp, inp, abs_max, what: str):
@@ -237,7 +239,7 @@ def quantize_dual(out, out_tp, inp, abs_max=None, stream=None) -> None:
     name = _build.kernel_name("quantize_dual", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
     args = (out, out_tp, out.stats, out_tp.stats, src, inp, np.int32(n), np.int32(c))
-    _build.launch("fp8", name, grid, 256, args, dev, stream)
+    _build.launch("fp8", name, grid, 256, args, dev, stream, dependent=True)
 
 
 # ---- quantize_dual over many tensors in one launch -------------------------------------------------
@@ -345,7 +347,7 @@ def quantize_dual_multi(table: QuantizeDualTable, stream=None) -> None:
             quantize_dual(out, out_tp, inp, stream=stream)
         return
     name = _build.kernel_name("quantize_dual_multi", *table.dtypes)
-    _build.launch("fp8", name, table.blocks, 256, (table.table, table.owner), dev, stream)
+    _build.launch("fp8", name, table.blocks, 256, (table.table, table.owner), dev, stream, dependent=True)
 
 
 def transpose(out, inp, stream=None) -> None:
@@ -377,7 +379,7 @@ def transpose(out, inp, stream=None) -> None:
     vec = c % 8 == 0 and n % (16 // s) == 0 and _checks.is_aligned(out, inp)
     name = _build.kernel_name(f"transpose_u{8 * s}", scalar=not vec)
     grid = _transpose_grid(n, c, s, "transpose")
-    _build.launch("fp8", name, grid, 256, (out, inp, np.int32(n), np.int32(c)), dev, stream)
+    _build.launch("fp8", name, grid, 256, (out, inp, np.int32(n), np.int32(c)), dev, stream, dependent=True)
 
 
 def bias_backward_scratch_shape(n: int, oc: int) -> tuple[int, int]:
@@ -428,6 +430,10 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
     rows = max(_BIAS_ROWS, _build.ceil_div(_build.ceil_div(n, groups), 8) * 8) if groups else _BIAS_ROWS
     grid = (_build.ceil_div(oc, cols), _build.ceil_div(n, rows))
     name = _build.kernel_name("bias_partial", dout, scalar=not vec)
-    _build.launch("fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows)), dev, stream)
+    _build.launch(
+        "fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows)), dev, stream, dependent=True
+    )
     args = (dbias, scratch, np.int32(grid[1]), np.int32(oc))
-    _build.launch("fp8", _build.kernel_name("bias_reduce", dbias), _build.ceil_div(oc, 64), 64, args, dev, stream)
+    _build.launch(
+        "fp8", _build.kernel_name("bias_reduce", dbias), _build.ceil_div(oc, 64), 64, args, dev, stream, dependent=True
+    )

@@ -167,7 +167,7 @@ def rmsnorm_forward(out, rstd, inp, weight, eps: float, abs_max=None, stream=Non
     check_aligned("rmsnorm_forward", out, inp, weight)
     args = (out, rstd, inp, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
     name = kernel_name("rmsnorm_forward", inp)
-    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream)
+    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream, dependent=True)
 
 
 def fused_residual_rmsnorm_forward(
@@ -199,7 +199,7 @@ def fused_residual_rmsnorm_forward(
     check_aligned("fused_residual_rmsnorm_forward", residual, out, inp1, inp2, weight)
     args = (residual, out, rstd, inp1, inp2, weight, abs_max, np.float32(eps), np.int32(N), np.int32(C))
     name = kernel_name("fused_residual_rmsnorm_forward", inp1)
-    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream)
+    launch(FAMILY, name, grid_size(dev, N, _FWD_WARPS), 32 * _FWD_WARPS, args, dev, stream, dependent=True)
 
 
 def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd, abs_max=None, stream=None) -> None:
@@ -240,8 +240,37 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
     if v:  # at most 8 * 2 * 3 * 2048 * 2 bytes (v8, bf16) = 192 KiB of staged rows; the partials reuse them
         smem = max(4 * warps * C, warps * _BWD_STAGES * 3 * C * inp.dtype.itemsize)
-        launch(FAMILY, kernel_name(f"rmsnorm_backward_v{v}", inp), P, 32 * warps, args, dev, stream, shared_mem=smem)
+        launch(
+            FAMILY,
+            kernel_name(f"rmsnorm_backward_v{v}", inp),
+            P,
+            32 * warps,
+            args,
+            dev,
+            stream,
+            shared_mem=smem,
+            dependent=True,
+        )
     else:
-        launch(FAMILY, kernel_name("rmsnorm_backward", inp), P, 32 * warps, args, dev, stream, shared_mem=4 * warps * C)
+        launch(
+            FAMILY,
+            kernel_name("rmsnorm_backward", inp),
+            P,
+            32 * warps,
+            args,
+            dev,
+            stream,
+            shared_mem=4 * warps * C,
+            dependent=True,
+        )
     args = (dweight, scratch, np.int32(P), np.int32(C))
-    launch(FAMILY, kernel_name("rmsnorm_backward_dweight", inp), ceil_div(C, _DW_COLS), _DW_THREADS, args, dev, stream)
+    launch(
+        FAMILY,
+        kernel_name("rmsnorm_backward_dweight", inp),
+        ceil_div(C, _DW_COLS),
+        _DW_THREADS,
+        args,
+        dev,
+        stream,
+        dependent=True,
+    )

@@ -122,7 +122,7 @@ def _rope(what, names, out, inp, freqs, n_q_heads, n_kv_heads, abs_max, inverse,
     blocks = grid_size(dev, total, _THREADS, _BLOCKS_PER_SM)
     heads = (np.int32(T), np.int32(n_q_heads), np.int32(n_kv_heads), np.int32(hs))
     args = (out, inp, freqs, abs_max, np.int64(B * T), *heads, np.int32(inverse), np.int32(not in_place))
-    launch(FAMILY, kernel_name("rope", inp, freqs), blocks, _THREADS, args, dev, stream)
+    launch(FAMILY, kernel_name("rope", inp, freqs), blocks, _THREADS, args, dev, stream, dependent=True)
 
 
 def rope_forward(out, inp, freqs, n_q_heads: int, n_kv_heads: int, abs_max=None, stream=None) -> None:
