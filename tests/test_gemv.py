@@ -485,6 +485,8 @@ def test_launch_packs_each_parameter_in_its_slot():
     assert slots[4:5].view(np.int64)[0] == -(1 << 40)
     with pytest.raises(TypeError, match="parameter types"):
         _build._param_format(Kernel(), [np.int16(1)])
+    with pytest.raises(ValueError, match="at most 64 parameters, got 65"):
+        _build._param_format(Kernel(), [np.int32(0)] * 65)
 
 
 def test_launch_config_allows_overlap_only_for_dependent_launches():

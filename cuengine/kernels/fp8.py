@@ -180,9 +180,8 @@ def quantize_and_transpose(out, inp, abs_max=None, stream=None) -> None:
     vec = c % 8 == 0 and n % 16 == 0 and _checks.is_aligned(out, inp)
     name = _build.kernel_name("quantize_transpose", inp, out, scalar=not vec)
     grid = _transpose_grid(n, c, 1, what)
-    _build.launch(
-        "fp8", name, grid, 256, (out, out.stats, src, inp, np.int32(n), np.int32(c)), dev, stream, dependent=True
-    )
+    args = (out, out.stats, src, inp, np.int32(n), np.int32(c))
+    _build.launch("fp8", name, grid, 256, args, dev, stream, dependent=True)
 
 
 def _check_dual(out, out_tp, inp, abs_max, what: str):
@@ -430,10 +429,8 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
     rows = max(_BIAS_ROWS, _build.ceil_div(_build.ceil_div(n, groups), 8) * 8) if groups else _BIAS_ROWS
     grid = (_build.ceil_div(oc, cols), _build.ceil_div(n, rows))
     name = _build.kernel_name("bias_partial", dout, scalar=not vec)
-    _build.launch(
-        "fp8", name, grid, 256, (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows)), dev, stream, dependent=True
-    )
+    args = (scratch, dout, np.int32(n), np.int32(oc), np.int32(rows))
+    _build.launch("fp8", name, grid, 256, args, dev, stream, dependent=True)
     args = (dbias, scratch, np.int32(grid[1]), np.int32(oc))
-    _build.launch(
-        "fp8", _build.kernel_name("bias_reduce", dbias), _build.ceil_div(oc, 64), 64, args, dev, stream, dependent=True
-    )
+    name = _build.kernel_name("bias_reduce", dbias)
+    _build.launch("fp8", name, _build.ceil_div(oc, 64), 64, args, dev, stream, dependent=True)

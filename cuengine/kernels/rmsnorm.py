@@ -240,37 +240,11 @@ def rmsnorm_backward(dinp, dweight, scratch, dresidual, dout, inp, weight, rstd,
     v = next((v for v in _REG_VECTORS if lane_vectors <= v), 0)  # same bits either way; v > 0 reads rows once
     if v:  # at most 8 * 2 * 3 * 2048 * 2 bytes (v8, bf16) = 192 KiB of staged rows; the partials reuse them
         smem = max(4 * warps * C, warps * _BWD_STAGES * 3 * C * inp.dtype.itemsize)
-        launch(
-            FAMILY,
-            kernel_name(f"rmsnorm_backward_v{v}", inp),
-            P,
-            32 * warps,
-            args,
-            dev,
-            stream,
-            shared_mem=smem,
-            dependent=True,
-        )
+        name = kernel_name(f"rmsnorm_backward_v{v}", inp)
+        launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=smem, dependent=True)
     else:
-        launch(
-            FAMILY,
-            kernel_name("rmsnorm_backward", inp),
-            P,
-            32 * warps,
-            args,
-            dev,
-            stream,
-            shared_mem=4 * warps * C,
-            dependent=True,
-        )
+        name, smem = kernel_name("rmsnorm_backward", inp), 4 * warps * C
+        launch(FAMILY, name, P, 32 * warps, args, dev, stream, shared_mem=smem, dependent=True)
     args = (dweight, scratch, np.int32(P), np.int32(C))
-    launch(
-        FAMILY,
-        kernel_name("rmsnorm_backward_dweight", inp),
-        ceil_div(C, _DW_COLS),
-        _DW_THREADS,
-        args,
-        dev,
-        stream,
-        dependent=True,
-    )
+    name = kernel_name("rmsnorm_backward_dweight", inp)
+    launch(FAMILY, name, ceil_div(C, _DW_COLS), _DW_THREADS, args, dev, stream, dependent=True)
