@@ -2,6 +2,7 @@
 //
 //   plain:  out = f(x)               x (N, H) -> out (N, H);  dinp = dout * f'(x)                  (=)
 //   gated:  out = f(gate) * up       x (N, 2H) -> out (N, H); dinp = [dgate, dup] in x's layout  (=)
+//           the gated backward may also write out (a dropped output recomputed in the same pass)
 //           swiglu_oai: out = g * sigmoid(1.702 g) * (u + 1), g = min(gate, 7), u = clip(up, -7, 7)
 //   layouts of x for gated: split = [gate | up] halves of each row; interleaved = gate at even
 //   columns, up at odd columns.
@@ -267,8 +268,11 @@ __device__ __forceinline__ unsigned gated_grad_store(T* dinp, const Pack16<T>& a
 // slower on the H200): its gate, up and dout packs are loaded into registers together, the gradient
 // computed and stored. The activation is fixed at the kernel's entry (one uniform switch, each case a
 // compiled-in body).
+// With `out` (may be null) the item also writes the forward's output, as gated_forward writes it: a dropped
+// activation is recomputed where its backward reads the same gate and up values (one pass over them fewer).
 template <typename T, bool INTERLEAVED, int ACT>
-__device__ __forceinline__ unsigned gated_backward_item(T* dinp, const T* dout, const T* inp, long long N, int H) {
+__device__ __forceinline__ unsigned gated_backward_item(T* dinp, T* out, const T* dout, const T* inp, long long N,
+                                                        int H) {
     constexpr int VN = Pack16<T>::N;
     const int hv = H / VN;
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -278,20 +282,29 @@ __device__ __forceinline__ unsigned gated_backward_item(T* dinp, const T* dout, 
     Pack16<T> a, b;
     load_gate_up_packs<T, INTERLEAVED>(inp + (size_t)row * 2 * H, j, H, a, b);
     const Pack16<T> d = Pack16<T>::load(dout + (size_t)row * H + j);
+    if (out) {
+        float g[VN], u[VN];
+        unpack_gate_up<T, INTERLEAVED>(a, b, g, u);
+        Pack16<T> y;
+        for (int k = 0; k < VN; ++k) y.v[k] = from_float<T>(gated_value(ACT, g[k], u[k]));
+        y.store(out + (size_t)row * H + j);
+    }
     return gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)row, j, H);
 }
 
 template <typename T, bool INTERLEAVED>
-__device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float* abs_max, int act, long long N,
-                                    int H) {
+__device__ void gated_backward_impl(T* dinp, T* out, const T* dout, const T* inp, float* abs_max, int act,
+                                    long long N, int H) {
     unsigned amax;
     switch (act) {
-        case ACT_SILU: amax = gated_backward_item<T, INTERLEAVED, ACT_SILU>(dinp, dout, inp, N, H); break;
-        case ACT_GELU: amax = gated_backward_item<T, INTERLEAVED, ACT_GELU>(dinp, dout, inp, N, H); break;
-        case ACT_RELU: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU>(dinp, dout, inp, N, H); break;
-        case ACT_RELU_SQ: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU_SQ>(dinp, dout, inp, N, H); break;
-        case ACT_SWIGLU_OAI: amax = gated_backward_item<T, INTERLEAVED, ACT_SWIGLU_OAI>(dinp, dout, inp, N, H); break;
-        default: amax = gated_backward_item<T, INTERLEAVED, ACT_SIGMOID>(dinp, dout, inp, N, H);
+        case ACT_SILU: amax = gated_backward_item<T, INTERLEAVED, ACT_SILU>(dinp, out, dout, inp, N, H); break;
+        case ACT_GELU: amax = gated_backward_item<T, INTERLEAVED, ACT_GELU>(dinp, out, dout, inp, N, H); break;
+        case ACT_RELU: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU>(dinp, out, dout, inp, N, H); break;
+        case ACT_RELU_SQ: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU_SQ>(dinp, out, dout, inp, N, H); break;
+        case ACT_SWIGLU_OAI:
+            amax = gated_backward_item<T, INTERLEAVED, ACT_SWIGLU_OAI>(dinp, out, dout, inp, N, H);
+            break;
+        default: amax = gated_backward_item<T, INTERLEAVED, ACT_SIGMOID>(dinp, out, dout, inp, N, H);
     }
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
@@ -311,10 +324,10 @@ __device__ void gated_backward_impl(T* dinp, const T* dout, const T* inp, float*
         gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GATED_THREADS)                                                \
-        gated_backward_##LAYOUT##_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max, int act,        \
+        gated_backward_##LAYOUT##_##SUF(T* dinp, T* out, const T* dout, const T* inp, float* abs_max, int act, \
                                         long long N, int H) {                                                 \
         grid_dependency_wait();                                                                                \
-        gated_backward_impl<T, INTERLEAVED>(dinp, dout, inp, abs_max, act, N, H);                              \
+        gated_backward_impl<T, INTERLEAVED>(dinp, out, dout, inp, abs_max, act, N, H);                         \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \

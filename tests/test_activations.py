@@ -151,6 +151,25 @@ def test_swiglu_names_are_the_split_layout(dev):
     assert_close(t["amax"].numpy(), [np.abs(dx).max()], "fp32", "abs_max of dinp")
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("swiglu_oai", "interleaved"), ("geglu", "split")])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gated_backward_recomputes_the_output(dev, activation, layout, in_place):
+    """With `out` the gated backward also writes the forward's output, the bits activation_forward writes
+    (the train step's recompute of a dropped SwiGLU output), and dinp is unchanged, in place too."""
+    r = rng(12)
+    x = (r.standard_normal((37, 64)) * 3).astype(ce.BF16.np)
+    d = r.standard_normal((37, 32)).astype(ce.BF16.np)
+    t = tensors(dev, x=x, x2=x, d=d, y=np.zeros((37, 32), ce.BF16.np), dx=np.zeros_like(x))
+    t["out"] = ce.Tensor.from_numpy(np.full((37, 32), np.nan, ce.BF16.np), dev, name="out")
+    activation_forward(t["y"], t["x"], activation, layout)
+    activation_backward(t["dx"], t["d"], t["x"], activation, layout)
+    dinp = t["x2"] if in_place else ce.Tensor.from_numpy(np.zeros_like(x), dev, name="dinp")
+    activation_backward(dinp, t["d"], t["x2"], activation, layout, out=t["out"])
+    np.testing.assert_array_equal(t["out"].numpy().view(np.uint16), t["y"].numpy().view(np.uint16))
+    np.testing.assert_array_equal(dinp.numpy().view(np.uint16), t["dx"].numpy().view(np.uint16))
+    assert_close(t["out"].numpy(), activation_forward_np(x, activation, layout), "bf16", "recomputed out")
+
+
 @pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("geglu", "interleaved"), ("relu_sq", "split")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("amax", [0.0, 3.0, 1e-3])
@@ -182,6 +201,11 @@ def _t(shape, dtype=np.float32):
     return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name="t")
 
 
+def _recompute_into_inp():
+    x = _t((4, 16))
+    swiglu_backward(_t((4, 16)), _t((4, 8)), x, out=ce.Tensor(x.dtype, (4, 8), x.device, x.storage, name="x_head"))
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -204,6 +228,16 @@ def _t(shape, dtype=np.float32):
             r"out_fp8: expected shape \(4, 8\)",
         ),
         (lambda: activation_forward_quant(_t((4, 8)), _t((4, 8)), "relu", "rows"), "unknown layout 'rows'"),
+        (lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 8)), "relu", out=_t((4, 8))), "only gated"),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out=_t((4, 16))),
+            r"out: expected shape \(4, 8\)",
+        ),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out=_t((4, 8), ce.BF16.np)),
+            "expected dtype fp32",
+        ),
+        (_recompute_into_inp, "overlaps inp, dinp or dout"),
     ],
 )
 def test_errors(call, match):
@@ -287,7 +321,8 @@ def test_cuda_forward_quant_equals_forward_then_quantise(cuda, activation, layou
 def act_lib(tmp_path_factory):
     import kernel_emulator as emu
 
-    names = [f"gated_backward_{lay}_{t}" for lay in ("split", "interleaved") for t in ("f32", "bf16", "f16")]
+    names = [f"gated_{way}_{lay}_{t}" for way in ("backward", "forward") for lay in ("split", "interleaved")
+             for t in ("f32", "bf16", "f16")]  # fmt: skip
     return emu.or_skip(emu.build("activations", names, tmp_path_factory.mktemp("activations_emu")))
 
 
@@ -336,3 +371,28 @@ def test_emulated_backward_in_place_same_bits(act_lib, monkeypatch, dtype, h, la
     assert_close(ref, want, dtype, "dinp")
     np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
     assert amax == ref_amax == np.abs(ref.astype(np.float32)).max()
+
+
+@pytest.mark.parametrize("activation", GATED)
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_emulated_backward_recomputes_the_forward_bits(act_lib, monkeypatch, activation, layout, dtype):
+    """The gated backward's `out` is the compiled forward's output bit for bit (each activation's body, both
+    layouts, in place, a partial last block), and writes nothing outside it."""
+    import kernel_emulator as emu
+
+    from cuengine.kernels import activations as A
+
+    monkeypatch.setattr(A, "launch", lambda *a, **kw: emu.launch(act_lib, *a))
+    n, h = 41, 48
+    r = rng(13)
+    np_dt = ce.dtype(dtype).np
+    x = (r.standard_normal((n, 2 * h)) * 4).astype(np_dt)
+    d = r.standard_normal((n, h)).astype(np_dt)
+    xt, dt = emu.tensor(x, dtype, "x"), emu.tensor(d, dtype, "d")
+    y, out = emu.tensor(np.zeros((n, h)), dtype, "y"), emu.tensor(np.zeros((n, h)), dtype, "out")
+    activation_forward(y, xt, activation, layout)
+    activation_backward(xt, dt, xt, activation, layout, out=out)
+    assert all(emu.margins_ok(t) for t in (xt, dt, y, out))
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), y.numpy().view(np.uint8))
+    assert_close(xt.numpy(), activation_backward_np(d, x, activation, layout), dtype, "dinp in place")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_aligned, check_vector_width, expect, same_device
+from .._checks import check_aligned, check_vector_width, expect, overlaps, same_device
 from ..dtypes import BF16, FP8_E4M3, FP16, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
 from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
@@ -237,7 +237,8 @@ def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split
     _launch("forward_quant", (out_fp8, inp, out_fp8.stats), inp, activation, layout, N, H, dev, stream)
 
 
-def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None) -> None:
+def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None,
+                        out=None) -> None:  # fmt: skip
     """dinp = d activation(inp) / d inp . dout, in inp's shape and layout.
 
     Args:
@@ -246,21 +247,36 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         inp: (N, H) plain or (N, 2H) gated, the forward's input.
         activation, layout: as for activation_forward.
         abs_max: optional (1,) fp32; max-accumulates |dinp|.
-    NumPy equivalent: activation_backward_np.
+        out: optional (N, H), gated activations only: also written (=) with activation(inp), the bits
+            activation_forward writes. A training step that dropped the output recomputes it here, in
+            the pass that already reads the gate and up values, instead of in a pass of its own.
+    NumPy equivalent: activation_backward_np (and activation_forward_np for out).
     """
     N, H = _shapes("activation_backward", ("dout", dout, None), inp, activation, layout)
     expect(dinp, "activation_backward dinp", inp.dtype, inp.shape)
     if abs_max is not None:
         expect(abs_max, "activation_backward abs_max", FP32, (1,))
-    dev = same_device(dinp, dout, inp, abs_max)
+    if out is not None:
+        if activation not in GATED:
+            raise ValueError(f"activation_backward out: only gated activations write the forward's output, "
+                             f"not {activation!r}")  # fmt: skip
+        expect(out, "activation_backward out", inp.dtype, dout.shape)
+        if overlaps(out, inp) or overlaps(out, dinp) or overlaps(out, dout):
+            raise ValueError(f"activation_backward out: tensor {out.name!r} overlaps inp, dinp or dout")
+    dev = same_device(dinp, dout, inp, abs_max, out)
     if dev.is_cpu:
-        dx = activation_backward_np(dout.array(), inp.array(), activation, layout)
-        write_twin_results(((dinp, dx),), abs_max, dx)
+        x = inp.array()
+        results = [] if out is None else [(out, activation_forward_np(x, activation, layout))]
+        dx = activation_backward_np(dout.array(), x, activation, layout)
+        write_twin_results([*results, (dinp, dx)], abs_max, dx)
         return
     if N * H == 0:
         return
-    check_aligned("activation_backward", dinp, dout, inp)
-    _launch("backward", (dinp, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
+    check_aligned("activation_backward", dinp, dout, inp, *([] if out is None else [out]))
+    if activation in GATED:
+        _launch("backward", (dinp, out, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
+    else:
+        _launch("backward", (dinp, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
 
 
 # The model's FFN names: SwiGLU on its packed [gate | up] projection, the same kernels as ops.mlp's.
@@ -274,6 +290,7 @@ def swiglu_forward_quant(out_fp8, inp, stream=None) -> None:
     activation_forward_quant(out_fp8, inp, "swiglu", "split", stream)
 
 
-def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None) -> None:
-    """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself. See activation_backward."""
-    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream)
+def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None, out=None) -> None:
+    """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself; with `out`, swiglu_forward's
+    output too (the recompute of a dropped output). See activation_backward."""
+    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream, out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,8 +140,10 @@ class Blocks:
         k.matmul(out, inp.quant, self.weights.fp8[wname], bias)
 
     def qmm_backward(self, dinp, dweight, dbias, dout: QuantTensor, inp: QuantTensor, wname: str,
-                     reuse_inp: bool, stored_tp: bool = False) -> None:  # fmt: skip
+                     reuse_inp: bool, stored_tp: bool = False, after_dinp=None) -> None:  # fmt: skip
         """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
+
+        `after_dinp()`, if given, runs once dinp is written and before dweight reads inp (it may write inp).
 
         FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
         both GEMMs are TN, so they read W's transposed E4M3 copy (made with W8 after each update)
@@ -154,6 +157,8 @@ class Blocks:
             k.bias_backward(dbias, dout.value, self.rs.bias_scratch)
         if dout.quant is None:
             k.matmul(dinp, dout.value, self.weights[wname], trans_b=False)
+            if after_dinp is not None:
+                after_dinp()
             k.matmul(dweight, dout.value, inp.value, trans_a=True, trans_b=False, accumulate=True)
             return
         OC, C = dout.value.shape[-1], inp.value.shape[-1]
@@ -162,6 +167,8 @@ class Blocks:
         grad_tp = grad_raw.with_stats(dout.quant.stats)
         k.quantize_dual(dout.quant, grad_tp, dout.value)  # one read of dout for both copies
         k.matmul(dinp, dout.quant, self.weights.fp8_tp[wname])  # (N, OC) · (C, OC)ᵀ
+        if after_dinp is not None:
+            after_dinp()
         if stored_tp:
             k.matmul(dweight, grad_tp, inp.quant.reshape(C, N), accumulate=True)  # (OC, N) · (C, N)ᵀ
             stack.free(grad_raw)
@@ -267,11 +274,9 @@ class Blocks:
                 k.rmsnorm_forward(a.ln2.value, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
         if o.rc_mlp_up_at(i):  # ln2 recomputed above (rc_ln2), else as forward left it: its own or its FP8 copy
             self.qmm_forward(mlp_up, a.ln2, p + "up_w", reuse_quant=not o.rc_ln2)
-        if o.rc_swiglu:
-            if a.swiglu.quant is not None:  # backward only reads the FP8 copy: write it, with the stored abs-max
-                k.swiglu_forward_quant(a.swiglu.quant, mlp_up)
-            else:
-                k.swiglu_forward(a.swiglu.value, mlp_up)
+        if o.rc_swiglu and a.swiglu.quant is not None:  # backward reads only the FP8 copy: with the stored abs-max
+            k.swiglu_forward_quant(a.swiglu.quant, mlp_up)
+        # without FP8, backward_block's SwiGLU backward writes the output as it reads mlp_up (one pass fewer)
 
     def backward_block(self, i: int, a: LayerActivations, g: LayerGradients, mlp_up) -> None:
         """From g.d_res_ffn: g.d_res_att (the residual's gradient so far) and g.d_ln1, and this
@@ -282,11 +287,14 @@ class Blocks:
         Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
         stack = rs.stack
         # MLP down: the gradient of the block output is d_res_ffn
+        d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
+        recompute = a.swiglu.value if o.rc_swiglu and a.swiglu.quant is None else None
         with stack.temporary(rs.dtype, (B, T, H), "d_swiglu") as d_swiglu:
+            # between the down GEMMs: the SwiGLU output it recomputes is what the dweight GEMM reads
+            swiglu_backward = functools.partial(k.swiglu_backward, d_mlp_up.value, d_swiglu, mlp_up,
+                                                abs_max=d_mlp_up.abs_max, out=recompute)  # fmt: skip
             self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True,
-                              stored_tp=self.stored_tp["swiglu"])  # fmt: skip
-            d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
-            k.swiglu_backward(d_mlp_up.value, d_swiglu, mlp_up, abs_max=d_mlp_up.abs_max)
+                              stored_tp=self.stored_tp["swiglu"], after_dinp=swiglu_backward)  # fmt: skip
         # MLP up
         with self._quant_on_stack(d_mlp_up) as d_mlp_up:
             self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm,
