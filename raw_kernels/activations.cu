@@ -2,7 +2,8 @@
 //
 //   plain:  out = f(x)               x (N, H) -> out (N, H);  dinp = dout * f'(x)                  (=)
 //   gated:  out = f(gate) * up       x (N, 2H) -> out (N, H); dinp = [dgate, dup] in x's layout  (=)
-//           the gated backward may also write out (a dropped output recomputed in the same pass)
+//           the gated backward may also write out (a dropped output recomputed in the same pass), or
+//           out's E4M3 copy transposed (H, N) (gated_backward_quant_tp: a tile per block)
 //           swiglu_oai: out = g * sigmoid(1.702 g) * (u + 1), g = min(gate, 7), u = clip(up, -7, 7)
 //   layouts of x for gated: split = [gate | up] halves of each row; interleaved = gate at even
 //   columns, up at odd columns.
@@ -174,6 +175,15 @@ __device__ __forceinline__ void for_each_gated(const T* inp, long long N, int H,
 
 template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
 
+// The scale of an E4M3 output from the abs-max in its stats slot: 448 / abs_max, 1 when abs_max is 0 or
+// not finite. Block 0 writes scale and scale_inv beside the abs-max, which it only reads.
+__device__ __forceinline__ float e4m3_output_scale(float* slot) {
+    const float a = slot[STAT_ABS_MAX];
+    const float scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
+    if (blockIdx.x == 0 && threadIdx.x == 0) slot[STAT_SCALE] = scale, slot[STAT_SCALE_INV] = 1.f / scale;
+    return scale;
+}
+
 // Where the values a thread computes go, VN at a time. By default T values, with |value|
 // max-accumulated into the block's abs-max (slot may be null). QUANT: E4M3 bytes of value * scale
 // (SATFINITE RNE), scale = 448 / abs_max read from the output's FP8 stats (slot), 1 when abs_max is
@@ -186,11 +196,7 @@ template <typename T, bool QUANT = false> struct VecStore {
     float scale = 1.f;
     unsigned amax = 0;
     __device__ __forceinline__ VecStore(void* out_, float* slot_) : out(out_), slot(slot_) {
-        if constexpr (QUANT) {
-            const float a = slot[STAT_ABS_MAX];
-            scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
-            if (blockIdx.x == 0 && threadIdx.x == 0) slot[STAT_SCALE] = scale, slot[STAT_SCALE_INV] = 1.f / scale;
-        }
+        if constexpr (QUANT) scale = e4m3_output_scale(slot);
     }
     // out[i .. i + VN) = y
     __device__ __forceinline__ void operator()(size_t i, const Pack16<T>& y) {
@@ -292,20 +298,94 @@ __device__ __forceinline__ unsigned gated_backward_item(T* dinp, T* out, const T
     return gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)row, j, H);
 }
 
-template <typename T, bool INTERLEAVED>
-__device__ void gated_backward_impl(T* dinp, T* out, const T* dout, const T* inp, float* abs_max, int act,
-                                    long long N, int H) {
-    unsigned amax;
-    switch (act) {
-        case ACT_SILU: amax = gated_backward_item<T, INTERLEAVED, ACT_SILU>(dinp, out, dout, inp, N, H); break;
-        case ACT_GELU: amax = gated_backward_item<T, INTERLEAVED, ACT_GELU>(dinp, out, dout, inp, N, H); break;
-        case ACT_RELU: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU>(dinp, out, dout, inp, N, H); break;
-        case ACT_RELU_SQ: amax = gated_backward_item<T, INTERLEAVED, ACT_RELU_SQ>(dinp, out, dout, inp, N, H); break;
-        case ACT_SWIGLU_OAI:
-            amax = gated_backward_item<T, INTERLEAVED, ACT_SWIGLU_OAI>(dinp, out, dout, inp, N, H);
-            break;
-        default: amax = gated_backward_item<T, INTERLEAVED, ACT_SIGMOID>(dinp, out, dout, inp, N, H);
+// The gated backward of one tile of TILE_ROWS rows by TILE_OUTS outputs that also writes the forward's output
+// as E4M3, transposed into out_tp (H, N): the bytes activation_forward_quant and then a byte transpose would
+// write, for an FP8 weight-gradient GEMM that reads the dropped output's transposed copy. Thread (a, b) =
+// (tid / 8, tid % 8) takes rows 4a..4a+3 and outputs 8b..8b+7 of the tile, all its loads issued before
+// any use; the four rows' bytes of an output meet in one 32-bit word of shared memory (fp8.cu's
+// transpose_tile: pitch 33 words, conflict-free both ways) and leave in 16-byte runs along N.
+constexpr int TILE_ROWS = 128, TILE_OUTS = 64;
+
+template <typename T, bool INTERLEAVED, int ACT>
+__device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned char* out_tp, float scale, const T* dout,
+                                                           const T* inp, long long N, int H, unsigned (*tile)[33]) {
+    constexpr int VN = Pack16<T>::N, P = 8 / VN;  // packs per thread and row
+    const int b = threadIdx.x % 8, a = threadIdx.x / 8;
+    const int col_tiles = (H + TILE_OUTS - 1) / TILE_OUTS;
+    const long long n0 = (long long)(blockIdx.x / col_tiles) * TILE_ROWS;
+    const int j0 = (int)(blockIdx.x % col_tiles) * TILE_OUTS + 8 * b;
+    Pack16<T> ga[4][P], ub[4][P], d[4][P];
+    bool have[4][P];
+    for (int r = 0; r < 4; ++r) {
+        const long long n = n0 + 4 * a + r;
+        for (int p = 0; p < P; ++p) {
+            const int j = j0 + p * VN;
+            have[r][p] = n < N && j < H;
+            if (!have[r][p]) continue;
+            load_gate_up_packs<T, INTERLEAVED>(inp + (size_t)n * 2 * H, j, H, ga[r][p], ub[r][p]);
+            d[r][p] = Pack16<T>::load(dout + (size_t)n * H + j);
+        }
     }
+    unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, m = 0;
+    for (int r = 0; r < 4; ++r) {
+        for (int p = 0; p < P; ++p) {
+            if (!have[r][p]) continue;
+            float g[VN], u[VN];
+            unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
+            for (int k = 0; k < VN; ++k) {
+                const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
+                words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
+            }
+            m = max(m, gated_grad_store<T, INTERLEAVED, ACT>(dinp, ga[r][p], ub[r][p], d[r][p],
+                                                             (size_t)(n0 + 4 * a + r), j0 + p * VN, H));
+        }
+    }
+    for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
+    __syncthreads();
+    for (int h = 0; h < 2; ++h) {
+        const int idx = threadIdx.x + 256 * h, run = idx % 8, c = idx / 8;
+        const int oc = (int)(blockIdx.x % col_tiles) * TILE_OUTS + c;
+        const long long on = n0 + 16 * run;
+        if (oc >= H || on >= N) continue;
+        const uint4 w = make_uint4(tile[c][4 * run], tile[c][4 * run + 1], tile[c][4 * run + 2], tile[c][4 * run + 3]);
+        unsigned char* dst = out_tp + (size_t)oc * N + on;
+        if (N % 16 == 0) {
+            *reinterpret_cast<uint4*>(dst) = w;
+        } else {
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+            for (int e = 0; e < 16 && on + e < N; ++e) dst[e] = (unsigned char)(ws[e / 4] >> (8 * (e % 4)));
+        }
+    }
+    return m;
+}
+
+// The gated backward, one item per thread (out: T (N, H) or null), or with TP one tile per block (out:
+// E4M3 (H, N), scale its quantisation scale, tile the block's TILE_OUTS rows of shared memory).
+template <typename T, bool INTERLEAVED, int ACT, bool TP>
+__device__ __forceinline__ unsigned gated_backward_body(T* dinp, void* out, float scale, const T* dout, const T* inp,
+                                                        long long N, int H, unsigned (*tile)[33]) {
+    if constexpr (TP)
+        return gated_backward_tile_tp<T, INTERLEAVED, ACT>(dinp, static_cast<unsigned char*>(out), scale, dout, inp,
+                                                           N, H, tile);
+    else
+        return gated_backward_item<T, INTERLEAVED, ACT>(dinp, static_cast<T*>(out), dout, inp, N, H);
+}
+
+template <typename T, bool INTERLEAVED, bool TP>
+__device__ void gated_backward_impl(T* dinp, void* out, float scale, const T* dout, const T* inp, float* abs_max,
+                                    int act, long long N, int H) {
+    __shared__ unsigned tile[TP ? TILE_OUTS : 1][33];  // one array for every activation's body
+    unsigned amax;
+#define BODY(A) gated_backward_body<T, INTERLEAVED, A, TP>(dinp, out, scale, dout, inp, N, H, tile)
+    switch (act) {
+        case ACT_SILU: amax = BODY(ACT_SILU); break;
+        case ACT_GELU: amax = BODY(ACT_GELU); break;
+        case ACT_RELU: amax = BODY(ACT_RELU); break;
+        case ACT_RELU_SQ: amax = BODY(ACT_RELU_SQ); break;
+        case ACT_SWIGLU_OAI: amax = BODY(ACT_SWIGLU_OAI); break;
+        default: amax = BODY(ACT_SIGMOID);
+    }
+#undef BODY
     if (abs_max) block_atomic_abs_max(abs_max, amax);
 }
 
@@ -327,7 +407,14 @@ __device__ void gated_backward_impl(T* dinp, T* out, const T* dout, const T* inp
         gated_backward_##LAYOUT##_##SUF(T* dinp, T* out, const T* dout, const T* inp, float* abs_max, int act, \
                                         long long N, int H) {                                                 \
         grid_dependency_wait();                                                                                \
-        gated_backward_impl<T, INTERLEAVED>(dinp, out, dout, inp, abs_max, act, N, H);                         \
+        gated_backward_impl<T, INTERLEAVED, false>(dinp, out, 1.f, dout, inp, abs_max, act, N, H);             \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GATED_THREADS) gated_backward_quant_tp_##LAYOUT##_##SUF(      \
+        T* dinp, fp8e4* out_tp, float* stats, const T* dout, const T* inp, float* abs_max, int act, long long N, \
+        int H) {                                                                                               \
+        grid_dependency_wait();                                                                                \
+        gated_backward_impl<T, INTERLEAVED, true>(dinp, out_tp, e4m3_output_scale(stats), dout, inp, abs_max,  \
+                                                  act, N, H);                                                  \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \

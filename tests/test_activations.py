@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import ROWS, assert_close, check_op, finite_difference, rng, tensors
+from conftest import ROWS, assert_close, check_op, finite_difference, garbage, rng, tensors
 
 import cuengine as ce
 from cuengine.kernels.activations import (
@@ -17,7 +17,6 @@ from cuengine.kernels.activations import (
     activation_forward_quant,
     swiglu_backward,
     swiglu_forward,
-    swiglu_forward_quant,
 )
 
 PLAIN = tuple(a for a in ACTIVATIONS if a not in GATED)
@@ -170,6 +169,34 @@ def test_gated_backward_recomputes_the_output(dev, activation, layout, in_place)
     assert_close(t["out"].numpy(), activation_forward_np(x, activation, layout), "bf16", "recomputed out")
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("swiglu_oai", "interleaved")])
+@pytest.mark.parametrize("n,h", [(37, 40), (160, 136)])  # N % 16 != 0 (byte stores), partial tiles; 16-byte runs
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gated_backward_writes_the_transposed_fp8_output(dev, activation, layout, n, h, in_place):
+    """With `out_fp8_tp` the gated backward also writes the forward's E4M3 copy transposed (H, N), the bits
+    activation_forward_quant writes, with its stats, and dinp and its abs-max are unchanged (the FP8 step's
+    recompute of a dropped SwiGLU output)."""
+    r = rng(14)
+    x = (r.standard_normal((n, 2 * h)) * 3).astype(ce.BF16.np)
+    d = r.standard_normal((n, h)).astype(ce.BF16.np)
+    t = tensors(dev, x=x, x2=x, d=d, dx=np.zeros_like(x), amax=np.zeros(1, np.float32),
+                amax2=np.zeros(1, np.float32))  # fmt: skip
+    activation_backward(t["dx"], t["d"], t["x"], activation, layout, abs_max=t["amax"])
+    q = ce.Tensor.empty(ce.FP8_E4M3, (n, h), dev, name="q")
+    q.set_fp8_stats(5.0, 0.0, 0.0)
+    activation_forward_quant(q, t["x"], activation, layout)
+    qt = garbage(ce.Tensor.empty(ce.FP8_E4M3, (h, n), dev, name="qt")).set_fp8_stats(5.0, 0.0, 0.0)
+    dinp = t["x2"] if in_place else ce.Tensor.from_numpy(np.zeros_like(x), dev, name="dinp")
+    activation_backward(dinp, t["d"], t["x2"], activation, layout, abs_max=t["amax2"], out_fp8_tp=qt)
+    np.testing.assert_array_equal(qt.numpy().view(np.uint8), q.numpy().view(np.uint8).T)
+    np.testing.assert_array_equal(qt.fp8_stats(), q.fp8_stats())
+    np.testing.assert_array_equal(dinp.numpy().view(np.uint16), t["dx"].numpy().view(np.uint16))
+    np.testing.assert_array_equal(t["amax2"].numpy(), t["amax"].numpy())
+    _, scale, _ = ce.tensor.stats_values(5.0, ce.FP8_E4M3)
+    want = np.clip(activation_forward_np(x, activation, layout).astype(np.float32) * np.float32(scale), -448, 448)
+    assert_close(qt.numpy().astype(np.float32).T, want, "e4m3", "transposed fp8 output")
+
+
 @pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("geglu", "interleaved"), ("relu_sq", "split")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("amax", [0.0, 3.0, 1e-3])
@@ -179,10 +206,7 @@ def test_forward_quant(dev, activation, layout, dtype, amax):
     out = ce.Tensor.empty(ce.FP8_E4M3, y.shape, dev, name="q")
     out.abs_max.copy_from_numpy(np.array([amax], np.float32))
     inp = ce.Tensor.from_numpy(x, dev, name="x")
-    if (activation, layout) == ("swiglu", "split"):
-        swiglu_forward_quant(out, inp)
-    else:
-        activation_forward_quant(out, inp, activation, layout)
+    activation_forward_quant(out, inp, activation, layout)
     scale = np.float32(448.0) / np.float32(amax) if amax else np.float32(1)
     stats = out.fp8_stats()
     np.testing.assert_array_equal(stats, np.array([amax, scale, np.float32(1) / scale], np.float32))
@@ -199,6 +223,13 @@ def test_forward_quant(dev, activation, layout, dtype, amax):
 # ---- errors --------------------------------------------------------------------------------------
 def _t(shape, dtype=np.float32):
     return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name="t")
+
+
+def _fp8(shape, stats=True):
+    t = ce.Tensor.empty(ce.FP8_E4M3, shape, "cpu", name="q")
+    if not stats:
+        t.stats = None
+    return t
 
 
 def _recompute_into_inp():
@@ -220,11 +251,11 @@ def _recompute_into_inp():
         (lambda: activation_forward(_t((4, 8)), _t((4, 16)), "swiglu", abs_max=_t((2,))), r"abs_max: expected shape"),
         (lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 16)), "glu"), r"dinp: expected shape \(4, 16\)"),
         (lambda: activation_backward(_t((4, 16)), _t((4, 16)), _t((4, 16)), "glu"), r"dout: expected shape \(4, 8\)"),
-        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 16))), "expected dtype e4m3"),
-        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 15))), r"needs \(\.\.\., 2H\)"),
-        (lambda: swiglu_forward_quant(_t((4, 8)), _t((4, 12))), "H = 6 must be a multiple of 4"),
+        (lambda: activation_forward_quant(_t((4, 8)), _t((4, 16)), "swiglu"), "expected dtype e4m3"),
+        (lambda: activation_forward_quant(_t((4, 8)), _t((4, 15)), "swiglu"), r"needs \(\.\.\., 2H\)"),
+        (lambda: activation_forward_quant(_t((4, 8)), _t((4, 12)), "swiglu"), "H = 6 must be a multiple of 4"),
         (
-            lambda: swiglu_forward_quant(ce.Tensor.empty(ce.FP8_E4M3, (4, 4), "cpu"), _t((4, 16))),
+            lambda: activation_forward_quant(ce.Tensor.empty(ce.FP8_E4M3, (4, 4), "cpu"), _t((4, 16)), "swiglu"),
             r"out_fp8: expected shape \(4, 8\)",
         ),
         (lambda: activation_forward_quant(_t((4, 8)), _t((4, 8)), "relu", "rows"), "unknown layout 'rows'"),
@@ -238,6 +269,23 @@ def _recompute_into_inp():
             "expected dtype fp32",
         ),
         (_recompute_into_inp, "overlaps inp, dinp or dout"),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out=_t((4, 8)), out_fp8_tp=_fp8((8, 4))),
+            "out or out_fp8_tp, not both",
+        ),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out_fp8_tp=_fp8((4, 8))),
+            r"expected shape \(8, 4\)",
+        ),
+        (lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out_fp8_tp=_t((8, 4))), "expected dtype e4m3"),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out_fp8_tp=_fp8((8, 4), stats=False)),
+            "carries no FP8 stats",
+        ),
+        (
+            lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 8)), "relu", out_fp8_tp=_fp8((8, 4))),
+            "out_fp8_tp: only gated",
+        ),
     ],
 )
 def test_errors(call, match):
@@ -249,7 +297,7 @@ def test_quant_needs_stats():
     out = ce.Tensor.empty(ce.FP8_E4M3, (4, 8), "cpu", name="q")
     out.stats = None
     with pytest.raises(ValueError, match="carries no FP8 stats"):
-        swiglu_forward_quant(out, _t((4, 16)))
+        activation_forward_quant(out, _t((4, 16)), "swiglu")
 
 
 # ---- gpu: cuda against the twin ---------------------------------------------------------------
@@ -321,9 +369,27 @@ def test_cuda_forward_quant_equals_forward_then_quantise(cuda, activation, layou
 def act_lib(tmp_path_factory):
     import kernel_emulator as emu
 
-    names = [f"gated_{way}_{lay}_{t}" for way in ("backward", "forward") for lay in ("split", "interleaved")
-             for t in ("f32", "bf16", "f16")]  # fmt: skip
+    ways = ("backward", "forward", "backward_quant_tp", "forward_quant")
+    names = [
+        f"gated_{way}_{lay}_{t}" for way in ways for lay in ("split", "interleaved") for t in ("f32", "bf16", "f16")
+    ]
     return emu.or_skip(emu.build("activations", names, tmp_path_factory.mktemp("activations_emu")))
+
+
+def _emulated_inputs(act_lib, monkeypatch, dtype, n, h, seed):
+    """The activations launchers redirected to the emulator, recording their grids; (grids, x (n, 2h), d (n, h),
+    and x and d as emulated tensors)."""
+    import kernel_emulator as emu
+
+    from cuengine.kernels import activations as A
+
+    grids = []
+    monkeypatch.setattr(A, "launch", lambda *a, **kw: grids.append(a[2]) or emu.launch(act_lib, *a))
+    r = rng(seed)
+    np_dt = ce.dtype(dtype).np
+    x = (r.standard_normal((n, 2 * h)) * 4).astype(np_dt)
+    d = r.standard_normal((n, h)).astype(np_dt)
+    return grids, x, d, emu.tensor(x, dtype, "x"), emu.tensor(d, dtype, "d")
 
 
 def _emulated_backward(act_lib, monkeypatch, dtype, activation, layout, n, h, in_place):
@@ -331,15 +397,8 @@ def _emulated_backward(act_lib, monkeypatch, dtype, activation, layout, n, h, in
     block partly past the end; (dinp, abs_max, the twin's dinp, margins untouched)."""
     import kernel_emulator as emu
 
-    from cuengine.kernels import activations as A
-
-    grids = []
-    monkeypatch.setattr(A, "launch", lambda *a, **kw: grids.append(a[2]) or emu.launch(act_lib, *a))
-    r = rng(11)
-    np_dt = ce.dtype(dtype).np
-    x = (r.standard_normal((n, 2 * h)) * 4).astype(np_dt)
-    d = r.standard_normal((n, h)).astype(np_dt)
-    xt, dt, amax = emu.tensor(x, dtype, "x"), emu.tensor(d, dtype, "d"), emu.tensor(np.zeros(1), "fp32", "amax")
+    grids, x, d, xt, dt = _emulated_inputs(act_lib, monkeypatch, dtype, n, h, 11)
+    amax = emu.tensor(np.zeros(1), "fp32", "amax")
     dx = xt if in_place else emu.tensor(np.zeros_like(x), dtype, "dx")
     activation_backward(dx, dt, xt, activation, layout, abs_max=amax)
     vecs = n * h // (16 // ce.dtype(dtype).itemsize)
@@ -396,3 +455,36 @@ def test_emulated_backward_recomputes_the_forward_bits(act_lib, monkeypatch, act
     assert all(emu.margins_ok(t) for t in (xt, dt, y, out))
     np.testing.assert_array_equal(out.numpy().view(np.uint8), y.numpy().view(np.uint8))
     assert_close(xt.numpy(), activation_backward_np(d, x, activation, layout), dtype, "dinp in place")
+
+
+def _emu_fp8(shape, name):
+    import kernel_emulator as emu
+
+    t = emu.tensor(np.full(shape, np.nan), "e4m3", name)
+    t.stats = emu.tensor(np.zeros(ce.tensor.STATS_SLOTS), "fp32", name + ".stats")
+    t.stats.array()[ce.tensor.STAT_ABS_MAX] = 5.0
+    return t
+
+
+@pytest.mark.parametrize("activation", GATED)
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+@pytest.mark.parametrize("dtype,n,h", [("bf16", 41, 48), ("bf16", 160, 136), ("fp32", 160, 36), ("fp32", 41, 132)])
+def test_emulated_backward_writes_the_transposed_fp8_forward(act_lib, monkeypatch, activation, layout, dtype, n, h):
+    """The tile variant's out_fp8_tp is the compiled forward_quant's output transposed, bit for bit (16-byte
+    runs where N % 16 == 0, bytes where not; partial row and column tiles), its dinp and abs-max those of the
+    one-vector-a-thread backward, in place, with nothing written outside the tensors."""
+    import kernel_emulator as emu
+
+    grids, x, d, xt, dt = _emulated_inputs(act_lib, monkeypatch, dtype, n, h, 15)
+    dx = emu.tensor(np.zeros_like(x), dtype, "dx")
+    amax, amax2 = emu.tensor(np.zeros(1), "fp32", "amax"), emu.tensor(np.zeros(1), "fp32", "amax2")
+    q, qt = _emu_fp8((n, h), "q"), _emu_fp8((h, n), "qt")
+    activation_forward_quant(q, xt, activation, layout)
+    activation_backward(dx, dt, xt, activation, layout, abs_max=amax)
+    activation_backward(xt, dt, xt, activation, layout, abs_max=amax2, out_fp8_tp=qt)
+    assert grids[-1] == -(-n // 128) * -(-h // 64)
+    assert all(emu.margins_ok(t) for t in (xt, dt, dx, q, qt, amax, amax2, q.stats, qt.stats))
+    np.testing.assert_array_equal(qt.numpy().view(np.uint8), q.numpy().view(np.uint8).T)
+    np.testing.assert_array_equal(qt.stats.numpy(), q.stats.numpy())
+    np.testing.assert_array_equal(xt.numpy().view(np.uint8), dx.numpy().view(np.uint8))
+    assert amax.numpy()[0] == amax2.numpy()[0] > 0

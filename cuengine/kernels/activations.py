@@ -168,14 +168,21 @@ def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: 
     The gated backward takes one vector per thread and a grid that covers them all: a grid-stride loop
     over one wave of resident blocks, or over 16 blocks per SM, kept a thread's next loads behind its
     stores and reached 85-92% of copy on the H200, one vector per thread 96-99%. Its grid.x (up to
-    2^31 - 1) is never the limit: that many blocks of 256 vectors would be terabytes."""
+    2^31 - 1) is never the limit: that many blocks of 256 vectors would be terabytes. Its "backward_quant_tp"
+    variant takes a tile of 128 rows by 64 outputs per block, the transposed E4M3 output's bytes passing
+    through shared memory."""
     vecs = N * H // (16 // inp.dtype.itemsize)
     if activation in GATED:
         name, sizes = kernel_name(f"gated_{kernel}_{layout}", inp), (np.int64(N), np.int32(H))
     else:
         name, sizes = kernel_name(f"act_{kernel}", inp), (np.int64(vecs),)
     args = (*tensors, np.int32(_ACT_ID[activation]), *sizes)
-    grid = ceil_div(vecs, 256) if activation in GATED and kernel == "backward" else grid_size(dev, vecs, 256)
+    if kernel == "backward_quant_tp":  # tiles of 128 rows by 64 outputs (TILE_ROWS, TILE_OUTS)
+        grid = ceil_div(N, 128) * ceil_div(H, 64)
+    elif activation in GATED and kernel == "backward":
+        grid = ceil_div(vecs, 256)
+    else:
+        grid = grid_size(dev, vecs, 256)
     launch(FAMILY, name, grid, 256, args, dev, stream, dependent=True)
 
 
@@ -237,8 +244,18 @@ def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split
     _launch("forward_quant", (out_fp8, inp, out_fp8.stats), inp, activation, layout, N, H, dev, stream)
 
 
+def _check_recompute_output(name: str, out, dtype, shape, activation: str, dinp, dout, inp) -> None:
+    """`out` (activation_backward's out or out_fp8_tp) as the gated backward can write it."""
+    what = f"activation_backward {name}"
+    if activation not in GATED:
+        raise ValueError(f"{what}: only gated activations write the forward's output, not {activation!r}")
+    expect(out, what, dtype, shape)
+    if overlaps(out, inp) or overlaps(out, dinp) or overlaps(out, dout):
+        raise ValueError(f"{what}: tensor {out.name!r} overlaps inp, dinp or dout")
+
+
 def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None,
-                        out=None) -> None:  # fmt: skip
+                        out=None, out_fp8_tp=None) -> None:  # fmt: skip
     """dinp = d activation(inp) / d inp . dout, in inp's shape and layout.
 
     Args:
@@ -250,30 +267,45 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         out: optional (N, H), gated activations only: also written (=) with activation(inp), the bits
             activation_forward writes. A training step that dropped the output recomputes it here, in
             the pass that already reads the gate and up values, instead of in a pass of its own.
-    NumPy equivalent: activation_backward_np (and activation_forward_np for out).
+        out_fp8_tp: optional (H, N) e4m3 with an FP8 stats slot, gated activations only, not with `out`:
+            written (=) with the transpose of what activation_forward_quant writes, stats too. The FP8
+            step's recompute of its dropped output, in the layout its weight-gradient GEMM reads.
+    NumPy equivalent: activation_backward_np (and activation_forward_np for out, activation_forward_quant_np
+    transposed for out_fp8_tp).
     """
     N, H = _shapes("activation_backward", ("dout", dout, None), inp, activation, layout)
     expect(dinp, "activation_backward dinp", inp.dtype, inp.shape)
     if abs_max is not None:
         expect(abs_max, "activation_backward abs_max", FP32, (1,))
     if out is not None:
-        if activation not in GATED:
-            raise ValueError(f"activation_backward out: only gated activations write the forward's output, "
-                             f"not {activation!r}")  # fmt: skip
-        expect(out, "activation_backward out", inp.dtype, dout.shape)
-        if overlaps(out, inp) or overlaps(out, dinp) or overlaps(out, dout):
-            raise ValueError(f"activation_backward out: tensor {out.name!r} overlaps inp, dinp or dout")
-    dev = same_device(dinp, dout, inp, abs_max, out)
+        _check_recompute_output("out", out, inp.dtype, dout.shape, activation, dinp, dout, inp)
+    if out_fp8_tp is not None:
+        if out is not None:
+            raise ValueError("activation_backward: give out or out_fp8_tp, not both")
+        _check_recompute_output("out_fp8_tp", out_fp8_tp, FP8_E4M3, (H, N), activation, dinp, dout, inp)
+        if out_fp8_tp.stats is None:
+            raise ValueError(f"activation_backward out_fp8_tp: tensor {out_fp8_tp.name!r} carries no FP8 stats slot")
+    stats = None if out_fp8_tp is None else out_fp8_tp.stats
+    dev = same_device(dinp, dout, inp, abs_max, out, out_fp8_tp, stats)
     if dev.is_cpu:
         x = inp.array()
         results = [] if out is None else [(out, activation_forward_np(x, activation, layout))]
+        if out_fp8_tp is not None:
+            s = stats.array()
+            q, s[STAT_SCALE], s[STAT_SCALE_INV] = activation_forward_quant_np(x, activation, layout,
+                                                                              float(s[STAT_ABS_MAX]))  # fmt: skip
+            out_fp8_tp.array()[...] = q.reshape(N, H).T
         dx = activation_backward_np(dout.array(), x, activation, layout)
         write_twin_results([*results, (dinp, dx)], abs_max, dx)
         return
     if N * H == 0:
         return
     check_aligned("activation_backward", dinp, dout, inp, *([] if out is None else [out]))
-    if activation in GATED:
+    if out_fp8_tp is not None:
+        check_aligned("activation_backward", out_fp8_tp)
+        tensors = (dinp, out_fp8_tp, stats, dout, inp, abs_max)
+        _launch("backward_quant_tp", tensors, inp, activation, layout, N, H, dev, stream)
+    elif activation in GATED:
         _launch("backward", (dinp, out, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
     else:
         _launch("backward", (dinp, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
@@ -285,12 +317,8 @@ def swiglu_forward(out, inp, abs_max=None, stream=None) -> None:
     activation_forward(out, inp, "swiglu", "split", abs_max, stream)
 
 
-def swiglu_forward_quant(out_fp8, inp, stream=None) -> None:
-    """SwiGLU on the split layout straight to E4M3 (the recompute path). See activation_forward_quant."""
-    activation_forward_quant(out_fp8, inp, "swiglu", "split", stream)
-
-
-def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None, out=None) -> None:
-    """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself; with `out`, swiglu_forward's
-    output too (the recompute of a dropped output). See activation_backward."""
-    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream, out)
+def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None, out=None, out_fp8_tp=None) -> None:
+    """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself; with `out` (or `out_fp8_tp`),
+    swiglu_forward's output (or its E4M3 copy transposed) too: the recompute of a dropped output. See
+    activation_backward."""
+    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream, out, out_fp8_tp)

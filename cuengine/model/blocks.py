@@ -51,7 +51,6 @@ class Kernels:
     attention_forward: Callable = attention.attention_forward
     attention_backward: Callable = attention.attention_backward
     swiglu_forward: Callable = activations.swiglu_forward
-    swiglu_forward_quant: Callable = activations.swiglu_forward_quant
     swiglu_backward: Callable = activations.swiglu_backward
     abs_max: Callable = fp8.abs_max
     quantize_with_abs_max: Callable = fp8.quantize_with_abs_max
@@ -105,6 +104,7 @@ class Blocks:
         # the backward's weight-gradient GEMM reads it without a transpose pass. Only where the copy is
         # one per layer and nothing after the forward reads it untransposed: a shared copy is rewritten
         # by recompute, and a recomputed qkv (rc_qkv) or mlp_up (rc_mlp_up_at) GEMM reads ln1's or ln2's.
+        # (A recomputed SwiGLU output's shared copy is rewritten transposed: backward_block.)
         self.stored_tp = {
             "ln1": not (opts.recompute_rmsnorm or opts.rc_qkv),
             "ln2": not (opts.recompute_rmsnorm or opts.rc_mlp_up),  # and per layer: `_ln2_stored_tp`
@@ -274,9 +274,9 @@ class Blocks:
                 k.rmsnorm_forward(a.ln2.value, a.ln2_rstd, a.res_att, w["ln2_w"], eps)
         if o.rc_mlp_up_at(i):  # ln2 recomputed above (rc_ln2), else as forward left it: its own or its FP8 copy
             self.qmm_forward(mlp_up, a.ln2, p + "up_w", reuse_quant=not o.rc_ln2)
-        if o.rc_swiglu and a.swiglu.quant is not None:  # backward reads only the FP8 copy: with the stored abs-max
-            k.swiglu_forward_quant(a.swiglu.quant, mlp_up)
-        # without FP8, backward_block's SwiGLU backward writes the output as it reads mlp_up (one pass fewer)
+        # a dropped SwiGLU output (rc_swiglu) is rewritten by backward_block's SwiGLU backward as it reads mlp_up,
+        # in FP8 as the transposed E4M3 copy the down projection's weight gradient reads (one pass fewer, and
+        # no transpose)
 
     def backward_block(self, i: int, a: LayerActivations, g: LayerGradients, mlp_up) -> None:
         """From g.d_res_ffn: g.d_res_att (the residual's gradient so far) and g.d_ln1, and this
@@ -288,13 +288,18 @@ class Blocks:
         stack = rs.stack
         # MLP down: the gradient of the block output is d_res_ffn
         d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
-        recompute = a.swiglu.value if o.rc_swiglu and a.swiglu.quant is None else None
+        out = out_tp = None  # where the SwiGLU backward rewrites a dropped output
+        if o.rc_swiglu and a.swiglu.quant is None:
+            out = a.swiglu.value
+        elif o.rc_swiglu:
+            out_tp = a.swiglu.quant.reshape(H, B * T)
         with stack.temporary(rs.dtype, (B, T, H), "d_swiglu") as d_swiglu:
             # between the down GEMMs: the SwiGLU output it recomputes is what the dweight GEMM reads
             swiglu_backward = functools.partial(k.swiglu_backward, d_mlp_up.value, d_swiglu, mlp_up,
-                                                abs_max=d_mlp_up.abs_max, out=recompute)  # fmt: skip
+                                                abs_max=d_mlp_up.abs_max, out=out, out_fp8_tp=out_tp)  # fmt: skip
             self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True,
-                              stored_tp=self.stored_tp["swiglu"], after_dinp=swiglu_backward)  # fmt: skip
+                              stored_tp=self.stored_tp["swiglu"] or out_tp is not None,
+                              after_dinp=swiglu_backward)  # fmt: skip
         # MLP up
         with self._quant_on_stack(d_mlp_up) as d_mlp_up:
             self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm,
