@@ -252,6 +252,10 @@ def swiglu_cases(dev, shrink):
     e = n * h * 2
     yield "swiglu", f"forward ({n}, {2 * h}) bf16", 3 * e, lambda: swiglu_forward(out, inp)
     yield "swiglu", f"backward ({n}, {2 * h}) bf16", 5 * e, lambda: swiglu_backward(dinp, dout, inp)
+    # the FP8 step's: the dropped output rewritten as its E4M3 copy, transposed (one byte an element more)
+    out_tp = ce.Tensor.empty(ce.FP8_E4M3, (h, n), dev).set_fp8_stats(4.0, 0.0, 0.0)
+    bwd_tp = lambda: swiglu_backward(dinp, dout, inp, out_fp8_tp=out_tp)  # noqa: E731
+    yield "swiglu", f"backward + E4M3 out transposed ({n}, {2 * h})", 5 * e + e // 2, bwd_tp
 
 
 CASES = {
