@@ -264,3 +264,32 @@ def test_trace_gemv_summary_of_two_gemvs():
     assert d["span"] == pytest.approx(2.4) and d["late"] == pytest.approx(0.3)
     assert tool.report(records)[2].startswith("qkv 896->1152")
     assert tool.report(records[:3])[2:] == tool.report(records[[0, 2]])[2:]  # an incomplete launch is left out
+
+
+_PTXAS_LOG = """ptxas info    : 176 bytes gmem
+ptxas info    : Compiling entry function 'tile_kernel' for 'sm_90a'
+ptxas info    : Function properties for tile_kernel
+ptxas         .     224 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Function properties for a_called_helper
+ptxas         .     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 224 bytes cumulative stack size, 8576 bytes smem
+ptxas info    : Compile time = 61.366 ms
+ptxas info    : Compiling entry function 'plain_kernel' for 'sm_90a'
+ptxas info    : Function properties for plain_kernel
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers"""
+
+
+def test_ptxas_report_reads_each_kernels_resources():
+    """tools/ptxas_report.py: each kernel's registers, stack frame, spills and shared memory from a ptxas -v
+    log (a called helper's frame not charged to the kernel), and a real family compiled on this machine."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is part of the [cuda] extra")
+    from cuengine.kernels._build import kernel_dir
+
+    tool = load_tool("ptxas_report")
+    assert tool.parse_log(_PTXAS_LOG) == [
+        {"kernel": "tile_kernel", "registers": 128, "stack": 224, "spill_stores": 8, "spill_loads": 12, "smem": 8576},
+        {"kernel": "plain_kernel", "registers": 40, "stack": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0},
+    ]
+    got = {k["kernel"]: k for k in tool.report(kernel_dir() / "rope.cu")}
+    assert "rope_bf16_f32" in got and got["rope_bf16_f32"]["registers"] > 0

@@ -104,14 +104,15 @@ def _headers_digest(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def compile_cubin(path: Path, arch: str) -> tuple[bytes, str]:
+def compile_cubin(path: Path, arch: str, extra_options: tuple[str, ...] = ()) -> tuple[bytes, str]:
     """raw_kernels/<family>.cu compiled by NVRTC to a cubin for `arch` (e.g. "sm_90a"), with
-    COMPILE_OPTIONS, the include paths and the -ftz=true that CuPy adds to the other modules;
-    returns the cubin and the compile log (ptxas performance warnings land there)."""
+    COMPILE_OPTIONS, the include paths and the -ftz=true that CuPy adds to the other modules, then
+    `extra_options`; returns the cubin and the compile log (ptxas performance warnings land there, and
+    with "--ptxas-options=-v" each kernel's registers, stack frame and spills)."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(path.read_bytes(), path.name.encode(), 0, [], [])
-    opts = [o.encode() for o in (f"-arch={arch}", *COMPILE_OPTIONS, *include_options(), "-ftz=true")]
+    opts = [o.encode() for o in (f"-arch={arch}", *COMPILE_OPTIONS, *include_options(), "-ftz=true", *extra_options)]
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
