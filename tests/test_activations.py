@@ -232,6 +232,12 @@ def _fp8(shape, stats=True):
     return t
 
 
+def _recompute_fp8_into_dout():
+    d = _t((4, 8))
+    swiglu_backward(_t((4, 16)), d, _t((4, 16)), out_fp8_tp=ce.Tensor(ce.FP8_E4M3, (8, 4), d.device, d.storage,
+                                                                       name="d_bytes"))  # fmt: skip
+
+
 def _recompute_into_inp():
     x = _t((4, 16))
     swiglu_backward(_t((4, 16)), _t((4, 8)), x, out=ce.Tensor(x.dtype, (4, 8), x.device, x.storage, name="x_head"))
@@ -269,6 +275,7 @@ def _recompute_into_inp():
             "expected dtype fp32",
         ),
         (_recompute_into_inp, "overlaps inp, dinp or dout"),
+        (_recompute_fp8_into_dout, "out_fp8_tp: tensor 'd_bytes' overlaps inp, dinp or dout"),
         (
             lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out=_t((4, 8)), out_fp8_tp=_fp8((8, 4))),
             "out or out_fp8_tp, not both",

@@ -300,9 +300,8 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         return
     if N * H == 0:
         return
-    check_aligned("activation_backward", dinp, dout, inp, *([] if out is None else [out]))
+    check_aligned("activation_backward", dinp, dout, inp, out, out_fp8_tp)  # None skipped
     if out_fp8_tp is not None:
-        check_aligned("activation_backward", out_fp8_tp)
         tensors = (dinp, out_fp8_tp, stats, dout, inp, abs_max)
         _launch("backward_quant_tp", tensors, inp, activation, layout, N, H, dev, stream)
     elif activation in GATED:
