@@ -316,8 +316,10 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned cha
     const int j0 = (int)(blockIdx.x % col_tiles) * TILE_OUTS + 8 * b;
     Pack16<T> ga[4][P], ub[4][P], d[4][P];
     bool have[4][P];
+#pragma unroll
     for (int r = 0; r < 4; ++r) {
         const long long n = n0 + 4 * a + r;
+#pragma unroll
         for (int p = 0; p < P; ++p) {
             const int j = j0 + p * VN;
             have[r][p] = n < N && j < H;
@@ -327,11 +329,14 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned cha
         }
     }
     unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, m = 0;
+#pragma unroll
     for (int r = 0; r < 4; ++r) {
+#pragma unroll
         for (int p = 0; p < P; ++p) {
             if (!have[r][p]) continue;
             float g[VN], u[VN];
             unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
+#pragma unroll
             for (int k = 0; k < VN; ++k) {
                 const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
                 words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
@@ -340,8 +345,10 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned cha
                                                              (size_t)(n0 + 4 * a + r), j0 + p * VN, H));
         }
     }
+#pragma unroll
     for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
     __syncthreads();
+#pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int idx = threadIdx.x + 256 * h, run = idx % 8, c = idx / 8;
         const int oc = (int)(blockIdx.x % col_tiles) * TILE_OUTS + c;
