@@ -16,7 +16,12 @@
 // relu'(0) = 0, and the clamps of swiglu_oai pass the gradient at their bounds.
 // The `_quant` forwards read abs_max from the E4M3 output's stats, write scale = 448 / abs_max (1 when
 // abs_max is 0) and scale_inv = 1 / scale, and store fp8(round_T(out) * scale) with SATFINITE RNE, so
-// they equal the plain forward into T followed by quantisation. H: a multiple of the 16-byte vector width.
+// they equal the plain forward into T followed by quantisation. Given a `scale_src` (delayed scaling: a
+// scale made from earlier steps' abs-maxes) they quantise with *scale_src instead and max-accumulate
+// |round_T(out)| into the stats' abs-max, for the scales of later steps. The gated backward's
+// gated_backward_q_tp variant writes dinp itself that way, in FP8 (E4M3 or E5M2) both as rows (N, 2H) and
+// transposed (2H, N): the two copies an FP8 step's up-projection backward reads, with no bf16 dinp and no
+// quantise pass. H: a multiple of the 16-byte vector width.
 #include "common.cuh"
 
 enum Act { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU = 2, ACT_RELU_SQ = 3, ACT_SIGMOID = 4, ACT_SWIGLU_OAI = 5 };
@@ -175,51 +180,59 @@ __device__ __forceinline__ void for_each_gated(const T* inp, long long N, int H,
 
 template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
 
-// The scale of an E4M3 output from the abs-max in its stats slot: 448 / abs_max, 1 when abs_max is 0 or
-// not finite. Block 0 writes scale and scale_inv beside the abs-max, which it only reads.
-__device__ __forceinline__ float e4m3_output_scale(float* slot) {
-    const float a = slot[STAT_ABS_MAX];
-    const float scale = (a > 0.f && isfinite(a)) ? fp8_limits<fp8e4>::max / a : 1.f;
+// The scale of an FP8 output: *scale_src (delayed scaling) when given, else from the abs-max in its stats
+// slot, fp8_max / abs_max, 1 when abs_max is 0 or not finite. Block 0 writes scale and scale_inv beside the
+// abs-max, which it only reads.
+__device__ __forceinline__ float fp8_output_scale(float* slot, const float* scale_src, float fp8_max) {
+    float scale;
+    if (scale_src) {
+        scale = *scale_src;
+    } else {
+        const float a = slot[STAT_ABS_MAX];
+        scale = (a > 0.f && isfinite(a)) ? fp8_max / a : 1.f;
+    }
     if (blockIdx.x == 0 && threadIdx.x == 0) slot[STAT_SCALE] = scale, slot[STAT_SCALE_INV] = 1.f / scale;
     return scale;
 }
 
 // Where the values a thread computes go, VN at a time. By default T values, with |value|
 // max-accumulated into the block's abs-max (slot may be null). QUANT: E4M3 bytes of value * scale
-// (SATFINITE RNE), scale = 448 / abs_max read from the output's FP8 stats (slot), 1 when abs_max is
-// 0 or not finite; block 0 writes scale and scale_inv, abs_max is only read. The values are rounded
-// to T first either way, so the quantised output equals the T output followed by quantisation.
+// (SATFINITE RNE), scale from fp8_output_scale (the output's FP8 stats are slot): 448 / abs_max, abs_max
+// only read; or with scale_src *scale_src, |value| then max-accumulated into the abs-max. The values are
+// rounded to T first either way, so the quantised output equals the T output followed by quantisation.
 template <typename T, bool QUANT = false> struct VecStore {
     static constexpr int VN = Pack16<T>::N;
     void* out;
     float* slot;
     float scale = 1.f;
+    bool record = !QUANT;  // max-accumulate |value| into slot
     unsigned amax = 0;
-    __device__ __forceinline__ VecStore(void* out_, float* slot_) : out(out_), slot(slot_) {
-        if constexpr (QUANT) scale = e4m3_output_scale(slot);
+    __device__ __forceinline__ VecStore(void* out_, float* slot_, const float* scale_src = nullptr)
+        : out(out_), slot(slot_) {
+        if constexpr (QUANT) scale = fp8_output_scale(slot, scale_src, fp8_limits<fp8e4>::max), record = scale_src;
     }
     // out[i .. i + VN) = y
     __device__ __forceinline__ void operator()(size_t i, const Pack16<T>& y) {
+        if (record)
+            for (int k = 0; k < VN; ++k) amax = max(amax, abs_bits(to_float(y.v[k])));
         if constexpr (QUANT) {
             Bytes<VN> q;
             for (int k = 0; k < VN; ++k) q.b[k] = from_float<fp8e4>(to_float(y.v[k]) * scale).__x;
             *reinterpret_cast<Bytes<VN>*>(static_cast<fp8e4*>(out) + i) = q;
         } else {
-            for (int k = 0; k < VN; ++k) amax = max(amax, abs_bits(to_float(y.v[k])));
             y.store(static_cast<T*>(out) + i);
         }
     }
     __device__ __forceinline__ void finish() {
-        if constexpr (!QUANT) {
-            if (slot) block_atomic_abs_max(slot, amax);
-        }
+        if (record && slot) block_atomic_abs_max(slot + STAT_ABS_MAX, amax);
     }
 };
 
 template <typename T, bool QUANT>
-__device__ void plain_forward_impl(void* out, const T* inp, float* slot, int act, long long vecs) {
+__device__ void plain_forward_impl(void* out, const T* inp, float* slot, const float* scale_src, int act,
+                                   long long vecs) {
     constexpr int VN = Pack16<T>::N;
-    VecStore<T, QUANT> store(out, slot);
+    VecStore<T, QUANT> store(out, slot, scale_src);
     GRID_STRIDE(i, vecs) {
         const Pack16<T> x = Pack16<T>::load(inp + i * VN);
         Pack16<T> y;
@@ -244,9 +257,10 @@ __device__ void plain_backward_impl(T* dinp, const T* dout, const T* inp, float*
 }
 
 template <typename T, bool INTERLEAVED, bool QUANT>
-__device__ void gated_forward_impl(void* out, const T* inp, float* slot, int act, long long N, int H) {
+__device__ void gated_forward_impl(void* out, const T* inp, float* slot, const float* scale_src, int act, long long N,
+                                   int H) {
     constexpr int VN = Pack16<T>::N;
-    VecStore<T, QUANT> store(out, slot);
+    VecStore<T, QUANT> store(out, slot, scale_src);
     for_each_gated<T, INTERLEAVED>(inp, N, H, [&](size_t row, int j, const float* g, const float* u) {
         Pack16<T> y;
         for (int k = 0; k < VN; ++k) y.v[k] = from_float<T>(gated_value(act, g[k], u[k]));
@@ -298,22 +312,58 @@ __device__ __forceinline__ unsigned gated_backward_item(T* dinp, T* out, const T
     return gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)row, j, H);
 }
 
-// The gated backward of one tile of TILE_ROWS rows by TILE_OUTS outputs that also writes the forward's output
-// as E4M3, transposed into out_tp (H, N): the bytes activation_forward_quant and then a byte transpose would
-// write, for an FP8 weight-gradient GEMM that reads the dropped output's transposed copy. Thread (a, b) =
-// (tid / 8, tid % 8) takes rows 4a..4a+3 and outputs 8b..8b+7 of the tile, all its loads issued before
-// any use; the four rows' bytes of an output meet in one 32-bit word of shared memory (fp8.cu's
-// transpose_tile: pitch 33 words, conflict-free both ways) and leave in 16-byte runs along N.
+// The gated backward of one tile of TILE_ROWS rows by TILE_OUTS outputs that writes transposed FP8 copies:
+// the forward's output as E4M3 into out_tp (H, N) (may be null), the bytes activation_forward_quant and then a
+// byte transpose would write, for an FP8 weight-gradient GEMM that reads the dropped output's transposed
+// copy; and with DQ dinp itself in FP8 (GradQ), as rows (N, 2H) and transposed (2H, N), in place of the T
+// dinp. Thread (a, b) = (tid / 8, tid % 8) takes rows 4a..4a+3 and outputs 8b..8b+7 of the tile, all its
+// loads issued before any use; the four rows' bytes of an output meet in one 32-bit word of shared memory
+// (fp8.cu's transpose_tile: pitch 33 words, conflict-free both ways) and leave in 16-byte runs along N.
 constexpr int TILE_ROWS = 128, TILE_OUTS = 64;
 
-template <typename T, bool INTERLEAVED, int ACT>
-__device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned char* out_tp, float scale, const T* dout,
-                                                           const T* inp, long long N, int H, unsigned (*tile)[33]) {
+// The FP8 dinp of gated_backward_q_tp: bytes of round_T(gradient) * scale (SATFINITE RNE), E5M2 or E4M3.
+struct GradQ {
+    unsigned char* rows;  // (N, 2H), x's layout
+    unsigned char* tp;    // (2H, N)
+    float scale;
+    bool e5m2;
+    __device__ __forceinline__ unsigned byte(float v) const {
+        return e5m2 ? from_float<fp8e5>(v * scale).__x : from_float<fp8e4>(v * scale).__x;
+    }
+};
+
+// Writes one (TILE_OUTS, TILE_ROWS) tile of bytes from shared memory (word [c][w] = rows 4w..4w+3 of output c)
+// to dst, output c of the tile going to row row_of(c) of the (rows, N) destination, in 16-byte runs.
+template <typename F>
+__device__ __forceinline__ void store_tile_tp(unsigned char* dst, const unsigned (*tile)[33], long long n0, int oc0,
+                                              int H, long long N, F&& row_of) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int idx = threadIdx.x + 256 * h, run = idx % 8, c = idx / 8;
+        const int oc = oc0 + c;
+        const long long on = n0 + 16 * run;
+        if (oc >= H || on >= N) continue;
+        const uint4 w = make_uint4(tile[c][4 * run], tile[c][4 * run + 1], tile[c][4 * run + 2], tile[c][4 * run + 3]);
+        unsigned char* out = dst + (size_t)row_of(oc) * N + on;
+        if (N % 16 == 0) {
+            *reinterpret_cast<uint4*>(out) = w;
+        } else {
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+            for (int e = 0; e < 16 && on + e < N; ++e) out[e] = (unsigned char)(ws[e / 4] >> (8 * (e % 4)));
+        }
+    }
+}
+
+// tile: TILE_OUTS rows of shared words for out_tp, then (DQ) TILE_OUTS for dgate and TILE_OUTS for dup
+template <typename T, bool INTERLEAVED, int ACT, bool DQ>
+__device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ& gq, unsigned char* out_tp, float scale,
+                                                           const T* dout, const T* inp, long long N, int H,
+                                                           unsigned (*tile)[33]) {
     constexpr int VN = Pack16<T>::N, P = 8 / VN;  // packs per thread and row
     const int b = threadIdx.x % 8, a = threadIdx.x / 8;
     const int col_tiles = (H + TILE_OUTS - 1) / TILE_OUTS;
     const long long n0 = (long long)(blockIdx.x / col_tiles) * TILE_ROWS;
-    const int j0 = (int)(blockIdx.x % col_tiles) * TILE_OUTS + 8 * b;
+    const int oc0 = (int)(blockIdx.x % col_tiles) * TILE_OUTS, j0 = oc0 + 8 * b;
     Pack16<T> ga[4][P], ub[4][P], d[4][P];
     bool have[4][P];
 #pragma unroll
@@ -329,61 +379,83 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, unsigned cha
         }
     }
     unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, m = 0;
+    // the gradient's bytes go straight to their shared words (byte r of word [c][a]), not through registers
+    unsigned char(*gbytes)[33][4] = reinterpret_cast<unsigned char(*)[33][4]>(tile + TILE_OUTS);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             if (!have[r][p]) continue;
+            const size_t n = (size_t)(n0 + 4 * a + r);
+            const int j = j0 + p * VN;
             float g[VN], u[VN];
             unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
+            if (out_tp) {
 #pragma unroll
-            for (int k = 0; k < VN; ++k) {
-                const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
-                words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
+                for (int k = 0; k < VN; ++k) {
+                    const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
+                    words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
+                }
             }
-            m = max(m, gated_grad_store<T, INTERLEAVED, ACT>(dinp, ga[r][p], ub[r][p], d[r][p],
-                                                             (size_t)(n0 + 4 * a + r), j0 + p * VN, H));
+            if constexpr (DQ) {
+                Bytes<VN> qg, qu;
+                Bytes<2 * VN> qi;
+#pragma unroll
+                for (int k = 0; k < VN; ++k) {
+                    float dg, du;
+                    gated_grad(ACT, g[k], u[k], to_float(d[r][p].v[k]), dg, du);
+                    dg = to_float(from_float<T>(dg)), du = to_float(from_float<T>(du));
+                    m = max(m, max(abs_bits(dg), abs_bits(du)));
+                    const unsigned bg = gq.byte(dg), bu = gq.byte(du);
+                    const int c = 8 * b + p * VN + k;
+                    gbytes[c][a][r] = (unsigned char)bg, gbytes[TILE_OUTS + c][a][r] = (unsigned char)bu;
+                    qg.b[k] = (unsigned char)bg, qu.b[k] = (unsigned char)bu;
+                    qi.b[2 * k] = (unsigned char)bg, qi.b[2 * k + 1] = (unsigned char)bu;
+                }
+                unsigned char* row = gq.rows + n * 2 * H;
+                if (INTERLEAVED) {
+                    *reinterpret_cast<Bytes<2 * VN>*>(row + 2 * j) = qi;
+                } else {
+                    *reinterpret_cast<Bytes<VN>*>(row + j) = qg;
+                    *reinterpret_cast<Bytes<VN>*>(row + H + j) = qu;
+                }
+            } else {
+                m = max(m, gated_grad_store<T, INTERLEAVED, ACT>(dinp, ga[r][p], ub[r][p], d[r][p], n, j, H));
+            }
         }
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
     __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int idx = threadIdx.x + 256 * h, run = idx % 8, c = idx / 8;
-        const int oc = (int)(blockIdx.x % col_tiles) * TILE_OUTS + c;
-        const long long on = n0 + 16 * run;
-        if (oc >= H || on >= N) continue;
-        const uint4 w = make_uint4(tile[c][4 * run], tile[c][4 * run + 1], tile[c][4 * run + 2], tile[c][4 * run + 3]);
-        unsigned char* dst = out_tp + (size_t)oc * N + on;
-        if (N % 16 == 0) {
-            *reinterpret_cast<uint4*>(dst) = w;
-        } else {
-            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-            for (int e = 0; e < 16 && on + e < N; ++e) dst[e] = (unsigned char)(ws[e / 4] >> (8 * (e % 4)));
-        }
+    if (out_tp) store_tile_tp(out_tp, tile, n0, oc0, H, N, [](int oc) { return oc; });
+    if constexpr (DQ) {
+        store_tile_tp(gq.tp, tile + TILE_OUTS, n0, oc0, H, N, [](int oc) { return INTERLEAVED ? 2 * oc : oc; });
+        store_tile_tp(gq.tp, tile + 2 * TILE_OUTS, n0, oc0, H, N,
+                      [H](int oc) { return INTERLEAVED ? 2 * oc + 1 : H + oc; });
     }
     return m;
 }
 
 // The gated backward, one item per thread (out: T (N, H) or null), or with TP one tile per block (out:
-// E4M3 (H, N), scale its quantisation scale, tile the block's TILE_OUTS rows of shared memory).
-template <typename T, bool INTERLEAVED, int ACT, bool TP>
-__device__ __forceinline__ unsigned gated_backward_body(T* dinp, void* out, float scale, const T* dout, const T* inp,
-                                                        long long N, int H, unsigned (*tile)[33]) {
+// E4M3 (H, N) or null, scale its quantisation scale; with DQ dinp in FP8 as gq says; tile the block's rows of
+// shared memory).
+template <typename T, bool INTERLEAVED, int ACT, bool TP, bool DQ>
+__device__ __forceinline__ unsigned gated_backward_body(T* dinp, const GradQ& gq, void* out, float scale,
+                                                        const T* dout, const T* inp, long long N, int H,
+                                                        unsigned (*tile)[33]) {
     if constexpr (TP)
-        return gated_backward_tile_tp<T, INTERLEAVED, ACT>(dinp, static_cast<unsigned char*>(out), scale, dout, inp,
-                                                           N, H, tile);
+        return gated_backward_tile_tp<T, INTERLEAVED, ACT, DQ>(dinp, gq, static_cast<unsigned char*>(out), scale,
+                                                               dout, inp, N, H, tile);
     else
         return gated_backward_item<T, INTERLEAVED, ACT>(dinp, static_cast<T*>(out), dout, inp, N, H);
 }
 
-template <typename T, bool INTERLEAVED, bool TP>
-__device__ void gated_backward_impl(T* dinp, void* out, float scale, const T* dout, const T* inp, float* abs_max,
-                                    int act, long long N, int H) {
-    __shared__ unsigned tile[TP ? TILE_OUTS : 1][33];  // one array for every activation's body
+template <typename T, bool INTERLEAVED, bool TP, bool DQ = false>
+__device__ void gated_backward_impl(T* dinp, const GradQ& gq, void* out, float scale, const T* dout, const T* inp,
+                                    float* abs_max, int act, long long N, int H) {
+    __shared__ unsigned tile[TP ? (DQ ? 3 : 1) * TILE_OUTS : 1][33];  // one array for every activation's body
     unsigned amax;
-#define BODY(A) gated_backward_body<T, INTERLEAVED, A, TP>(dinp, out, scale, dout, inp, N, H, tile)
+#define BODY(A) gated_backward_body<T, INTERLEAVED, A, TP, DQ>(dinp, gq, out, scale, dout, inp, N, H, tile)
     switch (act) {
         case ACT_SILU: amax = BODY(ACT_SILU); break;
         case ACT_GELU: amax = BODY(ACT_GELU); break;
@@ -403,37 +475,49 @@ __device__ void gated_backward_impl(T* dinp, void* out, float scale, const T* do
     extern "C" __global__ void gated_forward_##LAYOUT##_##SUF(T* out, const T* inp, float* abs_max, int act,  \
                                                               long long N, int H) {                          \
         grid_dependency_wait();                                                                               \
-        gated_forward_impl<T, INTERLEAVED, false>(out, inp, abs_max, act, N, H);                              \
+        gated_forward_impl<T, INTERLEAVED, false>(out, inp, abs_max, nullptr, act, N, H);                     \
     }                                                                                                          \
     extern "C" __global__ void gated_forward_quant_##LAYOUT##_##SUF(fp8e4* out, const T* inp, float* stats,   \
-                                                                    int act, long long N, int H) {           \
+                                                                    const float* scale_src, int act,         \
+                                                                    long long N, int H) {                     \
         grid_dependency_wait();                                                                               \
-        gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, act, N, H);                                 \
+        gated_forward_impl<T, INTERLEAVED, true>(out, inp, stats, scale_src, act, N, H);                      \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GATED_THREADS)                                                \
         gated_backward_##LAYOUT##_##SUF(T* dinp, T* out, const T* dout, const T* inp, float* abs_max, int act, \
                                         long long N, int H) {                                                 \
         grid_dependency_wait();                                                                                \
-        gated_backward_impl<T, INTERLEAVED, false>(dinp, out, 1.f, dout, inp, abs_max, act, N, H);             \
+        gated_backward_impl<T, INTERLEAVED, false>(dinp, GradQ{}, out, 1.f, dout, inp, abs_max, act, N, H);    \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GATED_THREADS) gated_backward_quant_tp_##LAYOUT##_##SUF(      \
-        T* dinp, fp8e4* out_tp, float* stats, const T* dout, const T* inp, float* abs_max, int act, long long N, \
-        int H) {                                                                                               \
+        T* dinp, fp8e4* out_tp, float* stats, const float* scale_src, const T* dout, const T* inp,             \
+        float* abs_max, int act, long long N, int H) {                                                         \
         grid_dependency_wait();                                                                                \
-        gated_backward_impl<T, INTERLEAVED, true>(dinp, out_tp, e4m3_output_scale(stats), dout, inp, abs_max,  \
-                                                  act, N, H);                                                  \
+        const float scale = fp8_output_scale(stats, scale_src, fp8_limits<fp8e4>::max);                        \
+        gated_backward_impl<T, INTERLEAVED, true>(dinp, GradQ{}, out_tp, scale, dout, inp, abs_max, act, N, H); \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GATED_THREADS) gated_backward_q_tp_##LAYOUT##_##SUF(          \
+        unsigned char* dinp_q, unsigned char* dinp_tp, float* dinp_stats, const float* dinp_scale,             \
+        fp8e4* out_tp, float* out_stats, const float* out_scale, const T* dout, const T* inp, int act,         \
+        long long N, int H, int e5m2) {                                                                        \
+        grid_dependency_wait();                                                                                \
+        const float fmax = e5m2 ? fp8_limits<fp8e5>::max : fp8_limits<fp8e4>::max;                              \
+        const GradQ gq{dinp_q, dinp_tp, fp8_output_scale(dinp_stats, dinp_scale, fmax), e5m2 != 0};            \
+        const float scale = out_tp ? fp8_output_scale(out_stats, out_scale, fp8_limits<fp8e4>::max) : 1.f;     \
+        gated_backward_impl<T, INTERLEAVED, true, true>(nullptr, gq, out_tp, scale, dout, inp,                  \
+                                                        dinp_stats + STAT_ABS_MAX, act, N, H);                 \
     }
 
 #define ACTIVATION_KERNELS(SUF, T)                                                                             \
     extern "C" __global__ void act_forward_##SUF(T* out, const T* inp, float* abs_max, int act,              \
                                                  long long vecs) {                                          \
         grid_dependency_wait();                                                                              \
-        plain_forward_impl<T, false>(out, inp, abs_max, act, vecs);                                          \
+        plain_forward_impl<T, false>(out, inp, abs_max, nullptr, act, vecs);                                          \
     }                                                                                                          \
-    extern "C" __global__ void act_forward_quant_##SUF(fp8e4* out, const T* inp, float* stats, int act,      \
-                                                       long long vecs) {                                    \
+    extern "C" __global__ void act_forward_quant_##SUF(fp8e4* out, const T* inp, float* stats,               \
+                                                       const float* scale_src, int act, long long vecs) {   \
         grid_dependency_wait();                                                                              \
-        plain_forward_impl<T, true>(out, inp, stats, act, vecs);                                             \
+        plain_forward_impl<T, true>(out, inp, stats, scale_src, act, vecs);                                  \
     }                                                                                                          \
     extern "C" __global__ void act_backward_##SUF(T* dinp, const T* dout, const T* inp, float* abs_max,       \
                                                   int act, long long vecs) {                                \

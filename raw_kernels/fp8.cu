@@ -12,6 +12,7 @@
 // - transposes go through a shared-memory tile: inp rows are read coalesced along C, out rows
 //   are written coalesced along N in 16-byte chunks. One 32-bit smem word holds 4/sizeof(out)
 //   consecutive n of one output row; the 33-word row pitch makes both phases conflict-free.
+// - amax_history_roll: delayed scaling's bookkeeping, one thread per tensor (see the kernel).
 // - bias_backward: dbias (+=, a parameter gradient) = column sums of dout in fp32, through a
 //   fixed partial-sum layout in scratch and a fixed-order reduction (deterministic).
 // Kernels without the `_scalar` suffix need 16-byte aligned rows (the launcher checks).
@@ -424,5 +425,23 @@ TRANSPOSE_KERNELS(u16, u16)
 BIAS_KERNELS(f32, float)
 BIAS_KERNELS(bf16, bf16)
 
+// Delayed scaling of R FP8 tensors. Row r of history (R, n + 1) holds the scale those tensors' producers
+// quantise with (column 0) and the abs-maxes of the last n micro-steps, newest first (columns 1..n). At the
+// end of a micro-step: shift the abs-maxes one column on, put the one the producers recorded this
+// micro-step (stats[slots[r] + STAT_ABS_MAX]) in column 1, and set the scale from the largest, as quantize
+// does from one abs-max (fp8_max[r] / max; 1 when it is 0 or not finite). fmaxf skips a NaN abs-max.
+extern "C" __global__ void amax_history_roll(float* history, const float* stats, const int* slots,
+                                             const float* fp8_max, int R, int n) {
+    grid_dependency_wait();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        float* h = history + (size_t)r * (n + 1);
+        for (int k = n; k > 1; --k) h[k] = h[k - 1];
+        h[1] = stats[slots[r] + STAT_ABS_MAX];
+        float m = 0.f;
+        for (int k = 1; k <= n; ++k) m = fmaxf(m, h[k]);
+        h[0] = fp8_scale(m, fp8_max[r]);
+    }
+}
+
 // launchers: cuengine/kernels/fp8.py (abs_max, quantize_with_abs_max, quantize_and_transpose,
-// quantize_dual, QuantizeDualTable + quantize_dual_multi, transpose, bias_backward)
+// quantize_dual, QuantizeDualTable + quantize_dual_multi, transpose, bias_backward, amax_history_roll)

@@ -15,6 +15,7 @@ from cuengine.kernels.activations import (
     activation_forward,
     activation_forward_np,
     activation_forward_quant,
+    quantize_with_scale_np,
     swiglu_backward,
     swiglu_forward,
 )
@@ -220,6 +221,65 @@ def test_forward_quant(dev, activation, layout, dtype, amax):
         assert np.abs(got.astype(np.float32)).max() == 448  # saturates, no inf or NaN
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("geglu", "interleaved"), ("relu_sq", "split")])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_forward_quant_with_a_delayed_scale(dev, activation, layout, dtype):
+    """With `scale` the forward quantises with it, not with the slot's abs-max, publishes it and its inverse,
+    and max-accumulates the abs-max of the values it rounded (the abs-max later scales are made from)."""
+    x = (rng(16).standard_normal((41, 80)) * 2).astype(ce.dtype(dtype).np)
+    inp = ce.Tensor.from_numpy(x, dev, name="x")
+    h = 40 if activation in GATED else 80
+    y = ce.Tensor.empty(dtype, (41, h), dev, name="y")
+    activation_forward(y, inp, activation, layout)  # the values this device rounds
+    out = garbage(ce.Tensor.empty(ce.FP8_E4M3, (41, h), dev, name="q")).set_fp8_stats(0.25, 0.0, 0.0)
+    scale = ce.Tensor.from_numpy(np.array([37.5], np.float32), dev, name="scale")
+    activation_forward_quant(out, inp, activation, layout, scale=scale)
+    yv = y.numpy().astype(np.float32)
+    want_amax = max(np.float32(0.25), np.abs(yv).max())
+    np.testing.assert_array_equal(out.fp8_stats(), np.array([want_amax, 37.5, np.float32(1) / np.float32(37.5)]))
+    want = quantize_with_scale_np(yv, 37.5)
+    np.testing.assert_array_equal(out.numpy().view(np.uint8), want.view(np.uint8))
+    assert np.abs(out.numpy().astype(np.float32)).max() == 448  # 37.5 saturates the largest values
+
+
+@pytest.mark.parametrize("activation,layout", [("swiglu", "split"), ("swiglu_oai", "interleaved")])
+@pytest.mark.parametrize("grad", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("n,h", [(37, 40), (160, 136)])  # N % 16 != 0 (byte stores), partial tiles; 16-byte runs
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gated_backward_writes_the_fp8_gradient_with_a_delayed_scale(dev, activation, layout, grad, n, h, recompute):
+    """An FP8 dinp with a delayed scale gets the gradient (rounded to bf16) quantised with that scale, dinp_tp
+    its transpose, its stats the scale, its inverse and the max of the abs-max it held and that of the
+    gradient; with out_fp8_tp and out_scale the recomputed output is the forward's with that scale."""
+    r = rng(17)
+    x = (r.standard_normal((n, 2 * h)) * 3).astype(ce.BF16.np)
+    d = r.standard_normal((n, h)).astype(ce.BF16.np)
+    t = tensors(dev, x=x, d=d, dx=np.zeros_like(x))
+    activation_backward(t["dx"], t["d"], t["x"], activation, layout)  # the gradient this device rounds
+    dx = t["dx"].numpy().astype(np.float32)
+    gdt = ce.dtype(grad)
+    scale_value = np.float32(gdt.fp8_max) / (np.float32(0.75) * np.abs(dx).max())  # saturates the largest
+    q = garbage(ce.Tensor.empty(gdt, (n, 2 * h), dev, name="q")).set_fp8_stats(1e-3, 0.0, 0.0)
+    qt = garbage(ce.Tensor.empty(gdt, (2 * h, n), dev, name="qt"))
+    scale = ce.Tensor.from_numpy(np.array([scale_value], np.float32), dev, name="scale")
+    delayed = {"dinp_tp": qt, "dinp_scale": scale}
+    if recompute:
+        out_scale = ce.Tensor.from_numpy(np.array([11.0], np.float32), dev, name="out_scale")
+        yq = ce.Tensor.empty(ce.FP8_E4M3, (n, h), dev, name="yq").set_fp8_stats(0.0, 0.0, 0.0)
+        activation_forward_quant(yq, t["x"], activation, layout, scale=out_scale)
+        yt = garbage(ce.Tensor.empty(ce.FP8_E4M3, (h, n), dev, name="yt")).set_fp8_stats(2.0, 0.0, 0.0)
+        delayed |= {"out_fp8_tp": yt, "out_scale": out_scale}
+    activation_backward(q, t["d"], t["x"], activation, layout, **delayed)
+    want = quantize_with_scale_np(dx, scale_value, gdt)
+    np.testing.assert_array_equal(q.numpy().view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(qt.numpy().view(np.uint8), want.view(np.uint8).T)
+    assert np.abs(q.numpy().astype(np.float32)).max() == gdt.fp8_max
+    stats = np.array([np.abs(dx).max(), scale_value, np.float32(1) / scale_value], np.float32)
+    np.testing.assert_array_equal(q.fp8_stats(), stats)
+    if recompute:
+        np.testing.assert_array_equal(yt.numpy().view(np.uint8), yq.numpy().view(np.uint8).T)
+        np.testing.assert_array_equal(yt.fp8_stats(), [2.0, 11.0, np.float32(1) / np.float32(11.0)])
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def _t(shape, dtype=np.float32):
     return ce.Tensor.from_numpy(np.zeros(shape, dtype), "cpu", name="t")
@@ -236,6 +296,25 @@ def _recompute_fp8_into_dout():
     d = _t((4, 8))
     swiglu_backward(_t((4, 16)), d, _t((4, 16)), out_fp8_tp=ce.Tensor(ce.FP8_E4M3, (8, 4), d.device, d.storage,
                                                                        name="d_bytes"))  # fmt: skip
+
+
+def _q(shape, dtype=ce.FP8_E5M2, stats=True):
+    t = ce.Tensor.empty(dtype, shape, "cpu", name="dq" if shape[0] == 4 else "dq_tp")
+    if not stats:
+        t.stats = None
+    return t
+
+
+def _delayed_backward(dinp=None, activation="swiglu", **kw):
+    """An FP8-dinp backward of (4, 2*8) with the given arguments replaced."""
+    args = {"dinp_tp": _q((16, 4)), "dinp_scale": _t((1,))} | kw
+    activation_backward(_q((4, 16)) if dinp is None else dinp, _t((4, 8)), _t((4, 16)), activation, **args)
+
+
+def _fp8_gradient_into_dout():
+    d = _t((4, 8))
+    activation_backward(_q((4, 16)), d, _t((4, 16)), "swiglu", dinp_scale=_t((1,)),
+                        dinp_tp=ce.Tensor(ce.FP8_E5M2, (16, 4), d.device, d.storage, name="d_bytes"))  # fmt: skip
 
 
 def _recompute_into_inp():
@@ -292,6 +371,28 @@ def _recompute_into_inp():
         (
             lambda: activation_backward(_t((4, 8)), _t((4, 8)), _t((4, 8)), "relu", out_fp8_tp=_fp8((8, 4))),
             "out_fp8_tp: only gated",
+        ),
+        (lambda: activation_forward_quant(_fp8((4, 8)), _t((4, 16)), "swiglu", scale=_t((2,))), r"scale: expected"),
+        (lambda: _delayed_backward(dinp_tp=None), "an FP8 dinp needs dinp_tp and dinp_scale"),
+        (lambda: _delayed_backward(dinp_scale=None), "an FP8 dinp needs dinp_tp and dinp_scale"),
+        (lambda: _delayed_backward(dinp_scale=_t((1,), np.int32)), "dinp_scale: expected dtype fp32"),
+        (lambda: _delayed_backward(dinp_tp=_q((4, 16))), r"dinp_tp: expected shape \(16, 4\)"),
+        (lambda: _delayed_backward(dinp_tp=_q((16, 4), ce.FP8_E4M3)), "dinp_tp: expected dtype e5m2"),
+        (lambda: _delayed_backward(dinp=_q((4, 16), stats=False)), "dinp: tensor 'dq' carries no FP8 stats"),
+        (lambda: _delayed_backward(abs_max=_t((1,))), "records its abs-max in its own stats"),
+        (lambda: _delayed_backward(out=_t((4, 8))), "records its abs-max in its own stats"),
+        (
+            lambda: activation_backward(
+                _q((4, 8)), _t((4, 8)), _t((4, 8)), "relu", dinp_tp=_q((8, 4)), dinp_scale=_t((1,))
+            ),  # fmt: skip
+            "an FP8 dinp needs a gated activation",
+        ),
+        (_fp8_gradient_into_dout, "tensor 'd_bytes' overlaps inp or dout"),
+        (lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), dinp_tp=_q((16, 4))), "go with an FP8 dinp"),
+        (lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out_scale=_t((1,))), "goes with out_fp8_tp"),
+        (
+            lambda: swiglu_backward(_t((4, 16)), _t((4, 8)), _t((4, 16)), out_fp8_tp=_fp8((8, 4)), out_scale=_t((3,))),
+            r"out_scale: expected shape \(1\)",
         ),
     ],
 )
@@ -376,7 +477,7 @@ def test_cuda_forward_quant_equals_forward_then_quantise(cuda, activation, layou
 def act_lib(tmp_path_factory):
     import kernel_emulator as emu
 
-    ways = ("backward", "forward", "backward_quant_tp", "forward_quant")
+    ways = ("backward", "forward", "backward_quant_tp", "backward_q_tp", "forward_quant")
     names = [
         f"gated_{way}_{lay}_{t}" for way in ways for lay in ("split", "interleaved") for t in ("f32", "bf16", "f16")
     ]
@@ -464,12 +565,12 @@ def test_emulated_backward_recomputes_the_forward_bits(act_lib, monkeypatch, act
     assert_close(xt.numpy(), activation_backward_np(d, x, activation, layout), dtype, "dinp in place")
 
 
-def _emu_fp8(shape, name):
+def _emu_fp8(shape, name, dtype="e4m3", abs_max=5.0):
     import kernel_emulator as emu
 
-    t = emu.tensor(np.full(shape, np.nan), "e4m3", name)
+    t = emu.tensor(np.full(shape, np.nan), dtype, name)
     t.stats = emu.tensor(np.zeros(ce.tensor.STATS_SLOTS), "fp32", name + ".stats")
-    t.stats.array()[ce.tensor.STAT_ABS_MAX] = 5.0
+    t.stats.array()[ce.tensor.STAT_ABS_MAX] = abs_max
     return t
 
 
@@ -495,3 +596,43 @@ def test_emulated_backward_writes_the_transposed_fp8_forward(act_lib, monkeypatc
     np.testing.assert_array_equal(qt.stats.numpy(), q.stats.numpy())
     np.testing.assert_array_equal(xt.numpy().view(np.uint8), dx.numpy().view(np.uint8))
     assert amax.numpy()[0] == amax2.numpy()[0] > 0
+
+
+@pytest.mark.parametrize("activation", GATED)
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+@pytest.mark.parametrize(
+    "dtype,n,h,grad",
+    [("bf16", 41, 48, "e5m2"), ("bf16", 160, 136, "e4m3"), ("fp32", 160, 36, "e5m2"), ("fp32", 41, 132, "e4m3")],
+)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_emulated_backward_writes_the_fp8_gradient_with_a_delayed_scale(act_lib, monkeypatch, activation, layout, dtype,
+                                                                        n, h, grad, recompute):  # fmt: skip
+    """The compiled gated_backward_q_tp: dinp's FP8 rows and their transpose are the one-vector backward's
+    gradient quantised with the delayed scale, bit for bit (partial tiles, byte and 16-byte runs), its abs-max
+    that gradient's; the recomputed output (when asked) is the compiled forward_quant's with its delayed scale;
+    nothing is written outside the tensors."""
+    import kernel_emulator as emu
+
+    grids, x, d, xt, dt = _emulated_inputs(act_lib, monkeypatch, dtype, n, h, 19)
+    dx, amax = emu.tensor(np.zeros_like(x), dtype, "dx"), emu.tensor(np.zeros(1), "fp32", "amax")
+    activation_backward(dx, dt, xt, activation, layout, abs_max=amax)
+    g = dx.numpy().astype(np.float32)
+    gdt = ce.dtype(grad)
+    s = np.float32(gdt.fp8_max) / (np.float32(0.75) * np.abs(g).max())
+    q, qt = _emu_fp8((n, 2 * h), "q", grad, 0.0), _emu_fp8((2 * h, n), "qt", grad)
+    scale, out_scale = emu.tensor(np.array([s]), "fp32", "scale"), emu.tensor(np.array([11.0]), "fp32", "out_scale")
+    yq, yt = _emu_fp8((n, h), "yq"), _emu_fp8((h, n), "yt")
+    activation_forward_quant(yq, xt, activation, layout, scale=out_scale)
+    extra = {"out_fp8_tp": yt, "out_scale": out_scale} if recompute else {}
+    activation_backward(q, dt, xt, activation, layout, dinp_tp=qt, dinp_scale=scale, **extra)
+    assert grids[-1] == -(-n // 128) * -(-h // 64)
+    assert all(emu.margins_ok(t) for t in (xt, dt, q, qt, yq, yt, q.stats, qt.stats, yt.stats, scale, out_scale))
+    want = quantize_with_scale_np(g, s, gdt)
+    np.testing.assert_array_equal(q.numpy().view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(qt.numpy().view(np.uint8), want.view(np.uint8).T)
+    np.testing.assert_array_equal(q.stats.numpy()[[0, 4, 8]], [amax.numpy()[0], s, np.float32(1) / s])
+    if recompute:
+        np.testing.assert_array_equal(yt.numpy().view(np.uint8), yq.numpy().view(np.uint8).T)
+        np.testing.assert_array_equal(yt.stats.numpy()[[0, 4, 8]], [5.0, 11.0, np.float32(1) / np.float32(11.0)])
+    else:
+        assert np.isnan(yt.numpy().astype(np.float32)).all()  # not written

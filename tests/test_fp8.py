@@ -523,3 +523,67 @@ def test_cuda_bias_backward(dbias_dtype, dout_dtype, shape):
     dout, dbias = data(shape, dout_dtype, seed=oc, scale=1.0), data((oc,), dbias_dtype, seed=1, scale=1.0)
     check_op(fp8.bias_backward, {"dout": dout}, {"dbias": dbias}, scale={"dbias": math.sqrt(n)},
              scratch={"scratch": ("fp32", fp8.bias_backward_scratch_shape(n, oc))}, repeat=True)  # fmt: skip
+
+
+# ---- delayed scaling: the abs-max history ----------------------------------------------------------------
+# Four micro-steps of three tensors (E4M3, E5M2, E4M3) with a history of n = 3: each row's recorded abs-maxes
+# and the scale after each roll, worked out by hand from the rule (largest of the last 3; 1 when 0 or not finite;
+# a NaN is skipped).
+ROLL_AMAX = [[2.0, 4.0, 0.0], [1.0, 8.0, 0.0], [0.5, np.nan, 0.0], [0.25, 1.0, np.inf]]
+ROLL_WANT = [
+    [[224.0, 2.0, 0.0, 0.0], [14336.0, 4.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]],
+    [[224.0, 1.0, 2.0, 0.0], [7168.0, 8.0, 4.0, 0.0], [1.0, 0.0, 0.0, 0.0]],
+    [[224.0, 0.5, 1.0, 2.0], [7168.0, np.nan, 8.0, 4.0], [1.0, 0.0, 0.0, 0.0]],
+    [[448.0, 0.25, 0.5, 1.0], [7168.0, 1.0, np.nan, 8.0], [1.0, np.inf, 0.0, 0.0]],
+]
+
+
+def test_amax_history_roll_keeps_the_last_n_abs_maxes_and_scales_from_their_max(dev):
+    stats_np = np.full((3, 2, ce.tensor.STATS_SLOTS), 7.0, np.float32)  # the tensors' slots: [0, 1], [1, 0], [2, 1]
+    stats = ce.Tensor.from_numpy(stats_np, dev, name="stats")
+    s = ce.tensor.STATS_SLOTS
+    slots = ce.Tensor.from_numpy(np.array([s, 2 * s, 5 * s], np.int32), dev, name="slots")
+    fp8_max = ce.Tensor.from_numpy(np.array([448.0, 57344.0, 448.0], np.float32), dev, name="fp8_max")
+    history = ce.Tensor.from_numpy(np.zeros((3, 4), np.float32), dev, name="history")
+    for amax, want in zip(ROLL_AMAX, ROLL_WANT):
+        for (i, j), a in zip([(0, 1), (1, 0), (2, 1)], amax):
+            stats_np[i, j, ce.tensor.STAT_ABS_MAX] = a
+        stats.copy_from_numpy(stats_np)
+        fp8.amax_history_roll(history, stats, slots, fp8_max)
+        np.testing.assert_array_equal(history.numpy(), np.array(want, np.float32))
+    np.testing.assert_array_equal(stats.numpy(), stats_np)  # only read
+
+
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((3, 1), (3,), (3,)), "needs n \\+ 1 >= 2 columns"),
+        (((3, 4), (2,), (3,)), r"slots: expected shape \(3\)"),
+        (((3, 4), (3,), (4,)), r"fp8_max: expected shape \(3\)"),
+    ],
+)
+def test_amax_history_roll_errors(shapes, match):
+    h, sl, fm = shapes
+    with pytest.raises(ValueError, match=match):
+        fp8.amax_history_roll(ce.Tensor.empty("fp32", h, "cpu"), ce.Tensor.empty("fp32", (24,), "cpu"),
+                              ce.Tensor.empty("int32", sl, "cpu"), ce.Tensor.empty("fp32", fm, "cpu"))  # fmt: skip
+
+
+def test_emulated_amax_history_roll_equals_the_hand_worked_rolls(tmp_path, monkeypatch):
+    """The compiled kernel on the host emulator (tests/kernel_emulator.py), through the real launcher."""
+    import kernel_emulator as emu
+
+    lib = emu.or_skip(emu.build("fp8", ["amax_history_roll"], tmp_path))
+    monkeypatch.setattr(fp8._build, "launch", lambda *a, **kw: emu.launch(lib, *a))
+    s = ce.tensor.STATS_SLOTS
+    stats = emu.tensor(np.zeros(6 * s), "fp32", "stats")
+    slots, fp8_max = (
+        emu.tensor(np.array([s, 2 * s, 5 * s]), "int32", "slots"),
+        emu.tensor([448, 57344, 448], "fp32", "m"),
+    )
+    history = emu.tensor(np.zeros((3, 4)), "fp32", "history")
+    for amax, want in zip(ROLL_AMAX, ROLL_WANT):
+        stats.array()[[s, 2 * s, 5 * s]] = amax
+        fp8.amax_history_roll(history, stats, slots, fp8_max)
+        np.testing.assert_array_equal(history.numpy(), np.array(want, np.float32))
+    assert all(emu.margins_ok(t) for t in (stats, slots, fp8_max, history))

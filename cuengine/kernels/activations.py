@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_aligned, check_vector_width, expect, overlaps, same_device
-from ..dtypes import BF16, FP8_E4M3, FP16, FP32
+from ..dtypes import BF16, FP8_E4M3, FP8_E5M2, FP16, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
 from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
 
@@ -124,16 +124,24 @@ def activation_backward_np(dout: np.ndarray, inp: np.ndarray, activation: str, l
     return dx.astype(inp.dtype)
 
 
-def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, abs_max: float):
+def quantize_with_scale_np(y: np.ndarray, scale, fp8_dtype=FP8_E4M3) -> np.ndarray:
+    """fp8(y * scale), clipped to +-fp8_max and rounded to nearest even (SATFINITE), in fp32 math."""
+    lim = np.float32(fp8_dtype.fp8_max)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.clip(y.astype(np.float32) * np.float32(scale), -lim, lim).astype(fp8_dtype.np)
+
+
+def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, abs_max: float, scale=None):
     """(q, scale, scale_inv): E4M3 of the activation of inp, rounded to inp's dtype, times scale.
 
-    scale = 448 / abs_max (1 when abs_max is 0), as cuengine.tensor.stats_values; values are clipped
-    to +-448 and rounded to nearest even (SATFINITE).
+    scale = 448 / abs_max (1 when abs_max is 0), as cuengine.tensor.stats_values, unless given (delayed
+    scaling); values are clipped to +-448 and rounded to nearest even (SATFINITE).
     """
-    _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
-    y = activation_forward_np(inp, activation, layout).astype(np.float32) * np.float32(scale)
-    q = np.clip(y, -FP8_E4M3.fp8_max, FP8_E4M3.fp8_max).astype(FP8_E4M3.np)
-    return q, scale, scale_inv
+    if scale is None:
+        _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
+    else:
+        scale, scale_inv = np.float32(scale), np.float32(1) / np.float32(scale)
+    return quantize_with_scale_np(activation_forward_np(inp, activation, layout), scale), scale, scale_inv
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -160,7 +168,7 @@ def _shapes(what, out_like, inp, activation, layout):
     return (inp.nelem // width if width else 0), H
 
 
-def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: int, dev, stream):
+def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: int, dev, stream, extra=()):
     """One launch of the `kernel` ("forward", "forward_quant", "backward") of this activation: the plain
     kernels walk the N*H elements as flat 16-byte vectors, the gated ones the (row, vector) pairs of
     the (N, H) output, reading x in `layout`. `tensors` are the kernel's pointer arguments.
@@ -169,15 +177,15 @@ def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: 
     over one wave of resident blocks, or over 16 blocks per SM, kept a thread's next loads behind its
     stores and reached 85-92% of copy on the H200, one vector per thread 96-99%. Its grid.x (up to
     2^31 - 1) is never the limit: that many blocks of 256 vectors would be terabytes. Its "backward_quant_tp"
-    variant takes a tile of 128 rows by 64 outputs per block, the transposed E4M3 output's bytes passing
-    through shared memory."""
+    and "backward_q_tp" variants take a tile of 128 rows by 64 outputs per block, the transposed FP8 bytes
+    passing through shared memory. `extra`: arguments after the sizes (backward_q_tp's E5M2 flag)."""
     vecs = N * H // (16 // inp.dtype.itemsize)
     if activation in GATED:
         name, sizes = kernel_name(f"gated_{kernel}_{layout}", inp), (np.int64(N), np.int32(H))
     else:
         name, sizes = kernel_name(f"act_{kernel}", inp), (np.int64(vecs),)
-    args = (*tensors, np.int32(_ACT_ID[activation]), *sizes)
-    if kernel == "backward_quant_tp":  # tiles of 128 rows by 64 outputs (TILE_ROWS, TILE_OUTS)
+    args = (*tensors, np.int32(_ACT_ID[activation]), *sizes, *extra)
+    if kernel in ("backward_quant_tp", "backward_q_tp"):  # tiles of 128 rows by 64 outputs (TILE_ROWS, TILE_OUTS)
         grid = ceil_div(N, 128) * ceil_div(H, 64)
     elif activation in GATED and kernel == "backward":
         grid = ceil_div(vecs, 256)
@@ -212,8 +220,15 @@ def activation_forward(out, inp, activation: str, layout: str = "split", abs_max
     _launch("forward", (out, inp, abs_max), inp, activation, layout, N, H, dev, stream)
 
 
-def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split", stream=None) -> None:
-    """activation(inp) written straight to E4M3, with the abs-max an earlier forward recorded.
+def _check_scale(what: str, scale) -> None:
+    if scale is not None:
+        expect(scale, what, FP32, (1,))
+
+
+def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split", stream=None,
+                             scale=None) -> None:  # fmt: skip
+    """activation(inp) written straight to E4M3, with the abs-max an earlier forward recorded, or with a
+    delayed scale.
 
     Reads out_fp8.abs_max (left unchanged), writes out_fp8.scale = 448 / abs_max and
     out_fp8.scale_inv = 1 / scale (both 1 when abs_max is 0, as stats_values), and the values
@@ -224,24 +239,32 @@ def activation_forward_quant(out_fp8, inp, activation: str, layout: str = "split
     Args:
         out_fp8: (N, H) e4m3 with an FP8 stats slot.
         inp, activation, layout: as for activation_forward.
-    NumPy equivalent: activation_forward_quant_np(inp, activation, layout, abs_max).
+        scale: optional (1,) fp32 on the device, delayed scaling (fp8.amax_history_roll's scale column):
+            the values are quantised with it, out_fp8's scale and scale_inv become it and its inverse, and
+            out_fp8.abs_max max-accumulates |round(activation(inp))| (the abs-max of later steps' scales).
+            One pass, where current scaling needs the abs-max before the values.
+    NumPy equivalent: activation_forward_quant_np(inp, activation, layout, abs_max, scale).
     """
     what = "activation_forward_quant"
     N, H = _shapes(what, ("out_fp8", out_fp8, FP8_E4M3), inp, activation, layout)
     if out_fp8.stats is None:
         raise ValueError(f"{what} out_fp8: tensor {out_fp8.name!r} carries no FP8 stats slot")
-    dev = same_device(out_fp8, inp, out_fp8.stats)
+    _check_scale(f"{what} scale", scale)
+    dev = same_device(out_fp8, inp, out_fp8.stats, scale)
     if dev.is_cpu:
         stats = out_fp8.stats.array()
-        q, scale, scale_inv = activation_forward_quant_np(inp.array(), activation, layout, float(stats[STAT_ABS_MAX]))
+        delayed = None if scale is None else scale.array()[0]
+        q, s, s_inv = activation_forward_quant_np(inp.array(), activation, layout, stats[STAT_ABS_MAX], delayed)
         out_fp8.array()[...] = q
-        stats[STAT_SCALE], stats[STAT_SCALE_INV] = scale, scale_inv
+        stats[STAT_SCALE], stats[STAT_SCALE_INV] = s, s_inv
+        if scale is not None:
+            write_twin_results((), out_fp8.abs_max, activation_forward_np(inp.array(), activation, layout))
         return
     if N * H == 0:
         return
     check_aligned(what, inp)
     check_aligned(what, out_fp8, nbytes=16 // inp.dtype.itemsize)  # one E4M3 byte per element of a vector
-    _launch("forward_quant", (out_fp8, inp, out_fp8.stats), inp, activation, layout, N, H, dev, stream)
+    _launch("forward_quant", (out_fp8, inp, out_fp8.stats, scale), inp, activation, layout, N, H, dev, stream)
 
 
 def _check_recompute_output(name: str, out, dtype, shape, activation: str, dinp, dout, inp) -> None:
@@ -255,59 +278,111 @@ def _check_recompute_output(name: str, out, dtype, shape, activation: str, dinp,
 
 
 def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None,
-                        out=None, out_fp8_tp=None) -> None:  # fmt: skip
+                        out=None, out_fp8_tp=None, *, out_scale=None, dinp_tp=None, dinp_scale=None) -> None:  # fmt: skip
     """dinp = d activation(inp) / d inp . dout, in inp's shape and layout.
 
     Args:
-        dinp: like inp, written (=); may be inp itself (in place).
+        dinp: like inp, written (=); may be inp itself (in place). Or, gated activations only, FP8 (e4m3
+            or e5m2) with a stats slot, given with dinp_tp and dinp_scale: delayed scaling of the gradient.
+            dinp then gets fp8(round(gradient) * scale) (round: to inp's dtype; clipped, nearest even),
+            its stats scale and scale_inv the delayed scale and its inverse, and its abs-max max-accumulates
+            |round(gradient)|: the two FP8 copies the up projection's backward GEMMs read, from the pass
+            that computes the gradient (no gradient in inp's dtype, no quantise pass).
         dout: (N, H) gradient of the output, inp's dtype.
         inp: (N, H) plain or (N, 2H) gated, the forward's input.
         activation, layout: as for activation_forward.
-        abs_max: optional (1,) fp32; max-accumulates |dinp|.
+        abs_max: optional (1,) fp32; max-accumulates |dinp|. Not with an FP8 dinp (its own slot records).
         out: optional (N, H), gated activations only: also written (=) with activation(inp), the bits
             activation_forward writes. A training step that dropped the output recomputes it here, in
             the pass that already reads the gate and up values, instead of in a pass of its own.
         out_fp8_tp: optional (H, N) e4m3 with an FP8 stats slot, gated activations only, not with `out`:
             written (=) with the transpose of what activation_forward_quant writes, stats too. The FP8
             step's recompute of its dropped output, in the layout its weight-gradient GEMM reads.
+        out_scale: optional (1,) fp32, with out_fp8_tp: its delayed scale (activation_forward_quant's `scale`),
+            so the recompute has the forward's bits; out_fp8_tp's abs-max is then left as it is.
+        dinp_tp: (2H, N), dinp's dtype, with an FP8 dinp: written (=) with dinp transposed (stats are dinp's).
+        dinp_scale: (1,) fp32, with an FP8 dinp: the delayed scale.
     NumPy equivalent: activation_backward_np (and activation_forward_np for out, activation_forward_quant_np
-    transposed for out_fp8_tp).
+    transposed for out_fp8_tp, quantize_with_scale_np of the gradient for an FP8 dinp).
     """
-    N, H = _shapes("activation_backward", ("dout", dout, None), inp, activation, layout)
-    expect(dinp, "activation_backward dinp", inp.dtype, inp.shape)
+    what = "activation_backward"
+    N, H = _shapes(what, ("dout", dout, None), inp, activation, layout)
+    quant_dinp = dinp.dtype.is_fp8
+    expect(dinp, f"{what} dinp", (FP8_E4M3, FP8_E5M2) if quant_dinp else inp.dtype, inp.shape)
+    if quant_dinp:
+        _check_quant_dinp(dinp, dinp_tp, dinp_scale, abs_max, out, activation, (2 * H, N), dout, inp)
+    elif dinp_tp is not None or dinp_scale is not None:
+        raise ValueError(f"{what}: dinp_tp and dinp_scale go with an FP8 dinp, got {dinp.dtype} {dinp.name!r}")
     if abs_max is not None:
-        expect(abs_max, "activation_backward abs_max", FP32, (1,))
+        expect(abs_max, f"{what} abs_max", FP32, (1,))
     if out is not None:
         _check_recompute_output("out", out, inp.dtype, dout.shape, activation, dinp, dout, inp)
     if out_fp8_tp is not None:
         if out is not None:
-            raise ValueError("activation_backward: give out or out_fp8_tp, not both")
+            raise ValueError(f"{what}: give out or out_fp8_tp, not both")
         _check_recompute_output("out_fp8_tp", out_fp8_tp, FP8_E4M3, (H, N), activation, dinp, dout, inp)
         if out_fp8_tp.stats is None:
-            raise ValueError(f"activation_backward out_fp8_tp: tensor {out_fp8_tp.name!r} carries no FP8 stats slot")
+            raise ValueError(f"{what} out_fp8_tp: tensor {out_fp8_tp.name!r} carries no FP8 stats slot")
+    elif out_scale is not None:
+        raise ValueError(f"{what}: out_scale goes with out_fp8_tp")
+    _check_scale(f"{what} out_scale", out_scale)
     stats = None if out_fp8_tp is None else out_fp8_tp.stats
-    dev = same_device(dinp, dout, inp, abs_max, out, out_fp8_tp, stats)
+    dev = same_device(dinp, dout, inp, abs_max, out, out_fp8_tp, stats, out_scale, dinp_tp, dinp_scale)
     if dev.is_cpu:
         x = inp.array()
         results = [] if out is None else [(out, activation_forward_np(x, activation, layout))]
         if out_fp8_tp is not None:
             s = stats.array()
+            delayed = None if out_scale is None else out_scale.array()[0]
             q, s[STAT_SCALE], s[STAT_SCALE_INV] = activation_forward_quant_np(x, activation, layout,
-                                                                              float(s[STAT_ABS_MAX]))  # fmt: skip
+                                                                              s[STAT_ABS_MAX], delayed)  # fmt: skip
             out_fp8_tp.array()[...] = q.reshape(N, H).T
         dx = activation_backward_np(dout.array(), x, activation, layout)
-        write_twin_results([*results, (dinp, dx)], abs_max, dx)
+        if quant_dinp:
+            scale = dinp_scale.array()[0]
+            q = quantize_with_scale_np(dx, scale, dinp.dtype)
+            results += [(dinp, q), (dinp_tp, q.reshape(N, 2 * H).T)]
+            st = dinp.stats.array()
+            st[STAT_SCALE], st[STAT_SCALE_INV] = scale, np.float32(1) / scale
+            abs_max = dinp.abs_max
+        else:
+            results.append((dinp, dx))
+        write_twin_results(results, abs_max, dx)
         return
     if N * H == 0:
         return
-    check_aligned("activation_backward", dinp, dout, inp, out, out_fp8_tp)  # None skipped
-    if out_fp8_tp is not None:
-        tensors = (dinp, out_fp8_tp, stats, dout, inp, abs_max)
+    check_aligned(what, dinp, dout, inp, out, out_fp8_tp, dinp_tp)  # None skipped
+    if quant_dinp:
+        tensors = (dinp, dinp_tp, dinp.stats, dinp_scale, out_fp8_tp, stats, out_scale, dout, inp)
+        e5m2 = np.int32(dinp.dtype == FP8_E5M2)
+        _launch("backward_q_tp", tensors, inp, activation, layout, N, H, dev, stream, extra=(e5m2,))
+    elif out_fp8_tp is not None:
+        tensors = (dinp, out_fp8_tp, stats, out_scale, dout, inp, abs_max)
         _launch("backward_quant_tp", tensors, inp, activation, layout, N, H, dev, stream)
     elif activation in GATED:
         _launch("backward", (dinp, out, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
     else:
         _launch("backward", (dinp, dout, inp, abs_max), inp, activation, layout, N, H, dev, stream)
+
+
+def _check_quant_dinp(dinp, dinp_tp, dinp_scale, abs_max, out, activation, tp_shape, dout, inp) -> None:
+    """An FP8 dinp as activation_backward writes it: gated, with its transpose, its stats and a delayed scale."""
+    what = "activation_backward"
+    if activation not in GATED:
+        raise ValueError(f"{what}: an FP8 dinp needs a gated activation, not {activation!r}")
+    if dinp_tp is None or dinp_scale is None:
+        raise ValueError(f"{what}: an FP8 dinp needs dinp_tp and dinp_scale (delayed scaling)")
+    if dinp.stats is None:
+        raise ValueError(f"{what} dinp: tensor {dinp.name!r} carries no FP8 stats slot")
+    if abs_max is not None or out is not None:
+        raise ValueError(f"{what}: an FP8 dinp records its abs-max in its own stats and takes no out")
+    expect(dinp_tp, f"{what} dinp_tp", dinp.dtype, tp_shape)
+    _check_scale(f"{what} dinp_scale", dinp_scale)
+    for t in (dinp, dinp_tp):
+        if overlaps(t, inp) or overlaps(t, dout):
+            raise ValueError(f"{what}: tensor {t.name!r} overlaps inp or dout")
+    if overlaps(dinp, dinp_tp):
+        raise ValueError(f"{what}: dinp and dinp_tp overlap")
 
 
 # The model's FFN names: SwiGLU on its packed [gate | up] projection, the same kernels as ops.mlp's.
@@ -316,8 +391,8 @@ def swiglu_forward(out, inp, abs_max=None, stream=None) -> None:
     activation_forward(out, inp, "swiglu", "split", abs_max, stream)
 
 
-def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None, out=None, out_fp8_tp=None) -> None:
+def swiglu_backward(dinp, dout, inp, abs_max=None, stream=None, out=None, out_fp8_tp=None, **delayed) -> None:
     """Gradient of swiglu_forward into dinp (N, 2H), may be inp itself; with `out` (or `out_fp8_tp`),
-    swiglu_forward's output (or its E4M3 copy transposed) too: the recompute of a dropped output. See
-    activation_backward."""
-    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream, out, out_fp8_tp)
+    swiglu_forward's output (or its E4M3 copy transposed) too: the recompute of a dropped output. `delayed`:
+    activation_backward's out_scale, dinp_tp and dinp_scale. See activation_backward."""
+    activation_backward(dinp, dout, inp, "swiglu", "split", abs_max, stream, out, out_fp8_tp, **delayed)

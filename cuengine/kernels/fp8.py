@@ -71,6 +71,17 @@ def quantize_reference(x: np.ndarray, abs_max, fp8_dtype) -> tuple[np.ndarray, n
     return q, np.array([abs_max, scale, scale_inv], np.float32)
 
 
+def amax_history_roll_reference(history: np.ndarray, stats: np.ndarray, slots: np.ndarray, fp8_max: np.ndarray) -> None:
+    """The twin of amax_history_roll, in place on history (R, n + 1); stats is the flat fp32 table."""
+    h = history[:, 1:]
+    h[:, 1:] = h[:, :-1].copy()
+    h[:, 0] = stats[slots + STAT_ABS_MAX]
+    with np.errstate(invalid="ignore"):
+        m = np.fmax.reduce(h, axis=1, initial=np.float32(0))  # fmaxf's rule: a NaN is skipped
+    ok = (m > 0) & np.isfinite(m)
+    history[:, 0] = np.where(ok, fp8_max / np.where(ok, m, 1), 1).astype(np.float32)
+
+
 def bias_backward_reference(dbias: np.ndarray, dout: np.ndarray) -> np.ndarray:
     """dbias + column sums of dout (N, OC), summed in fp32, rounded once to dbias's dtype."""
     s = dout.reshape(-1, dbias.shape[0]).astype(np.float32).sum(axis=0, dtype=np.float32)
@@ -434,3 +445,38 @@ def bias_backward(dbias, dout, scratch, stream=None) -> None:
     args = (dbias, scratch, np.int32(grid[1]), np.int32(oc))
     name = _build.kernel_name("bias_reduce", dbias)
     _build.launch("fp8", name, _build.ceil_div(oc, 64), 64, args, dev, stream, dependent=True)
+
+
+def amax_history_roll(history, stats, slots, fp8_max, stream=None) -> None:
+    """Delayed scaling's step: each of R FP8 tensors' abs-max history takes the abs-max recorded this
+    micro-step, and its scale for the next is made from the largest of the last n.
+
+    Producers that quantise with a delayed scale (activations' `scale=` arguments) know it before they
+    write, so the quantise folds into them; they max-accumulate the abs-max of what they wrote into the
+    tensor's stats slot, and this launch moves it into the history.
+
+    Args:
+        history: (R, n + 1) fp32, in place. Row r: [scale, abs-max of the last micro-step, ..., of the
+            n-th last]; all zero at the start (the scale column then 0: run current scaling first).
+        stats: fp32 table of stats slots (any shape, read flat), e.g. a run state's abs-max table.
+        slots: (R,) int32, the flat index in `stats` of each tensor's stats slot.
+        fp8_max: (R,) fp32, the largest finite value of each tensor's FP8 format (448 or 57344).
+
+    NumPy equivalent: amax_history_roll_reference (scale = fp8_max / max, 1 when that max is 0 or
+    not finite, as quantize's rule).
+    """
+    _checks.expect(history, "amax_history_roll: history", dtype=FP32, shape=(None, None))  # (R, n + 1)
+    R, width = history.shape
+    if width < 2:
+        raise ValueError(f"amax_history_roll: history {history.name!r} needs n + 1 >= 2 columns, got {history.shape}")
+    _checks.expect(stats, "amax_history_roll: stats", dtype=FP32)
+    _checks.expect(slots, "amax_history_roll: slots", dtype=INT32, shape=(R,))
+    _checks.expect(fp8_max, "amax_history_roll: fp8_max", dtype=FP32, shape=(R,))
+    dev = _checks.same_device(history, stats, slots, fp8_max)
+    if R == 0:
+        return
+    if dev.is_cpu:
+        amax_history_roll_reference(history.array(), stats.array().reshape(-1), slots.array(), fp8_max.array())
+        return
+    args = (history, stats, slots, fp8_max, np.int32(R), np.int32(width - 1))
+    _build.launch("fp8", "amax_history_roll", 1, 256, args, dev, stream, dependent=True)
