@@ -278,7 +278,8 @@ def _check_recompute_output(name: str, out, dtype, shape, activation: str, dinp,
 
 
 def activation_backward(dinp, dout, inp, activation: str, layout: str = "split", abs_max=None, stream=None,
-                        out=None, out_fp8_tp=None, *, out_scale=None, dinp_tp=None, dinp_scale=None) -> None:  # fmt: skip
+                        out=None, out_fp8_tp=None, *, out_scale=None, dinp_tp=None,
+                        dinp_scale=None) -> None:  # fmt: skip
     """dinp = d activation(inp) / d inp . dout, in inp's shape and layout.
 
     Args:
