@@ -50,13 +50,14 @@ TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", memory="defau
                       offload_residual=False, cuda_graphs=False, lmhead_chunks=None, weight_decay=0.1, grad_clip=1.0,
                       z_loss=0.0, seed=0,
                       save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
-                      grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False, nondeterministic_attention=False)
+                      grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False, nondeterministic_attention=False,
+                      fp8_amax_history=0)
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
             "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "memory", "recompute", "offload_residual",
             "cuda_graphs", "lmhead_chunks", "weight_decay", "grad_clip", "z_loss", "seed", "eval_every", "eval_batches",
             "save_every", "save_minutes", "log", "sample_tokens", "optimizer", "lmhead_fp8",
-            "nondeterministic_attention")
+            "nondeterministic_attention", "fp8_amax_history")
 # fmt: on
 # A resumed run sees the batches the uninterrupted run would: these may not change on --resume.
 FIXED_ON_RESUME = ("data", "batch_size", "seq_len", "grad_accum")
@@ -158,6 +159,7 @@ def _train_options(run, cfg):
                             weight_decay=run["weight_decay"],
                             grad_clip=run["grad_clip"], z_loss=run["z_loss"], seed=run["seed"],
                             optimizer=run["optimizer"], lmhead_fp8=run["lmhead_fp8"],
+                            fp8_amax_history=run["fp8_amax_history"],
                             attention_deterministic=not run["nondeterministic_attention"], **kw)  # fmt: skip
         return opts.resolved(cfg.dtype)
     except ValueError as err:
@@ -438,6 +440,10 @@ def add_train_parser(t) -> None:
                         "logits, from 1024 rows up)")  # fmt: skip
     g.add_argument("--lmhead-fp8", action="store_true", default=None,
                    help="the LM head's GEMMs in FP8 too; needs --matmul-dtype e4m3 (default: off)")  # fmt: skip
+    g.add_argument("--fp8-amax-history", type=int, metavar="N",
+                   help="with --matmul-dtype e4m3: scale the SwiGLU output and its input's gradient from the "
+                        "largest abs-max of the last N steps (delayed scaling: their quantise folds into the "
+                        "kernels that compute them; a value above that max saturates) (default: 0, off)")  # fmt: skip
     g.add_argument("--nondeterministic-attention", action="store_true", default=None,
                    help="cuDNN's faster attention backward (dQ added with atomics): the run's bits vary from "
                         "run to run, so two runs of one seed no longer match (default: off)")  # fmt: skip

@@ -210,6 +210,7 @@ def test_options_resolve_defaults():
         ({"beta2": 1.0}, "beta2"),
         ({"opt_m_dtype": "e4m3"}, "opt_m_dtype"),
         ({"grad_clip": float("nan")}, "grad_clip"),
+        ({"fp8_amax_history": 4}, "fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', got 'bf16'"),
     ],
 )
 def test_options_invalid(kwargs, msg):
@@ -234,6 +235,10 @@ def test_options_invalid(kwargs, msg):
         ({"eps": "1e-8"}, "eps must be a number"),
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"opt_v_dtype": "fp16"}, "opt_v_dtype"),
+        ({"fp8_amax_history": -1}, r"fp8_amax_history must be an int in \[0, 1024\], got -1"),
+        ({"fp8_amax_history": 1025}, r"fp8_amax_history must be an int in \[0, 1024\], got 1025"),
+        ({"fp8_amax_history": True}, r"fp8_amax_history must be an int in \[0, 1024\], got True"),
+        ({"fp8_amax_history": 2, "matmul_dtype": "bf16"}, "fp8_amax_history scales FP8 tensors"),
     ],
 )
 def test_options_invalid_at_construction(kwargs, msg):

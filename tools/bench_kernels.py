@@ -243,7 +243,7 @@ def rope_cases(dev, shrink):
 
 
 def swiglu_cases(dev, shrink):
-    from cuengine.kernels.activations import swiglu_backward, swiglu_forward
+    from cuengine.kernels.activations import activation_forward_quant, swiglu_backward, swiglu_forward
 
     n, h = max(1, 8192 // shrink), 8960  # 1.5B MLP
     inp = tensor(dev, ce.BF16, (n, 2 * h))
@@ -256,6 +256,17 @@ def swiglu_cases(dev, shrink):
     out_tp = ce.Tensor.empty(ce.FP8_E4M3, (h, n), dev).set_fp8_stats(4.0, 0.0, 0.0)
     bwd_tp = lambda: swiglu_backward(dinp, dout, inp, out_fp8_tp=out_tp)  # noqa: E731
     yield "swiglu", f"backward + E4M3 out transposed ({n}, {2 * h})", 5 * e + e // 2, bwd_tp
+    # with delayed scaling (fp8_amax_history): the gradient as E5M2 rows and transposed, no bf16 gradient
+    scale = ce.Tensor.from_numpy(np.array([2.0, 4.0], np.float32), dev)
+    dq = ce.Tensor.empty(ce.FP8_E5M2, (n, 2 * h), dev).set_fp8_stats(0.0, 0.0, 0.0)
+    dq_tp = ce.Tensor.empty(ce.FP8_E5M2, (2 * h, n), dev)
+    bwd_q = lambda: swiglu_backward(dq, dout, inp, out_fp8_tp=out_tp, out_scale=scale[:1], dinp_tp=dq_tp,  # noqa: E731
+                                    dinp_scale=scale[1:])  # fmt: skip
+    yield "swiglu", f"backward, E5M2 gradient (delayed) + E4M3 out transposed ({n}, {2 * h})", 5 * e + e // 2, bwd_q
+    # and its forward: the output straight to E4M3
+    q = ce.Tensor.empty(ce.FP8_E4M3, (n, h), dev).set_fp8_stats(0.0, 0.0, 0.0)
+    fwd_q = lambda: activation_forward_quant(q, inp, "swiglu", scale=scale[:1])  # noqa: E731
+    yield "swiglu", f"forward to E4M3 (delayed) ({n}, {2 * h})", 2 * e + e // 2, fwd_q
 
 
 CASES = {

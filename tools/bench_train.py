@@ -62,13 +62,16 @@ def bench_engine(preset: str, dtype: str, B: int, T: int, steps: int, warmup: in
     return dict(r, name=f"cuengine {dtype}")
 
 
+FP8_ONLY = ("lmhead_fp8", "fp8_amax_history")
+
+
 def options(dtype: str, extra: dict, **kw):
     """TrainOptions of one engine run: FP8 block matmuls for "fp8", CUDA graphs, the flags in `extra`
-    (lmhead_fp8 only where the matmuls are FP8)."""
+    (the FP8_ONLY ones only where the matmuls are FP8)."""
     from cuengine.model import TrainOptions
 
     if dtype != "fp8":
-        extra = {k: v for k, v in extra.items() if k != "lmhead_fp8"}
+        extra = {k: v for k, v in extra.items() if k not in FP8_ONLY}
     return TrainOptions(matmul_dtype="e4m3" if dtype == "fp8" else None, use_cuda_graphs=True, **extra, **kw)
 
 
@@ -201,6 +204,9 @@ def main(argv=None) -> int:
                    help="memory preset, --recompute added to it (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
     p.add_argument("--lmhead-fp8", action="store_true", help="fp8 runs: the LM head's GEMMs in FP8 too")
+    p.add_argument("--fp8-amax-history", type=int, default=0, metavar="N",
+                   help="fp8 runs: delayed scaling of the SwiGLU output and its input's gradient from the last N "
+                        "micro-steps' abs-maxes (TrainOptions.fp8_amax_history; 0: off)")  # fmt: skip
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
@@ -229,6 +235,8 @@ def main(argv=None) -> int:
     seqs = args.seq or [1024]
     chunks_arg = args.lmhead_chunks
     extra = {"lmhead_fp8": True} if args.lmhead_fp8 else {}
+    if args.fp8_amax_history:
+        extra["fp8_amax_history"] = args.fp8_amax_history
     extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,
                  opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,
                  attention_deterministic=not args.nondeterministic_attention)  # fmt: skip

@@ -32,6 +32,7 @@ RECIPES = {
     "fp8": ["--matmul-dtype", "e4m3"],  # E4M3 forward, E5M2 gradients (the default FP8 recipe)
     "fp8-e4m3-grads": ["--matmul-dtype", "e4m3", "--grad-dtype", "e4m3"],
     "fp8-lmhead": ["--matmul-dtype", "e4m3", "--lmhead-fp8"],
+    "fp8-delayed": ["--matmul-dtype", "e4m3", "--fp8-amax-history", "16"],
 }
 
 

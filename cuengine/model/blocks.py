@@ -51,6 +51,7 @@ class Kernels:
     attention_forward: Callable = attention.attention_forward
     attention_backward: Callable = attention.attention_backward
     swiglu_forward: Callable = activations.swiglu_forward
+    activation_forward_quant: Callable = activations.activation_forward_quant
     swiglu_backward: Callable = activations.swiglu_backward
     abs_max: Callable = fp8.abs_max
     quantize_with_abs_max: Callable = fp8.quantize_with_abs_max
@@ -140,10 +141,12 @@ class Blocks:
         k.matmul(out, inp.quant, self.weights.fp8[wname], bias)
 
     def qmm_backward(self, dinp, dweight, dbias, dout: QuantTensor, inp: QuantTensor, wname: str,
-                     reuse_inp: bool, stored_tp: bool = False, after_dinp=None) -> None:  # fmt: skip
+                     reuse_inp: bool, stored_tp: bool = False, after_dinp=None, dout_tp=None) -> None:  # fmt: skip
         """dinp (N, C) = dout (N, OC) · W;  dweight (OC, C) += doutᵀ · inp;  dbias += Σ dout.
 
         `after_dinp()`, if given, runs once dinp is written and before dweight reads inp (it may write inp).
+        `dout_tp` (OC, N), FP8 only: dout's quant copy and this transpose are already written (by the kernel
+        that computed dout, with a delayed scale), so dout is not quantised here.
 
         FP8: dout is quantized to the gradient dtype with the abs-max its producer recorded;
         both GEMMs are TN, so they read W's transposed E4M3 copy (made with W8 after each update)
@@ -163,25 +166,26 @@ class Blocks:
             return
         OC, C = dout.value.shape[-1], inp.value.shape[-1]
         N = dout.value.nelem // OC
-        grad_raw = stack.allocate(dout.quant.dtype, (OC, N), "grad_tp")
-        grad_tp = grad_raw.with_stats(dout.quant.stats)
-        k.quantize_dual(dout.quant, grad_tp, dout.value)  # one read of dout for both copies
+        grad_raw = None
+        if dout_tp is None:
+            grad_raw = stack.allocate(dout.quant.dtype, (OC, N), "grad_tp")
+            dout_tp = grad_raw.with_stats(dout.quant.stats)
+            k.quantize_dual(dout.quant, dout_tp, dout.value)  # one read of dout for both copies
         k.matmul(dinp, dout.quant, self.weights.fp8_tp[wname])  # (N, OC) · (C, OC)ᵀ
         if after_dinp is not None:
             after_dinp()
         if stored_tp:
-            k.matmul(dweight, grad_tp, inp.quant.reshape(C, N), accumulate=True)  # (OC, N) · (C, N)ᵀ
-            stack.free(grad_raw)
-            return
-        act_raw = stack.allocate(inp.quant.dtype, (C, N), "act_tp")
-        act_tp = act_raw.with_stats(inp.quant.stats)
-        if reuse_inp:
-            k.transpose(act_tp, inp.quant)
+            k.matmul(dweight, dout_tp, inp.quant.reshape(C, N), accumulate=True)  # (OC, N) · (C, N)ᵀ
         else:
-            k.quantize_and_transpose(act_tp, inp.value)
-        k.matmul(dweight, grad_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
-        stack.free(act_raw)
-        stack.free(grad_raw)
+            with stack.temporary(inp.quant.dtype, (C, N), "act_tp") as act_raw:
+                act_tp = act_raw.with_stats(inp.quant.stats)
+                if reuse_inp:
+                    k.transpose(act_tp, inp.quant)
+                else:
+                    k.quantize_and_transpose(act_tp, inp.value)
+                k.matmul(dweight, dout_tp, act_tp, accumulate=True)  # (OC, N) · (C, N)ᵀ
+        if grad_raw is not None:
+            stack.free(grad_raw)
 
     @contextlib.contextmanager
     def _quant_on_stack(self, t: QuantTensor):
@@ -249,8 +253,29 @@ class Blocks:
         k.fused_residual_rmsnorm_forward(a.res_att, a.ln2.value, a.ln2_rstd, residual, att_o, w["ln2_w"], eps,
                                          abs_max=a.ln2.abs_max)  # fmt: skip
         self.qmm_forward(mlp_up, a.ln2, p + "up_w", store_tp=self._ln2_stored_tp(i))  # (B, T, 2H)
-        k.swiglu_forward(a.swiglu.value, mlp_up, abs_max=a.swiglu.abs_max)  # (B, T, H)
-        self.qmm_forward(mlp_down, a.swiglu, p + "down_w", store_tp=self.stored_tp["swiglu"])
+        scale = rs.delayed_scale(i, "swiglu_q")
+        if scale is None:
+            k.swiglu_forward(a.swiglu.value, mlp_up, abs_max=a.swiglu.abs_max)  # (B, T, H)
+            self.qmm_forward(mlp_down, a.swiglu, p + "down_w", store_tp=self.stored_tp["swiglu"])
+        else:
+            self._down_forward_delayed(mlp_down, a.swiglu, mlp_up, p + "down_w", scale)
+
+    def _down_forward_delayed(self, out, swiglu: QuantTensor, mlp_up, wname: str, scale) -> None:
+        """out = SwiGLU(mlp_up) · Wᵀ with the SwiGLU output written straight to E4M3 with its delayed `scale`
+        (fp8_amax_history): no bf16 output and no quantise pass. Where its copy is stored transposed (no
+        SwiGLU recompute) the plain copy is a stack temporary, transposed after the GEMM."""
+        k, q = self.k, swiglu.quant
+        if not self.stored_tp["swiglu"]:
+            k.activation_forward_quant(q, mlp_up, "swiglu", "split", scale=scale)
+            k.matmul(out, q, self.weights.fp8[wname])
+            return
+        H = q.shape[-1]
+        N = q.nelem // H
+        with self.rs.stack.temporary(q.dtype, (N, H), "x_q") as raw:
+            plain = raw.with_stats(q.stats)
+            k.activation_forward_quant(plain, mlp_up.reshape(N, 2 * H), "swiglu", "split", scale=scale)
+            k.matmul(out, plain, self.weights.fp8[wname])
+            k.transpose(q.reshape(H, N), plain)
 
     def recompute_block(self, i: int, a: LayerActivations, residual, mlp_up) -> None:
         """Recompute what the recompute flags dropped, exactly as forward computed it (same
@@ -280,30 +305,14 @@ class Blocks:
 
     def backward_block(self, i: int, a: LayerActivations, g: LayerGradients, mlp_up) -> None:
         """From g.d_res_ffn: g.d_res_att (the residual's gradient so far) and g.d_ln1, and this
-        block's parameter gradients (+=). mlp_up is overwritten by its gradient."""
+        block's parameter gradients (+=). mlp_up is overwritten by its gradient (not with a delayed scale
+        for it: `_mlp_backward`)."""
         k, rs, cfg, o = self.k, self.rs, self.cfg, self.opts
         w, p, G = self.weights.block(i), f"layers.{i}.", self.grads[i]
-        B, T, H, Q = rs.B, rs.T, cfg.intermediate_size, cfg.qkv_channels
+        B, T, Q = rs.B, rs.T, cfg.qkv_channels
         Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
         stack = rs.stack
-        # MLP down: the gradient of the block output is d_res_ffn
-        d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)  # in place: mlp_up is not needed after this
-        out = out_tp = None  # where the SwiGLU backward rewrites a dropped output
-        if o.rc_swiglu and a.swiglu.quant is None:
-            out = a.swiglu.value
-        elif o.rc_swiglu:
-            out_tp = a.swiglu.quant.reshape(H, B * T)
-        with stack.temporary(rs.dtype, (B, T, H), "d_swiglu") as d_swiglu:
-            # between the down GEMMs: the SwiGLU output it recomputes is what the dweight GEMM reads
-            swiglu_backward = functools.partial(k.swiglu_backward, d_mlp_up.value, d_swiglu, mlp_up,
-                                                abs_max=d_mlp_up.abs_max, out=out, out_fp8_tp=out_tp)  # fmt: skip
-            self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True,
-                              stored_tp=self.stored_tp["swiglu"] or out_tp is not None,
-                              after_dinp=swiglu_backward)  # fmt: skip
-        # MLP up
-        with self._quant_on_stack(d_mlp_up) as d_mlp_up:
-            self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w", reuse_inp=not o.recompute_rmsnorm,
-                              stored_tp=self._ln2_stored_tp(i))  # fmt: skip
+        self._mlp_backward(i, a, g, mlp_up)
         # ln2: d_res_att = d_res_ffn + ∂ln2 (in place when they share a buffer)
         k.rmsnorm_backward(g.d_res_att.value, G["ln2_w"], rs.rms_scratch, g.d_res_ffn.value, g.d_ln2, a.res_att,
                            w["ln2_w"], a.ln2_rstd, abs_max=g.d_res_att.abs_max)  # fmt: skip
@@ -329,6 +338,44 @@ class Blocks:
             self.qmm_backward(g.d_ln1, G["qkv_w"], G.get("qkv_b"), d_qkv, a.ln1, p + "qkv_w",
                               reuse_inp=not (o.recompute_rmsnorm or o.recompute_att),
                               stored_tp=self.stored_tp["ln1"])  # fmt: skip
+
+    def _mlp_backward(self, i: int, a: LayerActivations, g: LayerGradients, mlp_up) -> None:
+        """The down and up projections' backward, from g.d_res_ffn to g.d_ln2 (parameter gradients +=), with
+        the SwiGLU backward between the down projection's two GEMMs: the SwiGLU output it recomputes (a
+        dropped one) is what the dweight GEMM reads. Its gradient overwrites mlp_up, which the up projection's
+        backward quantises (FP8); with a delayed scale for it (fp8_amax_history) the SwiGLU backward writes
+        the two FP8 copies itself instead, into stack temporaries."""
+        k, rs, o = self.k, self.rs, self.opts
+        p, G, H, N = f"layers.{i}.", self.grads[i], self.cfg.intermediate_size, rs.B * rs.T
+        d_mlp_up = QuantTensor(mlp_up, g.d_mlp_up_q)
+        out = out_tp = None  # where the SwiGLU backward rewrites a dropped output
+        if o.rc_swiglu and a.swiglu.quant is None:
+            out = a.swiglu.value
+        elif o.rc_swiglu:
+            out_tp = a.swiglu.quant.reshape(H, N)
+        dscale = rs.delayed_scale(i, "d_mlp_up_q")
+        with contextlib.ExitStack() as temps:
+            if dscale is None:
+                dinp, dq_tp, grad = mlp_up, None, {"abs_max": d_mlp_up.abs_max, "out": out}
+            else:
+                d_mlp_up = temps.enter_context(self._quant_on_stack(d_mlp_up))
+                dinp = d_mlp_up.quant
+                raw = temps.enter_context(rs.stack.temporary(dinp.dtype, (2 * H, N), "grad_tp"))
+                dq_tp = raw.with_stats(dinp.stats)
+                grad = {"dinp_tp": dq_tp, "dinp_scale": dscale}
+                if out_tp is not None:  # the forward's output had its delayed scale too
+                    grad["out_scale"] = rs.delayed_scale(i, "swiglu_q")
+            with rs.stack.temporary(rs.dtype, (rs.B, rs.T, H), "d_swiglu") as d_swiglu:
+                swiglu_backward = functools.partial(k.swiglu_backward, dinp, d_swiglu, mlp_up, out_fp8_tp=out_tp,
+                                                    **grad)  # fmt: skip
+                self.qmm_backward(d_swiglu, G["down_w"], None, g.d_res_ffn, a.swiglu, p + "down_w", reuse_inp=True,
+                                  stored_tp=self.stored_tp["swiglu"] or out_tp is not None,
+                                  after_dinp=swiglu_backward)  # fmt: skip
+            if dscale is None:
+                d_mlp_up = temps.enter_context(self._quant_on_stack(d_mlp_up))
+            self.qmm_backward(g.d_ln2, G["up_w"], None, d_mlp_up, a.ln2, p + "up_w",
+                              reuse_inp=not o.recompute_rmsnorm, stored_tp=self._ln2_stored_tp(i),
+                              dout_tp=dq_tp)  # fmt: skip
 
     # ---- LM head -----------------------------------------------------------------------------
     def lm_head(self, d_loss, d_head=None, logits_out: np.ndarray | None = None) -> None:

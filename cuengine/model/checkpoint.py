@@ -4,6 +4,8 @@ Layout of a checkpoint directory:
     weights.safetensors    engine tensors in the model dtype (packed qkv / up, engine names)
     optimizer.safetensors  the optimizer's `state_tensors()`: "m.<name>" and "v.<name>" in their own
                            dtypes for AdamW; codes and block abs-maxes for adamw8bit
+    fp8_history.safetensors  with TrainOptions.fp8_amax_history only: the delayed FP8 scales and their
+                           abs-max history ("fp8_amax_history", the run state's table)
     state.json             step, optimizer seed, config, options and the caller's `extra`
 It is written into a temporary sibling directory, flushed to disk and renamed into place, so a
 crash never leaves a half-written checkpoint under the final name (see `save`).
@@ -55,6 +57,9 @@ def save(model, out_dir, extra: dict | None = None, moments: dict | None = None)
         save_file({n: t.numpy() for n, t in model.weights.tensors.items()}, str(tmp / "weights.safetensors"))
         moments = model.opt_state.host_arrays() if moments is None else moments  # sharded: gathered
         save_file(moments, str(tmp / "optimizer.safetensors"))
+        history = _fp8_history(model)
+        if history is not None:
+            save_file({HISTORY: history.numpy()}, str(tmp / "fp8_history.safetensors"))
         (tmp / "state.json").write_text(text + "\n")
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask())  # safetensors writes 0600 whatever the umask
@@ -70,6 +75,14 @@ def save(model, out_dir, extra: dict | None = None, moments: dict | None = None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+HISTORY = "fp8_amax_history"
+
+
+def _fp8_history(model):
+    rs = getattr(model, "rs", None)
+    return None if rs is None else rs.fp8_history
 
 
 def _old_path(target: Path) -> Path:
@@ -163,6 +176,12 @@ def load(model, path) -> dict:
     want = {k: (t.shape, t.dtype.np) for k, t in opt_tensors.items()}
     sharded = model._dp is not None and not want  # ZeRO: the full moments are read whole; each rank takes its shard
     moments = _read_checked(path / "optimizer.safetensors", model._dp.moment_shapes() if sharded else want)
+    # the delayed FP8 scales: restored where the model keeps them; a checkpoint without them (saved without
+    # fp8_amax_history) starts the history afresh, its first micro-step scaling as the rest
+    history, hist_file = _fp8_history(model), path / "fp8_history.safetensors"
+    saved_history = None
+    if history is not None and hist_file.is_file():
+        saved_history = _read_checked(hist_file, {HISTORY: (history.shape, history.dtype.np)})[HISTORY]
     # Everything is read and checked: now write.
     for n, t in model.weights.tensors.items():
         t.copy_from_numpy(weights[n])
@@ -170,6 +189,12 @@ def load(model, path) -> dict:
         t.copy_from_numpy(moments[k])
     if sharded:
         model._dp.load_moments(moments)
+    if history is not None:
+        if saved_history is None:
+            history.fill_zero()
+        else:
+            history.copy_from_numpy(saved_history)
+        model.rs.fp8_history_filled = saved_history is not None
     model.weights.requantize()
     model.step = state["step"]
     return state["extra"]

@@ -177,8 +177,11 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         if self._dp is not None and self._dp.stage:  # DataParallel.encode's lookups
             with rs.stack.temporary(*self._dp.lookups, "encode_lookups"):
                 pass
-        blocks.forward(0, rs.encoded)
-        blocks.backward(0, rs.encoded)
+        for filled in (False, True) if rs.fp8_history is not None else (False,):  # both ways of scaling
+            rs.fp8_history_filled = filled
+            blocks.forward(0, rs.encoded)
+            blocks.backward(0, rs.encoded)
+        rs.fp8_history_filled = False
         blocks.lm_head(1.0, d_head=self._head_grad)
 
     @property
@@ -234,6 +237,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         if not self.opts.use_cuda_graphs or self._in_graph:
             fn()
             return
+        if self.rs is not None and self.rs.fp8_history is not None:  # the first micro-step scales as the rest
+            key = (*key, self.rs.fp8_history_filled)
         g = self._graphs.get(key)
         self._in_graph = True
         try:
@@ -341,6 +346,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             self._graph(key, lambda: self._backward(micro_step, grad_accum_steps))
         else:
             self._backward(micro_step, grad_accum_steps)
+        if self.rs.fp8_history is not None:  # _backward rolled it: the next forward quantises with its scales
+            self.rs.fp8_history_filled = True
 
     def _backward(self, micro_step: int, grad_accum_steps: int = 1) -> None:
         rs, cfg, W, G, dp = self.rs, self.cfg, self.weights, self.grads, self._dp
@@ -385,6 +392,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                                          w["ln1_w"], a.ln1_rstd)  # fmt: skip
             if dp is not None:
                 dp.bucket_done(f"layers.{i}")
+        rs.roll_fp8_history()
         self.device.stream.wait(rs.enc_join)
         encoder.encoder_backward_sum(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
         if dp is not None:

@@ -68,6 +68,12 @@ class TrainOptions:
     # also run the LM head's three GEMMs in FP8 (E4M3 lnf and head weight, grad_dtype dlogits; per-chunk
     # scales); needs matmul_dtype "e4m3". Off by default: the logits then carry E4M3 rounding (~2^-4 relative)
     lmhead_fp8: bool = False
+    # FP8 only: > 0 scales each layer's two largest FP8 tensors, the SwiGLU output (E4M3) and the gradient of
+    # the up projection's output (grad_dtype), from the largest abs-max of the last this-many micro-steps
+    # (delayed scaling), so that the kernels computing them write the FP8 copies themselves: one pass over
+    # each fewer a layer. The scale then lags the values: one larger than the history's max saturates.
+    # The first micro-step (empty history) scales them as the rest. 0: every tensor from its own abs-max.
+    fp8_amax_history: int = 0
     # ---- recompute and memory ----------------------------------------------------------------
     recompute_rmsnorm: bool = False  # recompute ln1/ln2 in backward; one shared buffer each
     recompute_qkv: bool = False  # recompute the qkv projection + RoPE in backward
@@ -146,6 +152,11 @@ class TrainOptions:
             known = matmul or model
             if grad is not None and (grad in _FP8_GRAD_DTYPES or (known is not None and grad != known)):
                 raise bad(f"grad_dtype {grad!r} needs FP8 matmuls; with {known or 'the model dtype'} leave it None")
+        v = self.fp8_amax_history
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 1024:
+            raise bad(f"fp8_amax_history must be an int in [0, 1024], got {v!r}")
+        if v and matmul is not None and not self.fp8:
+            raise bad(f"fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', got {matmul!r}")
         if not isinstance(self.lmhead_fp8, bool):
             raise bad(f"lmhead_fp8 must be True or False, got {self.lmhead_fp8!r}")
         if self.lmhead_fp8 and matmul is not None and not self.fp8:

@@ -17,8 +17,10 @@ It follows the seed's RunStateBuilder (LLMQ `llama_run_state.cpp`):
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..alloc import DeviceMemoryStack
-from ..dtypes import BF16, BYTE, FP16, FP32, INT32
+from ..dtypes import BF16, BYTE, FP8_E4M3, FP16, FP32, INT32
 from ..dtypes import dtype as _dtype
 from ..kernels import attention, encoder, fp8, qknorm, rmsnorm, rope
 from ..tensor import STATS_SLOTS, Tensor
@@ -26,6 +28,9 @@ from .records import LayerActivations, LayerGradients, QuantTensor
 
 # Per-layer FP8 stats slots in the `abs_max` table (cuengine.tensor's STATS_SLOTS layout).
 STAT_SLOTS = ("ln1_q", "att_q", "ln2_q", "swiglu_q", "d_res_ffn_q", "d_res_att_q", "d_mlp_up_q", "d_qkv_q")
+# The tensors TrainOptions.fp8_amax_history scales from a history (the rows of `fp8_history`, per layer): the
+# largest two of a layer, whose producers then quantise them in the pass that computes them.
+DELAYED_SLOTS = ("swiglu_q", "d_mlp_up_q")
 
 
 class ResidualStore:
@@ -121,11 +126,16 @@ class RunState:
         self.inputs_event = dev.event()  # the last copy out of inputs_host
         self.targets_event = dev.event()
 
-        self.abs_maxes = None
+        self.abs_maxes = self.fp8_history = None
+        # True once a training micro-step has rolled the history (fp8_amax_history): the producers of
+        # DELAYED_SLOTS then quantise with its scales; until then (the first micro-step) they scale as the rest
+        self.fp8_history_filled = False
         if opts.fp8:
             with alloc.context("FP8 stats"):
                 # one Tensor stats slot (STATS_SLOTS floats, 16-byte lanes) per quantised tensor
                 self.abs_maxes = alloc.allocate(FP32, "abs_max", (L, len(STAT_SLOTS), STATS_SLOTS))
+                if opts.fp8_amax_history:
+                    self._allocate_fp8_history(L, opts.fp8_amax_history, _dtype(opts.grad_dtype).fp8_max)
         with alloc.context("Activations"):
             self.encoded = alloc.allocate(dt, "encoded", (B, T, C))
             # cos/sin are bounded by 1: fp16 keeps more mantissa than bf16 for the same bytes.
@@ -170,6 +180,32 @@ class RunState:
             ws = max(fwd, bwd)
             self.att_workspace = alloc.allocate(BYTE, "attention_workspace", (ws,))
         self.stack = None
+
+    def _allocate_fp8_history(self, L: int, n: int, grad_max: float) -> None:
+        """fp8_history (L * len(DELAYED_SLOTS), n + 1): fp8.amax_history_roll's table, zero (empty), with the
+        flat index of each row's stats slot in `abs_maxes` and its FP8 format's largest value."""
+        alloc, k = self.alloc, len(DELAYED_SLOTS)
+        self.fp8_history = alloc.allocate(FP32, "fp8_amax_history", (L * k, n + 1)).fill_zero()
+        slots = [
+            (i * len(STAT_SLOTS) + STAT_SLOTS.index(name)) * STATS_SLOTS for i in range(L) for name in DELAYED_SLOTS
+        ]
+        fp8_max = [FP8_E4M3.fp8_max if name == "swiglu_q" else grad_max for _ in range(L) for name in DELAYED_SLOTS]
+        self.fp8_history_slots = alloc.allocate(INT32, "fp8_history_slots", (L * k,))
+        self.fp8_history_slots.copy_from_numpy(np.array(slots, np.int32))
+        self.fp8_history_max = alloc.allocate(FP32, "fp8_history_max", (L * k,))
+        self.fp8_history_max.copy_from_numpy(np.array(fp8_max, np.float32))
+
+    def delayed_scale(self, layer: int, name: str) -> Tensor | None:
+        """The (1,) scale layer `layer`'s `name` (one of DELAYED_SLOTS) is quantised with, or None where it is
+        scaled from its own abs-max (no fp8_amax_history, or the history not filled yet)."""
+        if not self.fp8_history_filled:
+            return None
+        return self.fp8_history[layer * len(DELAYED_SLOTS) + DELAYED_SLOTS.index(name)].rows(0, 1)
+
+    def roll_fp8_history(self) -> None:
+        """The end of a training micro-step: the delayed tensors' abs-maxes into the history, their next scales."""
+        if self.fp8_history is not None:
+            fp8.amax_history_roll(self.fp8_history, self.abs_maxes, self.fp8_history_slots, self.fp8_history_max)
 
     def _stats(self, t: Tensor | None, layer: int, name: str) -> Tensor | None:
         """The quant buffer `t` with layer `layer`'s stats slot for `name` (one of STAT_SLOTS)."""
