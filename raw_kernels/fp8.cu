@@ -428,8 +428,10 @@ BIAS_KERNELS(bf16, bf16)
 // Delayed scaling of R FP8 tensors. Row r of history (R, n + 1) holds the scale those tensors' producers
 // quantise with (column 0) and the abs-maxes of the last n micro-steps, newest first (columns 1..n). At the
 // end of a micro-step: shift the abs-maxes one column on, put the one the producers recorded this
-// micro-step (stats[slots[r] + STAT_ABS_MAX]) in column 1, and set the scale from the largest, as quantize
-// does from one abs-max (fp8_max[r] / max; 1 when it is 0 or not finite). fmaxf skips a NaN abs-max.
+// micro-step (stats[slots[r] + STAT_ABS_MAX]) in column 1, and set the scale from the largest finite one, as
+// quantize does from one abs-max (fp8_max[r] / max; 1 when it is 0). A non-finite abs-max (a micro-step whose
+// gradient overflowed) is kept in the history but left out of the max, so it cannot hold the scale at 1 for
+// the next n micro-steps.
 extern "C" __global__ void amax_history_roll(float* history, const float* stats, const int* slots,
                                              const float* fp8_max, int R, int n) {
     grid_dependency_wait();
@@ -438,7 +440,8 @@ extern "C" __global__ void amax_history_roll(float* history, const float* stats,
         for (int k = n; k > 1; --k) h[k] = h[k - 1];
         h[1] = stats[slots[r] + STAT_ABS_MAX];
         float m = 0.f;
-        for (int k = 1; k <= n; ++k) m = fmaxf(m, h[k]);
+        for (int k = 1; k <= n; ++k)
+            if (isfinite(h[k])) m = fmaxf(m, h[k]);
         h[0] = fp8_scale(m, fp8_max[r]);
     }
 }

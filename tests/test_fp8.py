@@ -527,14 +527,14 @@ def test_cuda_bias_backward(dbias_dtype, dout_dtype, shape):
 
 # ---- delayed scaling: the abs-max history ----------------------------------------------------------------
 # Four micro-steps of three tensors (E4M3, E5M2, E4M3) with a history of n = 3: each row's recorded abs-maxes
-# and the scale after each roll, worked out by hand from the rule (largest of the last 3; 1 when 0 or not finite;
-# a NaN is skipped).
-ROLL_AMAX = [[2.0, 4.0, 0.0], [1.0, 8.0, 0.0], [0.5, np.nan, 0.0], [0.25, 1.0, np.inf]]
+# and the scale after each roll, worked out by hand from the rule (the largest finite one of the last 3; 1 when
+# that is 0; a NaN or an inf stays in the history, out of the max).
+ROLL_AMAX = [[2.0, 4.0, 0.0], [1.0, 8.0, 0.0], [0.5, np.nan, 0.0], [np.inf, 1.0, np.inf]]
 ROLL_WANT = [
     [[224.0, 2.0, 0.0, 0.0], [14336.0, 4.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]],
     [[224.0, 1.0, 2.0, 0.0], [7168.0, 8.0, 4.0, 0.0], [1.0, 0.0, 0.0, 0.0]],
     [[224.0, 0.5, 1.0, 2.0], [7168.0, np.nan, 8.0, 4.0], [1.0, 0.0, 0.0, 0.0]],
-    [[448.0, 0.25, 0.5, 1.0], [7168.0, 1.0, np.nan, 8.0], [1.0, np.inf, 0.0, 0.0]],
+    [[448.0, np.inf, 0.5, 1.0], [7168.0, 1.0, np.nan, 8.0], [1.0, np.inf, 0.0, 0.0]],
 ]
 
 

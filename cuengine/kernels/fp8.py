@@ -76,10 +76,8 @@ def amax_history_roll_reference(history: np.ndarray, stats: np.ndarray, slots: n
     h = history[:, 1:]
     h[:, 1:] = h[:, :-1].copy()
     h[:, 0] = stats[slots + STAT_ABS_MAX]
-    with np.errstate(invalid="ignore"):
-        m = np.fmax.reduce(h, axis=1, initial=np.float32(0))  # fmaxf's rule: a NaN is skipped
-    ok = (m > 0) & np.isfinite(m)
-    history[:, 0] = np.where(ok, fp8_max / np.where(ok, m, 1), 1).astype(np.float32)
+    m = np.where(np.isfinite(h), h, np.float32(0)).max(axis=1, initial=np.float32(0))  # the finite ones
+    history[:, 0] = np.where(m > 0, fp8_max / np.where(m > 0, m, 1), 1).astype(np.float32)
 
 
 def bias_backward_reference(dbias: np.ndarray, dout: np.ndarray) -> np.ndarray:
@@ -462,8 +460,9 @@ def amax_history_roll(history, stats, slots, fp8_max, stream=None) -> None:
         slots: (R,) int32, the flat index in `stats` of each tensor's stats slot.
         fp8_max: (R,) fp32, the largest finite value of each tensor's FP8 format (448 or 57344).
 
-    NumPy equivalent: amax_history_roll_reference (scale = fp8_max / max, 1 when that max is 0 or
-    not finite, as quantize's rule).
+    NumPy equivalent: amax_history_roll_reference (scale = fp8_max / the largest finite abs-max of the
+    history, 1 when that is 0, as quantize's rule; a non-finite abs-max, from a micro-step whose gradient
+    overflowed, stays in the history but does not hold the scale at 1 for the next n micro-steps).
     """
     _checks.expect(history, "amax_history_roll: history", dtype=FP32, shape=(None, None))  # (R, n + 1)
     R, width = history.shape
