@@ -746,6 +746,21 @@ def test_zero_stages_equal_plain_data_parallel_with_fp8_copies(clean_env, preset
             np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
 
 
+def test_delayed_fp8_scaling_on_two_ranks(clean_env):
+    """fp8_amax_history on two ranks: each rank scales from its own batches' abs-maxes, the reduced gradients
+    keep the ranks' weights identical (checked by _launch_kw), ZeRO-1 gives the bits of stage 0, and the
+    losses stay near current scaling's."""
+    cfg, opts = {"preset": "tiny", "dtype": "bf16"}, {"matmul_dtype": "e4m3", "fp8_amax_history": 2}
+    base = _launch_kw(2, cfg, dict(opts, zero_stage=0), 2, range(4))
+    run = _launch_kw(2, cfg, dict(opts, zero_stage=1), 2, range(4))
+    assert run["losses"] == base["losses"]
+    for n, a in base["weights"].items():
+        np.testing.assert_array_equal(run["weights"][n], a, err_msg=n)
+    current = _launch_kw(2, cfg, {"matmul_dtype": "e4m3"}, 2, range(4))
+    assert current["losses"][0] == base["losses"][0]
+    assert_losses_close(base["losses"], current["losses"], 2e-3)
+
+
 @pytest.mark.parametrize(
     "opts",
     [{"lmhead_chunks": 2, "recompute_rmsnorm": True, "recompute_ffn_layers": 1},

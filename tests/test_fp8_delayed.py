@@ -145,3 +145,22 @@ def test_cli_train_fp8_amax_history(tmp_path, capsys, monkeypatch):
         "cuengine train: error: TrainOptions: fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', "
         "got 'bf16'"
     ], err
+
+
+def test_each_micro_step_rolls_the_history():
+    """With two micro-steps a step the history takes one abs-max per micro-step: after one optimizer step of two
+    micro-steps (the first current-scaled), two of its three columns are filled, and the second micro-step was
+    quantised with the scale the first left."""
+    cfg = tiny()
+    m = make(cfg, fp8_amax_history=3, **FP8)
+    (x1, y1), (x2, y2) = batch(cfg, 5), batch(cfg, 6)
+    m.forward(x1)
+    m.backward(x1, y1, micro_step=0, grad_accum_steps=2)
+    after_first = m.rs.fp8_history.numpy().copy()
+    m.forward(x2)
+    m.backward(x2, y2, micro_step=1, grad_accum_steps=2)
+    m.finish_step(1e-3, int((y1 != -1).sum() + (y2 != -1).sum()))
+    hist = m.rs.fp8_history.numpy()
+    assert np.all(hist[:, 1:3] > 0) and not hist[:, 3].any()
+    np.testing.assert_array_equal(hist[:, 2], after_first[:, 1])
+    np.testing.assert_array_equal(delayed_stats(m)[..., STAT_SCALE].reshape(-1), after_first[:, 0])
