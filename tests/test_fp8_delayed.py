@@ -68,10 +68,15 @@ def test_losses_stay_near_current_scaling():
     np.testing.assert_allclose(delayed, current, rtol=2e-3)
 
 
-@pytest.mark.parametrize("memory", [{}, {"recompute_swiglu": False}, {"recompute_ffn": True}])
+@pytest.mark.parametrize(
+    "memory",
+    [{"recompute_swiglu": False}, {"recompute_ffn": True}, {"recompute_block": True}, {"offload_residual": True},
+     {"recompute_ffn_layers": 1, "recompute_rmsnorm": True}],
+)  # fmt: skip
 def test_the_memory_options_give_the_same_bits(memory):
-    """Whether the SwiGLU output is kept (transposed), recomputed from mlp_up, or mlp_up itself recomputed, the
-    FP8 bytes the GEMMs read are the same, so the losses are bitwise the default's."""
+    """Whether the SwiGLU output is kept (transposed), recomputed from mlp_up, mlp_up itself recomputed (in every
+    layer, the whole block, or the first layer only), or the residuals offloaded, the FP8 bytes the GEMMs read
+    are the same, so the losses are bitwise the default's."""
     cfg = tiny()
     want = train(make(cfg, fp8_amax_history=3, **FP8), 4)
     assert train(make(cfg, fp8_amax_history=3, **FP8, **memory), 4) == want
