@@ -426,16 +426,23 @@ __device__ void gemv_impl(O* out, const T* x, const W* __restrict__ w, const flo
             load_first<W, R, U>(wv, wrow, c0, c1, lane);
         }
 
+        // (unrolled: indexed by the loop counters, acc would be picked by lane from a local-memory copy)
+        #pragma unroll
         for (int r = 0; r < R; ++r)
+            #pragma unroll
             for (int t = 0; t < BT; ++t) acc[r][t] = warp_sum(acc[r][t]);
         float y = 0.f;
         if (S == 1) {  // lane r * BT + t holds (row r, input row t)
+            #pragma unroll
             for (int r = 0; r < R; ++r)
+                #pragma unroll
                 for (int t = 0; t < BT; ++t)
                     if (lane == r * BT + t) y = acc[r][t];
         } else {
             if (lane == 0)
+                #pragma unroll
                 for (int r = 0; r < R; ++r)
+                    #pragma unroll
                     for (int t = 0; t < BT; ++t) s_partial[warp][r][t] = acc[r][t];
             __syncthreads();
             if (finisher) {
