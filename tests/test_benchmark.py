@@ -293,3 +293,14 @@ def test_ptxas_report_reads_each_kernels_resources():
     ]
     got = {k["kernel"]: k for k in tool.report(kernel_dir() / "rope.cu")}
     assert "rope_bf16_f32" in got and got["rope_bf16_f32"]["registers"] > 0
+
+
+def test_bench_train_options_pass_the_fp8_only_flags_to_fp8_runs_alone():
+    """--lmhead-fp8 and --fp8-amax-history reach the FP8 runs' TrainOptions and are left out of the bf16 ones
+    (which would refuse them)."""
+    tool = load_tool("bench_train")
+    extra = {"lmhead_fp8": True, "fp8_amax_history": 16, "offload_residual": True}
+    fp8 = tool.options("fp8", extra)
+    assert fp8.lmhead_fp8 and fp8.fp8_amax_history == 16 and fp8.offload_residual and fp8.fp8
+    bf16 = tool.options("bf16", extra)
+    assert not bf16.lmhead_fp8 and bf16.fp8_amax_history == 0 and bf16.offload_residual
