@@ -243,6 +243,8 @@ def train_model(cfg_changes: dict, opts: dict, B: int, steps, accum: int = 1, sa
             model.save_checkpoint(save_to, extra={"step": step})
     model.sync_weights()  # ZeRO >= 1: the last update's gather is otherwise left to a next forward
     out = {"losses": losses, "extra": extra, "weights": {n: t.numpy() for n, t in model.weights.tensors.items()}}
+    history = model.rs.fp8_history
+    out["fp8_history"] = None if history is None else history.numpy()
     captured = len(model._graphs)
     comm.close()  # with the model alive: NCCL destroys a communicator only after the graphs of its collectives
     out["graphs"] = (captured, len(model._graphs))

@@ -746,11 +746,17 @@ def test_zero_stages_equal_plain_data_parallel_with_fp8_copies(clean_env, preset
             np.testing.assert_array_equal(run["weights"][n], a, err_msg=f"zero_stage {stage} {n}")
 
 
-def test_delayed_fp8_scaling_on_two_ranks(clean_env):
-    """fp8_amax_history on two ranks: each rank scales from its own batches' abs-maxes, the reduced gradients
-    keep the ranks' weights identical (checked by _launch_kw), ZeRO-1 gives the bits of stage 0, and the
-    losses stay near current scaling's."""
+def test_delayed_fp8_scaling_on_two_ranks(clean_env, tmp_path):
+    """fp8_amax_history on two ranks: every micro-step's abs-maxes are the max over the ranks, so both ranks
+    hold one history (and the checkpoint rank 0 writes is every rank's: a resume gives the uninterrupted run's
+    bits), ZeRO-1 gives the bits of stage 0, and the losses stay near current scaling's."""
     cfg, opts = {"preset": "tiny", "dtype": "bf16"}, {"matmul_dtype": "e4m3", "fp8_amax_history": 2}
+    ranks = dist.launch(dist_worker.train_model, 2, cfg, opts, 2, range(4), 1, 1, str(tmp_path / "ck"), None,
+                        backend="fake", timeout=120)  # fmt: skip
+    np.testing.assert_array_equal(ranks[1]["fp8_history"], ranks[0]["fp8_history"])
+    assert ranks[0]["fp8_history"][:, 2].all()  # two micro-steps' abs-maxes, not zero
+    resumed = _launch_kw(2, cfg, opts, 2, range(2, 4), load=str(tmp_path / "ck"))
+    assert resumed["losses"] == ranks[0]["losses"][2:]
     base = _launch_kw(2, cfg, dict(opts, zero_stage=0), 2, range(4))
     run = _launch_kw(2, cfg, dict(opts, zero_stage=1), 2, range(4))
     assert run["losses"] == base["losses"]

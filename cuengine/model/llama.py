@@ -392,12 +392,15 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                                          w["ln1_w"], a.ln1_rstd)  # fmt: skip
             if dp is not None:
                 dp.bucket_done(f"layers.{i}")
-        rs.roll_fp8_history()
         self.device.stream.wait(rs.enc_join)
         encoder.encoder_backward_sum(G["wte"], rs.d_emb, rs.inputs, rs.enc_scratch)
         if dp is not None:
             dp.bucket_done("embedding")
             dp.end_backward(rs.losses)
+        if rs.fp8_history is not None:
+            if dp is not None:  # one history on every rank (and in a checkpoint): the abs-maxes' max over ranks
+                self.comm.all_reduce(rs.abs_maxes, op="max")
+            rs.roll_fp8_history()
 
     # ---- update ------------------------------------------------------------------------------
     def update(self, lr: float, step: int | None = None) -> None:

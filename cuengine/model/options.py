@@ -72,7 +72,8 @@ class TrainOptions:
     # the up projection's output (grad_dtype), from the largest abs-max of the last this-many micro-steps
     # (delayed scaling), so that the kernels computing them write the FP8 copies themselves: one pass over
     # each fewer a layer. The scale then lags the values: one larger than the history's max saturates.
-    # The first micro-step (empty history) scales them as the rest. 0: every tensor from its own abs-max.
+    # The first micro-step (empty history) scales them as the rest. With several ranks the abs-maxes are the max
+    # over the ranks (one history everywhere, which checkpoints carry). 0: every tensor from its own abs-max.
     fp8_amax_history: int = 0
     # ---- recompute and memory ----------------------------------------------------------------
     recompute_rmsnorm: bool = False  # recompute ln1/ln2 in backward; one shared buffer each
