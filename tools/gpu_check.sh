@@ -11,6 +11,10 @@
 #                                           # suite split over GPU 0 and GPU 1 (about half the time)
 #   bash tools/gpu_check.sh dist            # two GPUs: the 2-GPU table (0.5B/1.5B, bf16/FP8, ZeRO-1,
 #                                           # 20 steps; about 2 min) and the 1.5B bf16 stream timeline
+#   bash tools/gpu_check.sh fp8-delayed     # one GPU: delayed FP8 scaling (PERF_NOTES 41): its GPU tests, the
+#                                           # SwiGLU kernels, FP8 steps without and with it alternated (two
+#                                           # rounds, 0.5B and 1.5B; about 8 min); then, as a second call,
+#   bash tools/gpu_check.sh fp8-loss        # FP8 loss curves against bf16 with and without it (3 seeds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -59,6 +63,29 @@ if [ "$what" = dist ]; then
     --gpus 2 --zero-stage 1 --no-peer --steps 20 --warmup 3 2>&1 | tee "$out/bench_train_2gpu.log" || status=1
   timeout ${BENCH_TIMEOUT:-300} python3 tools/profile_dist.py --preset qwen2.5-1.5b --dtype bf16 --gpus 2 2>&1 \
     | grep -v -e Warning -e _warn_once | tee "$out/profile_dist.log" || status=1
+  exit "$status"
+fi
+if [ "$what" = fp8-delayed ]; then
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
+  p="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+  $p tests/test_fp8_delayed.py tests/test_activations.py tests/test_fp8.py > "$out/gpu_tests0.log" 2>&1 & a=$!
+  $p tests/test_model.py tests/test_train_perf.py > "$out/gpu_tests1.log" 2>&1 & b=$!
+  $p tests/test_training_semantics.py tests/test_compile.py tests/test_mlp.py > "$out/gpu_tests2.log" 2>&1 & c=$!
+  for job in $a $b $c; do wait $job || status=1; done
+  for k in 0 1 2; do echo "== gpu_tests$k"; grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests$k.log" | tail -12; done
+  python3 tools/bench_kernels.py --family swiglu 2>&1 | tee "$out/bench_kernels.log"
+  for r in 1 2; do
+    for v in current delayed; do
+      flag=(); [ $v = delayed ] && flag=(--fp8-amax-history 16)
+      python3 tools/bench_train.py --no-peer --steps 10 --warmup 3 --preset qwen2.5-0.5b qwen2.5-1.5b --dtype fp8 \
+        "${flag[@]}" 2>&1 | grep -E "ms/step" | sed "s/^/$v r$r  /"
+    done
+  done | tee "$out/bench_train_delayed.log"
+  exit "$status"
+fi
+if [ "$what" = fp8-loss ]; then
+  python3 tools/fp8_loss.py --recipes bf16 fp8 fp8-delayed --seeds 0 1 2 --out "$out/fp8runs" 2>&1 \
+    | tee "$out/fp8_loss.log" || status=1
   exit "$status"
 fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
