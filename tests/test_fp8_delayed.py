@@ -120,38 +120,6 @@ def test_graphs_replay_the_eager_bits():
         np.testing.assert_array_equal(graphs.weights[name].numpy().view(np.uint8), t.numpy().view(np.uint8))
 
 
-def test_cli_train_fp8_amax_history(tmp_path, capsys, monkeypatch):
-    """`cuengine train --fp8-amax-history N` reaches TrainOptions and run.json (a resume keeps it); without FP8
-    matmuls it is one line on stderr and exit code 2."""
-    import json
-
-    from cuengine import cli
-    from cuengine.model import LlamaModel
-
-    seen = []
-    real = LlamaModel.__init__
-
-    def spy(self, cfg, opts=None, *a, **kw):
-        seen.append(opts.fp8_amax_history)
-        real(self, cfg, opts, *a, **kw)
-
-    monkeypatch.setattr(LlamaModel, "__init__", spy)
-    fast = ["train", "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
-            "--sample-tokens", "0", "--dtype", "bf16"]  # fmt: skip
-    out = tmp_path / "run"
-    assert cli.main([*fast, "--matmul-dtype", "e4m3", "--fp8-amax-history", "8", "--out", str(out)]) == 0
-    assert json.loads((out / "run.json").read_text())["fp8_amax_history"] == 8 and seen[-1] == 8
-    assert cli.main([*fast, "--steps", "3", "--out", str(out), "--resume"]) == 0
-    assert seen[-1] == 8
-    capsys.readouterr()
-    assert cli.main([*fast, "--fp8-amax-history", "8", "--out", str(tmp_path / "bad")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "cuengine train: error: TrainOptions: fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', "
-        "got 'bf16'"
-    ], err
-
-
 def test_each_micro_step_rolls_the_history():
     """With two micro-steps a step the history takes one abs-max per micro-step: after one optimizer step of two
     micro-steps (the first current-scaled), two of its three columns are filled, and the second micro-step was

@@ -397,9 +397,17 @@ def test_gpu_lmhead_fp8_200_steps_of_the_embedded_corpus():
     assert abs(final["fp8 + lmhead_fp8"] - final["bf16"]) <= 0.02 * final["bf16"], final
 
 
-def test_cli_train_lmhead_fp8(tmp_path, capsys, monkeypatch):
-    """`cuengine train --lmhead-fp8` reaches TrainOptions and run.json (a resume keeps it); without FP8
-    matmuls it is one line on stderr and exit code 2."""
+@pytest.mark.parametrize(
+    "flag,field,want,error",
+    [
+        (["--lmhead-fp8"], "lmhead_fp8", True, "lmhead_fp8 needs matmul_dtype 'e4m3' (FP8 matmuls), got 'bf16'"),
+        (["--fp8-amax-history", "8"], "fp8_amax_history", 8,
+         "fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', got 'bf16'"),
+    ],
+)  # fmt: skip
+def test_cli_train_fp8_flags(tmp_path, capsys, monkeypatch, flag, field, want, error):
+    """`cuengine train --lmhead-fp8` and `--fp8-amax-history N` reach TrainOptions and run.json (a resume
+    keeps them); without FP8 matmuls each is one line on stderr and exit code 2."""
     import json
 
     from cuengine import cli
@@ -408,20 +416,18 @@ def test_cli_train_lmhead_fp8(tmp_path, capsys, monkeypatch):
     real = LlamaModel.__init__
 
     def spy(self, cfg, opts=None, *a, **kw):
-        seen.append(opts.lmhead_fp8)
+        seen.append(getattr(opts, field))
         real(self, cfg, opts, *a, **kw)
 
     monkeypatch.setattr(LlamaModel, "__init__", spy)
     fast = ["train", "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
             "--sample-tokens", "0", "--dtype", "bf16"]  # fmt: skip
     out = tmp_path / "run"
-    assert cli.main([*fast, "--matmul-dtype", "e4m3", "--lmhead-fp8", "--out", str(out)]) == 0
-    assert json.loads((out / "run.json").read_text())["lmhead_fp8"] is True and seen[-1] is True
+    assert cli.main([*fast, "--matmul-dtype", "e4m3", *flag, "--out", str(out)]) == 0
+    assert json.loads((out / "run.json").read_text())[field] == want and seen[-1] == want
     assert cli.main([*fast, "--steps", "3", "--out", str(out), "--resume"]) == 0
-    assert seen[-1] is True
+    assert seen[-1] == want
     capsys.readouterr()
-    assert cli.main([*fast, "--lmhead-fp8", "--out", str(tmp_path / "bad")]) == 2
+    assert cli.main([*fast, *flag, "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "cuengine train: error: TrainOptions: lmhead_fp8 needs matmul_dtype 'e4m3' (FP8 matmuls), got 'bf16'"
-    ], err
+    assert err == [f"cuengine train: error: TrainOptions: {error}"], err

@@ -16,6 +16,7 @@ from .._checks import check_aligned, check_vector_width, expect, overlaps, same_
 from ..dtypes import BF16, FP8_E4M3, FP8_E5M2, FP16, FP32
 from ..tensor import STAT_ABS_MAX, STAT_SCALE, STAT_SCALE_INV, stats_values
 from ._build import ceil_div, grid_size, kernel_name, launch, write_twin_results
+from .fp8 import quantize_with_scale_reference
 
 FAMILY = "activations"
 FLOATS = (FP32, BF16, FP16)
@@ -124,13 +125,6 @@ def activation_backward_np(dout: np.ndarray, inp: np.ndarray, activation: str, l
     return dx.astype(inp.dtype)
 
 
-def quantize_with_scale_np(y: np.ndarray, scale, fp8_dtype=FP8_E4M3) -> np.ndarray:
-    """fp8(y * scale), clipped to +-fp8_max and rounded to nearest even (SATFINITE), in fp32 math."""
-    lim = np.float32(fp8_dtype.fp8_max)
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.clip(y.astype(np.float32) * np.float32(scale), -lim, lim).astype(fp8_dtype.np)
-
-
 def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, abs_max: float, scale=None):
     """(q, scale, scale_inv): E4M3 of the activation of inp, rounded to inp's dtype, times scale.
 
@@ -141,7 +135,11 @@ def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, a
         _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
     else:
         scale, scale_inv = np.float32(scale), np.float32(1) / np.float32(scale)
-    return quantize_with_scale_np(activation_forward_np(inp, activation, layout), scale), scale, scale_inv
+    return (
+        quantize_with_scale_reference(activation_forward_np(inp, activation, layout), scale, FP8_E4M3),
+        scale,
+        scale_inv,
+    )
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -304,7 +302,7 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         dinp_tp: (2H, N), dinp's dtype, with an FP8 dinp: written (=) with dinp transposed (stats are dinp's).
         dinp_scale: (1,) fp32, with an FP8 dinp: the delayed scale.
     NumPy equivalent: activation_backward_np (and activation_forward_np for out, activation_forward_quant_np
-    transposed for out_fp8_tp, quantize_with_scale_np of the gradient for an FP8 dinp).
+    transposed for out_fp8_tp, fp8.quantize_with_scale_reference of the gradient for an FP8 dinp).
     """
     what = "activation_backward"
     N, H = _shapes(what, ("dout", dout, None), inp, activation, layout)
@@ -341,7 +339,7 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
         dx = activation_backward_np(dout.array(), x, activation, layout)
         if quant_dinp:
             scale = dinp_scale.array()[0]
-            q = quantize_with_scale_np(dx, scale, dinp.dtype)
+            q = quantize_with_scale_reference(dx, scale, dinp.dtype)
             results += [(dinp, q), (dinp_tp, q.reshape(N, 2 * H).T)]
             st = dinp.stats.array()
             st[STAT_SCALE], st[STAT_SCALE_INV] = scale, np.float32(1) / scale

@@ -65,10 +65,15 @@ def quantize_reference(x: np.ndarray, abs_max, fp8_dtype) -> tuple[np.ndarray, n
     in fp32 and shaped like x.
     """
     scale, scale_inv = fp8_scales(abs_max, fp8_dtype)
+    return quantize_with_scale_reference(x, scale, fp8_dtype), np.array([abs_max, scale, scale_inv], np.float32)
+
+
+def quantize_with_scale_reference(x: np.ndarray, scale, fp8_dtype) -> np.ndarray:
+    """fp8(x * scale), clipped to +-fp8_max and rounded to nearest even (SATFINITE), in fp32 math: the
+    values of quantize_reference, and of the delayed-scaling producers given their scale."""
     lim = np.float32(fp8_dtype.fp8_max)
     with np.errstate(invalid="ignore", over="ignore"):
-        q = np.clip(x.astype(np.float32) * scale, -lim, lim).astype(fp8_dtype.np)
-    return q, np.array([abs_max, scale, scale_inv], np.float32)
+        return np.clip(x.astype(np.float32) * np.float32(scale), -lim, lim).astype(fp8_dtype.np)
 
 
 def amax_history_roll_reference(history: np.ndarray, stats: np.ndarray, slots: np.ndarray, fp8_max: np.ndarray) -> None:
