@@ -51,7 +51,7 @@ TRAIN_DEFAULTS = dict(grad_accum=1, min_lr=0.0, schedule="cosine", memory="defau
                       z_loss=0.0, seed=0,
                       save_every=0, save_minutes=10.0, model=None, data=None, val_data=None, matmul_dtype=None,
                       grad_dtype=None, log=None, optimizer="adamw", lmhead_fp8=False, nondeterministic_attention=False,
-                      fp8_amax_history=0)
+                      fp8_amax_history=None)
 # Run settings that a --resume takes from the run's run.json unless given again.
 RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "grad_accum", "steps", "lr", "min_lr",
             "warmup", "schedule", "dtype", "matmul_dtype", "grad_dtype", "memory", "recompute", "offload_residual",
@@ -443,7 +443,8 @@ def add_train_parser(t) -> None:
     g.add_argument("--fp8-amax-history", type=int, metavar="N",
                    help="with --matmul-dtype e4m3: scale the SwiGLU output and its input's gradient from the "
                         "largest abs-max of the last N steps (delayed scaling: their quantise folds into the "
-                        "kernels that compute them; a value above that max saturates) (default: 0, off)")  # fmt: skip
+                        "kernels that compute them; a value above that max saturates; 0: every FP8 tensor from its own "
+                        "abs-max) (default: 16 with --matmul-dtype e4m3)")  # fmt: skip
     g.add_argument("--nondeterministic-attention", action="store_true", default=None,
                    help="cuDNN's faster attention backward (dQ added with atomics): the run's bits vary from "
                         "run to run, so two runs of one seed no longer match (default: off)")  # fmt: skip

@@ -15,6 +15,7 @@ from cuengine.model.run_state import DELAYED_SLOTS, STAT_SLOTS
 from cuengine.tensor import STAT_ABS_MAX, STAT_SCALE
 
 FP8 = {"matmul_dtype": "e4m3"}
+CURRENT = {"matmul_dtype": "e4m3", "fp8_amax_history": 0}  # every tensor scaled from its own abs-max
 
 
 def train(m, steps, first=0):
@@ -32,6 +33,19 @@ def dev(request):
     return request.param
 
 
+def test_fp8_runs_scale_from_a_history_of_16_by_default():
+    """FP8 matmuls without fp8_amax_history get delayed scaling over 16 micro-steps (the default FP8 recipe);
+    0 asks for current scaling, and a run without FP8 matmuls has no history."""
+    from cuengine.model import TrainOptions
+
+    assert TrainOptions(**FP8).resolved("bf16").fp8_amax_history == 16
+    assert TrainOptions(**CURRENT).resolved("bf16").fp8_amax_history == 0
+    assert TrainOptions().resolved("bf16").fp8_amax_history == 0
+    cfg = tiny()
+    assert make(cfg, **FP8).rs.fp8_history.shape == (cfg.num_layers * len(DELAYED_SLOTS), 17)
+    assert make(cfg, **CURRENT).rs.fp8_history is None
+
+
 @pytest.mark.parametrize("grad_dtype", ["e5m2", "e4m3"])
 def test_each_step_quantises_with_the_scale_the_history_held(dev, grad_dtype):
     """Step 0 scales the two tensors from their own abs-max (the bits of current scaling); from step 1 on each
@@ -40,7 +54,7 @@ def test_each_step_quantises_with_the_scale_the_history_held(dev, grad_dtype):
     cfg = tiny()
     n = 2
     m = make(cfg, device=dev, fp8_amax_history=n, grad_dtype=grad_dtype, **FP8)
-    base = make(cfg, device=dev, grad_dtype=grad_dtype, **FP8)
+    base = make(cfg, device=dev, grad_dtype=grad_dtype, **CURRENT)
     assert train(m, 1) == train(base, 1)
     L = cfg.num_layers
     fp8_max = np.array([448.0, 448.0 if grad_dtype == "e4m3" else 57344.0], np.float32)
@@ -62,7 +76,7 @@ def test_losses_stay_near_current_scaling():
     move them: the path is taken)."""
     cfg = tiny()
     delayed = train(make(cfg, fp8_amax_history=4, **FP8), 6)
-    current = train(make(cfg, **FP8), 6)
+    current = train(make(cfg, **CURRENT), 6)
     assert delayed[0] == current[0]
     assert delayed[1:] != current[1:]
     np.testing.assert_allclose(delayed, current, rtol=2e-3)
@@ -98,7 +112,7 @@ def test_a_checkpoint_without_the_history_starts_it_afresh(tmp_path):
     """Saved with current scaling, resumed with delayed: the history starts empty, so the first step after the
     load scales as current scaling does (the same loss as the saving model's next step)."""
     cfg = tiny()
-    a = make(cfg, **FP8)
+    a = make(cfg, **CURRENT)
     train(a, 2)
     a.save_checkpoint(tmp_path / "ckpt")
     b = make(cfg, fp8_amax_history=3, **FP8)

@@ -193,10 +193,12 @@ OPTION_SETS = [{"recompute_swiglu": False}, {}, {"recompute_ffn": True}, {"recom
 def test_fp8_activations_stored_transposed_skip_the_backward_transposes(device, opts):
     """ln1, ln2 and swiglu keep their E4M3 copy transposed, written by the forward's quantize_dual, so the
     backward transposes nothing where that copy is per layer and read by nothing else; whatever the flags,
-    three steps give the bits of the path that stores them untransposed and transposes them in backward."""
+    three steps give the bits of the path that stores them untransposed and transposes them in backward.
+    Current scaling: the stack is sized for the stored copies, and delayed scaling's temporaries on the
+    untransposed path would not fit it (test_fp8_delayed covers that path)."""
     runs = {}
     for stored in (True, False):
-        m = make(device, "tiny-llama", matmul_dtype="e4m3", **opts)
+        m = make(device, "tiny-llama", matmul_dtype="e4m3", fp8_amax_history=0, **opts)
         if stored:
             any_stored = any(m._blocks.stored_tp.values())
         else:

@@ -204,9 +204,10 @@ def main(argv=None) -> int:
                    help="memory preset, --recompute added to it (as the CLI's --memory)")  # fmt: skip
     p.add_argument("--offload-residual", action="store_true")
     p.add_argument("--lmhead-fp8", action="store_true", help="fp8 runs: the LM head's GEMMs in FP8 too")
-    p.add_argument("--fp8-amax-history", type=int, default=0, metavar="N",
+    p.add_argument("--fp8-amax-history", type=int, metavar="N",
                    help="fp8 runs: delayed scaling of the SwiGLU output and its input's gradient from the last N "
-                        "micro-steps' abs-maxes (TrainOptions.fp8_amax_history; 0: off)")  # fmt: skip
+                        "micro-steps' abs-maxes (TrainOptions.fp8_amax_history; 0: current scaling; default: "
+                        "the options' default, 16)")  # fmt: skip
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
     p.add_argument("--opt-dtype", default="fp32", choices=["fp32", "bf16"], help="AdamW m and v dtype")
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     seqs = args.seq or [1024]
     chunks_arg = args.lmhead_chunks
     extra = {"lmhead_fp8": True} if args.lmhead_fp8 else {}
-    if args.fp8_amax_history:
+    if args.fp8_amax_history is not None:
         extra["fp8_amax_history"] = args.fp8_amax_history
     extra.update(offload_residual=args.offload_residual, attention_backend=args.attention_backend,
                  opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype, optimizer=args.optimizer,

@@ -6,7 +6,7 @@ Beside the kernel sum it prints the step's wall time on the GPU (cuengine.benchm
 CUDA events, median), so the gap between the two is the time the GPU waits for Python.
 
     python3 tools/profile_step.py --preset qwen2.5-0.5b --dtype bf16
-    python3 tools/profile_step.py --dtype fp8 --fp8-amax-history 16  # delayed FP8 scaling
+    python3 tools/profile_step.py --dtype fp8 --fp8-amax-history 0   # FP8 with current scaling
     python3 tools/profile_step.py --decode --batch 1 --dtype fp8    # decode step, FP8 decode weights
 """
 
@@ -26,8 +26,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=40)
     p.add_argument("--nondeterministic-attention", action="store_true",
                    help="cuDNN's non-deterministic attention backward (attention_deterministic=False)")  # fmt: skip
-    p.add_argument("--fp8-amax-history", type=int, default=0, metavar="N",
-                   help="with --dtype fp8: delayed scaling over N steps (TrainOptions.fp8_amax_history)")  # fmt: skip
+    p.add_argument("--fp8-amax-history", type=int, metavar="N",
+                   help="with --dtype fp8: delayed scaling over N steps, 0 current scaling (TrainOptions."
+                        "fp8_amax_history; default: the options' default, 16)")  # fmt: skip
     p.add_argument("--decode", action="store_true",
                    help="profile one decode step of --batch rows after a --seq-token prompt instead")  # fmt: skip
     args = p.parse_args(argv)

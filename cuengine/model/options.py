@@ -73,8 +73,10 @@ class TrainOptions:
     # (delayed scaling), so that the kernels computing them write the FP8 copies themselves: one pass over
     # each fewer a layer. The scale then lags the values: one larger than the history's max saturates.
     # The first micro-step (empty history) scales them as the rest. With several ranks the abs-maxes are the max
-    # over the ranks (one history everywhere, which checkpoints carry). 0: every tensor from its own abs-max.
-    fp8_amax_history: int = 0
+    # over the ranks (one history everywhere, which checkpoints carry). 0: every tensor from its own abs-max
+    # (current scaling). None: 16 with FP8 matmuls (on the H100 it took 5.6% off the 0.5B FP8 step and 4.3% off
+    # the 1.5B one, its loss after 200 steps within the seeds' spread of current scaling's), else 0.
+    fp8_amax_history: int | None = None
     # ---- recompute and memory ----------------------------------------------------------------
     recompute_rmsnorm: bool = False  # recompute ln1/ln2 in backward; one shared buffer each
     recompute_qkv: bool = False  # recompute the qkv projection + RoPE in backward
@@ -123,6 +125,8 @@ class TrainOptions:
         o.matmul_dtype = o.matmul_dtype or o.model_dtype
         if o.grad_dtype is None:
             o.grad_dtype = "e5m2" if o.fp8 else o.matmul_dtype
+        if o.fp8_amax_history is None:
+            o.fp8_amax_history = 16 if o.fp8 else 0
         o.validate()
         return o
 
@@ -154,7 +158,7 @@ class TrainOptions:
             if grad is not None and (grad in _FP8_GRAD_DTYPES or (known is not None and grad != known)):
                 raise bad(f"grad_dtype {grad!r} needs FP8 matmuls; with {known or 'the model dtype'} leave it None")
         v = self.fp8_amax_history
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 1024:
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 1024):
             raise bad(f"fp8_amax_history must be an int in [0, 1024], got {v!r}")
         if v and matmul is not None and not self.fp8:
             raise bad(f"fp8_amax_history scales FP8 tensors: it needs matmul_dtype 'e4m3', got {matmul!r}")
