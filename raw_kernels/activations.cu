@@ -95,19 +95,6 @@ __device__ __forceinline__ void load_gate_up_packs(const T* row, int j, int H, P
     b = Pack16<T>::load(row + (INTERLEAVED ? 2 * j + VN : H + j));
 }
 
-// output k's gate and up values in load_gate_up_packs' packs, in fp32
-template <typename T, bool INTERLEAVED>
-__device__ __forceinline__ void gate_up_at(const Pack16<T>& a, const Pack16<T>& b, int k, float& g, float& u) {
-    constexpr int VN = Pack16<T>::N;
-    if (INTERLEAVED) {
-        const Pack16<T>& s = k < VN / 2 ? a : b;
-        const int e = 2 * (k % (VN / 2));
-        g = to_float(s.v[e]), u = to_float(s.v[e + 1]);
-    } else {
-        g = to_float(a.v[k]), u = to_float(b.v[k]);
-    }
-}
-
 // the gate and up values held by load_gate_up_packs' packs, in fp32
 template <typename T, bool INTERLEAVED>
 __device__ __forceinline__ void unpack_gate_up(const Pack16<T>& a, const Pack16<T>& b, float* g, float* u) {
@@ -332,9 +319,6 @@ __device__ __forceinline__ unsigned gated_backward_item(T* dinp, T* out, const T
 // dinp. Thread (a, b) = (tid / 8, tid % 8) takes rows 4a..4a+3 and outputs 8b..8b+7 of the tile, all its
 // loads issued before any use; the four rows' bytes of an output meet in one 32-bit word of shared memory
 // (fp8.cu's transpose_tile: pitch 33 words, conflict-free both ways) and leave in 16-byte runs along N.
-// With DQ the thread walks its outputs in the outer loop and its four rows in the inner one, so each
-// output's words (E4M3 out, E5M2/E4M3 dgate and dup) are whole in registers when stored: three 32-bit
-// shared stores an output, not eight byte stores; its FP8 rows are then byte r of those words.
 constexpr int TILE_ROWS = 128, TILE_OUTS = 64;
 
 // The FP8 dinp of gated_backward_q_tp: bytes of round_T(gradient) * scale (SATFINITE RNE), E5M2 or E4M3.
@@ -370,15 +354,6 @@ __device__ __forceinline__ void store_tile_tp(unsigned char* dst, const unsigned
     }
 }
 
-// byte r of each of the K words w, as K consecutive bytes at dst (aligned to K)
-template <int K>
-__device__ __forceinline__ void store_byte_r(unsigned char* dst, const unsigned* w, int r) {
-    Bytes<K> q;
-#pragma unroll
-    for (int e = 0; e < K; ++e) q.b[e] = (unsigned char)(w[e] >> (8 * r));
-    *reinterpret_cast<Bytes<K>*>(dst) = q;
-}
-
 // tile: TILE_OUTS rows of shared words for out_tp, then (DQ) TILE_OUTS for dgate and TILE_OUTS for dup
 template <typename T, bool INTERLEAVED, int ACT, bool DQ>
 __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ& gq, unsigned char* out_tp, float scale,
@@ -403,71 +378,54 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ&
             d[r][p] = Pack16<T>::load(dout + (size_t)n * H + j);
         }
     }
-    unsigned m = 0;
-    if constexpr (DQ) {
+    unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, m = 0;
+    // the gradient's bytes go straight to their shared words (byte r of word [c][a]), not through registers
+    unsigned char(*gbytes)[33][4] = reinterpret_cast<unsigned char(*)[33][4]>(tile + TILE_OUTS);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-            const int c0 = 8 * b + p * VN, j = j0 + p * VN;
-            unsigned wg[VN], wu[VN];  // byte r: row 4a + r's FP8 dgate and dup of output c0 + k
+            if (!have[r][p]) continue;
+            const size_t n = (size_t)(n0 + 4 * a + r);
+            const int j = j0 + p * VN;
+            float g[VN], u[VN];
+            unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
+            if (out_tp) {
 #pragma unroll
-            for (int k = 0; k < VN; ++k) {
-                unsigned wo = 0;
-                wg[k] = wu[k] = 0;
+                for (int k = 0; k < VN; ++k) {
+                    const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
+                    words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
+                }
+            }
+            if constexpr (DQ) {
+                Bytes<VN> qg, qu;
+                Bytes<2 * VN> qi;
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    if (!have[r][p]) continue;
-                    float g, u, dg, du;
-                    gate_up_at<T, INTERLEAVED>(ga[r][p], ub[r][p], k, g, u);
-                    if (out_tp) {
-                        const float y = to_float(from_float<T>(gated_value(ACT, g, u)));
-                        wo |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
-                    }
-                    gated_grad(ACT, g, u, to_float(d[r][p].v[k]), dg, du);
+                for (int k = 0; k < VN; ++k) {
+                    float dg, du;
+                    gated_grad(ACT, g[k], u[k], to_float(d[r][p].v[k]), dg, du);
                     dg = to_float(from_float<T>(dg)), du = to_float(from_float<T>(du));
                     m = max(m, max(abs_bits(dg), abs_bits(du)));
-                    wg[k] |= gq.byte(dg) << (8 * r), wu[k] |= gq.byte(du) << (8 * r);
+                    const unsigned bg = gq.byte(dg), bu = gq.byte(du);
+                    const int c = 8 * b + p * VN + k;
+                    gbytes[c][a][r] = (unsigned char)bg, gbytes[TILE_OUTS + c][a][r] = (unsigned char)bu;
+                    qg.b[k] = (unsigned char)bg, qu.b[k] = (unsigned char)bu;
+                    qi.b[2 * k] = (unsigned char)bg, qi.b[2 * k + 1] = (unsigned char)bu;
                 }
-                tile[c0 + k][a] = wo, tile[TILE_OUTS + c0 + k][a] = wg[k], tile[2 * TILE_OUTS + c0 + k][a] = wu[k];
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                if (!have[r][p]) continue;
-                unsigned char* row = gq.rows + (size_t)(n0 + 4 * a + r) * 2 * H;
+                unsigned char* row = gq.rows + n * 2 * H;
                 if (INTERLEAVED) {
-                    unsigned w[2 * VN];
-#pragma unroll
-                    for (int k = 0; k < VN; ++k) w[2 * k] = wg[k], w[2 * k + 1] = wu[k];
-                    store_byte_r<2 * VN>(row + 2 * j, w, r);
+                    *reinterpret_cast<Bytes<2 * VN>*>(row + 2 * j) = qi;
                 } else {
-                    store_byte_r<VN>(row + j, wg, r);
-                    store_byte_r<VN>(row + H + j, wu, r);
+                    *reinterpret_cast<Bytes<VN>*>(row + j) = qg;
+                    *reinterpret_cast<Bytes<VN>*>(row + H + j) = qu;
                 }
-            }
-        }
-    } else {
-        unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                if (!have[r][p]) continue;
-                const size_t n = (size_t)(n0 + 4 * a + r);
-                const int j = j0 + p * VN;
-                float g[VN], u[VN];
-                unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
-                if (out_tp) {
-#pragma unroll
-                    for (int k = 0; k < VN; ++k) {
-                        const float y = to_float(from_float<T>(gated_value(ACT, g[k], u[k])));
-                        words[p * VN + k] |= (unsigned)from_float<fp8e4>(y * scale).__x << (8 * r);
-                    }
-                }
+            } else {
                 m = max(m, gated_grad_store<T, INTERLEAVED, ACT>(dinp, ga[r][p], ub[r][p], d[r][p], n, j, H));
             }
         }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
     }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
     __syncthreads();
     if (out_tp) store_tile_tp(out_tp, tile, n0, oc0, H, N, [](int oc) { return oc; });
     if constexpr (DQ) {
