@@ -67,6 +67,23 @@ def test_an_edited_header_changes_the_source_cupy_caches(tmp_path, monkeypatch):
     assert _build.module_source(cu) != before
 
 
+def test_checkouts_with_the_same_headers_share_one_include_path(tmp_path):
+    """The include path is part of CuPy's cache key: two copies of raw_kernels/ (ab_bench.sh's copies of the
+    tree) compile with the same -I, a directory holding their headers, and an edited header gets another."""
+    copies = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for d in copies:
+        d.mkdir()
+        for header in _build.kernel_dir().glob("*.cuh"):
+            (d / header.name).write_bytes(header.read_bytes())
+    (copies[2] / "gemv.cuh").write_text((copies[2] / "gemv.cuh").read_text() + "\n// edited\n")
+    a, b, c = map(_build._header_dir, copies)
+    assert a == b != c
+    assert (c / "gemv.cuh").read_text().endswith("// edited\n")
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in _build.kernel_dir().glob("*.cuh"))
+    assert (a / "common.cuh").read_bytes() == (_build.kernel_dir() / "common.cuh").read_bytes()
+    assert include_options()[0] == f"-I{_build._header_dir(_build.kernel_dir())}"
+
+
 @pytest.mark.parametrize("weights", ["__nv_bfloat16", "__nv_fp8_e4m3"])
 def test_decode_mlp_instantiation_compiles(weights):
     """decode_mlp.cu's kernel is a template compiled per variant on demand: compile the 0.5B model's

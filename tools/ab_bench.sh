@@ -10,7 +10,9 @@
 #   bash tools/ab_bench.sh -r 2 -g '^qwen' "python3 tools/bench_decode.py --section token --samples 3" \
 #     main=-.session/x.patch new
 # Output: $OUT/ab.log (the device tool's output folder) or ./gpu_out/ab.log; the copies are $AB_DIR/NAME
-# (default /tmp/ab). Exits 1 when a patch does not apply; a command that fails is reported on stderr.
+# (default /tmp/ab); they share CuPy's compiled modules wherever their sources agree (the include path is a
+# directory named by the headers' digest: _build._header_dir). Exits 1 when a patch does not apply; a command
+# that fails is reported on stderr.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds=2 keep=.
