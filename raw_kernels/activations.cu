@@ -184,13 +184,7 @@ template <int K> struct alignas(K) Bytes { unsigned char b[K]; };
 // slot, fp8_max / abs_max, 1 when abs_max is 0 or not finite. Block 0 writes scale and scale_inv beside the
 // abs-max, which it only reads.
 __device__ __forceinline__ float fp8_output_scale(float* slot, const float* scale_src, float fp8_max) {
-    float scale;
-    if (scale_src) {
-        scale = *scale_src;
-    } else {
-        const float a = slot[STAT_ABS_MAX];
-        scale = (a > 0.f && isfinite(a)) ? fp8_max / a : 1.f;
-    }
+    const float scale = scale_src ? *scale_src : fp8_scale(slot[STAT_ABS_MAX], fp8_max);
     if (blockIdx.x == 0 && threadIdx.x == 0) slot[STAT_SCALE] = scale, slot[STAT_SCALE_INV] = 1.f / scale;
     return scale;
 }

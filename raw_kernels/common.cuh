@@ -40,6 +40,12 @@ template <typename T> struct fp8_limits { static constexpr float max = 0.f; };
 template <> struct fp8_limits<fp8e4> { static constexpr float max = 448.f; };
 template <> struct fp8_limits<fp8e5> { static constexpr float max = 57344.f; };
 
+// The per-tensor scale of an FP8 copy from its abs-max: fp8_max / amax, 1 when amax is 0 or not finite
+// (cuengine.tensor.stats_values).
+__device__ __forceinline__ float fp8_scale(float amax, float fp8_max) {
+    return (amax > 0.f && isfinite(amax)) ? fp8_max / amax : 1.f;
+}
+
 // ---- 16-byte vectors -------------------------------------------------------------------
 // Pack16<T> holds 16 bytes of T; use it for coalesced 128-bit loads and stores.
 template <typename T> struct alignas(16) Pack16 {

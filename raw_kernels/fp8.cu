@@ -39,10 +39,6 @@ template <typename T> __device__ __forceinline__ void load8(const T* p, T (&v)[8
     }
 }
 
-__device__ __forceinline__ float fp8_scale(float amax, float fp8_max) {
-    return (amax > 0.f && isfinite(amax)) ? fp8_max / amax : 1.f;
-}
-
 __device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
 
 // The first block of a tensor (`first`) publishes the stats the quantised values were made with. The

@@ -199,7 +199,7 @@ inline unsigned u16x2_max(unsigned a, unsigned b) {
 
 # Functions of raw_kernels/common.cuh that the emulator compiles as they are (the stand-in header
 # defines away __device__ and __forceinline__).
-_REAL = ("block_sum",)
+_REAL = ("block_sum", "fp8_scale")
 
 
 def _real_functions() -> str:
