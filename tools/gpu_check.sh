@@ -76,7 +76,7 @@ if [ "$what" = fp8-delayed ]; then
   python3 tools/bench_kernels.py --family swiglu 2>&1 | tee "$out/bench_kernels.log"
   for r in 1 2; do
     for v in current delayed; do
-      flag=(); [ $v = delayed ] && flag=(--fp8-amax-history 16)
+      flag=(--fp8-amax-history 0); [ $v = delayed ] && flag=(--fp8-amax-history 16)
       python3 tools/bench_train.py --no-peer --steps 10 --warmup 3 --preset qwen2.5-0.5b qwen2.5-1.5b --dtype fp8 \
         "${flag[@]}" 2>&1 | grep -E "ms/step" | sed "s/^/$v r$r  /"
     done
