@@ -30,7 +30,7 @@ RECIPES = {
     # nothing but the order dQ's terms are added in; its gaps are what rounding alone does to a curve
     "bf16-nd": ["--nondeterministic-attention"],
     "fp8": ["--matmul-dtype", "e4m3", "--fp8-amax-history", "0"],  # E4M3 forward, E5M2 gradients, current scaling
-    "fp8-e4m3-grads": ["--matmul-dtype", "e4m3", "--grad-dtype", "e4m3"],
+    "fp8-e4m3-grads": ["--matmul-dtype", "e4m3", "--grad-dtype", "e4m3"],  # these two: delayed, the default
     "fp8-lmhead": ["--matmul-dtype", "e4m3", "--lmhead-fp8"],
     "fp8-delayed": ["--matmul-dtype", "e4m3", "--fp8-amax-history", "16"],  # the default FP8 recipe
 }
