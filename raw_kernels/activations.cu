@@ -306,18 +306,14 @@ __device__ __forceinline__ unsigned gated_backward_item(T* dinp, T* out, const T
     return gated_grad_store<T, INTERLEAVED, ACT>(dinp, a, b, d, (size_t)row, j, H);
 }
 
-// The gated backward of one tile of 32 * RPT rows by TILE_OUTS outputs that writes transposed FP8 copies:
+// The gated backward of one tile of TILE_ROWS rows by TILE_OUTS outputs that writes transposed FP8 copies:
 // the forward's output as E4M3 into out_tp (H, N) (may be null), the bytes activation_forward_quant and then a
 // byte transpose would write, for an FP8 weight-gradient GEMM that reads the dropped output's transposed
 // copy; and with DQ dinp itself in FP8 (GradQ), as rows (N, 2H) and transposed (2H, N), in place of the T
-// dinp. Thread (a, b) = (tid / 8, tid % 8) takes rows RPT a..RPT a + RPT - 1 and outputs 8b..8b+7 of the
-// tile, all its loads issued before any use; the tile's bytes of an output sit in one row of shared words
-// (fp8.cu's transpose_tile: pitch 33 words) and leave in 16-byte runs along N.
-// RPT (rows a thread): 4 for gated_backward_quant_tp (128 registers, two blocks an SM, 84% of copy on the
-// H100); 2 for gated_backward_q_tp, whose three tiles out made its phase without loads in flight long enough
-// that two blocks an SM left DRAM at 60% (Nsight Compute, H100: 24.5% occupancy, limited by registers).
-constexpr int TILE_OUTS = 64;
-constexpr int QUANT_TP_RPT = 4, Q_TP_RPT = 2;
+// dinp. Thread (a, b) = (tid / 8, tid % 8) takes rows 4a..4a+3 and outputs 8b..8b+7 of the tile, all its
+// loads issued before any use; the four rows' bytes of an output meet in one 32-bit word of shared memory
+// (fp8.cu's transpose_tile: pitch 33 words, conflict-free both ways) and leave in 16-byte runs along N.
+constexpr int TILE_ROWS = 128, TILE_OUTS = 64;
 
 // The FP8 dinp of gated_backward_q_tp: bytes of round_T(gradient) * scale (SATFINITE RNE), E5M2 or E4M3.
 struct GradQ {
@@ -330,15 +326,14 @@ struct GradQ {
     }
 };
 
-// Writes one (TILE_OUTS, ROWS) tile of bytes from shared memory (word [c][w] = rows 4w..4w+3 of output c)
+// Writes one (TILE_OUTS, TILE_ROWS) tile of bytes from shared memory (word [c][w] = rows 4w..4w+3 of output c)
 // to dst, output c of the tile going to row row_of(c) of the (rows, N) destination, in 16-byte runs.
-template <int ROWS, typename F>
+template <typename F>
 __device__ __forceinline__ void store_tile_tp(unsigned char* dst, const unsigned (*tile)[33], long long n0, int oc0,
                                               int H, long long N, F&& row_of) {
-    constexpr int RUNS = ROWS / 16;  // 16-byte runs an output
 #pragma unroll
-    for (int h = 0; h < TILE_OUTS * RUNS / GATED_THREADS; ++h) {
-        const int idx = threadIdx.x + GATED_THREADS * h, run = idx % RUNS, c = idx / RUNS;
+    for (int h = 0; h < 2; ++h) {
+        const int idx = threadIdx.x + 256 * h, run = idx % 8, c = idx / 8;
         const int oc = oc0 + c;
         const long long on = n0 + 16 * run;
         if (oc >= H || on >= N) continue;
@@ -354,21 +349,20 @@ __device__ __forceinline__ void store_tile_tp(unsigned char* dst, const unsigned
 }
 
 // tile: TILE_OUTS rows of shared words for out_tp, then (DQ) TILE_OUTS for dgate and TILE_OUTS for dup
-template <typename T, bool INTERLEAVED, int ACT, bool DQ, int RPT>
+template <typename T, bool INTERLEAVED, int ACT, bool DQ>
 __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ& gq, unsigned char* out_tp, float scale,
                                                            const T* dout, const T* inp, long long N, int H,
                                                            unsigned (*tile)[33]) {
     constexpr int VN = Pack16<T>::N, P = 8 / VN;  // packs per thread and row
     const int b = threadIdx.x % 8, a = threadIdx.x / 8;
     const int col_tiles = (H + TILE_OUTS - 1) / TILE_OUTS;
-    constexpr int ROWS = 32 * RPT;
-    const long long n0 = (long long)(blockIdx.x / col_tiles) * ROWS;
+    const long long n0 = (long long)(blockIdx.x / col_tiles) * TILE_ROWS;
     const int oc0 = (int)(blockIdx.x % col_tiles) * TILE_OUTS, j0 = oc0 + 8 * b;
-    Pack16<T> ga[RPT][P], ub[RPT][P], d[RPT][P];
-    bool have[RPT][P];
+    Pack16<T> ga[4][P], ub[4][P], d[4][P];
+    bool have[4][P];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        const long long n = n0 + RPT * a + r;
+    for (int r = 0; r < 4; ++r) {
+        const long long n = n0 + 4 * a + r;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             const int j = j0 + p * VN;
@@ -379,15 +373,14 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ&
         }
     }
     unsigned words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}, m = 0;
-    // the gradient's bytes go straight to their shared bytes (byte RPT a + r of output c's row), not through
-    // registers
-    unsigned char(*gbytes)[4 * 33] = reinterpret_cast<unsigned char(*)[4 * 33]>(tile + TILE_OUTS);
+    // the gradient's bytes go straight to their shared words (byte r of word [c][a]), not through registers
+    unsigned char(*gbytes)[33][4] = reinterpret_cast<unsigned char(*)[33][4]>(tile + TILE_OUTS);
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
+    for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             if (!have[r][p]) continue;
-            const size_t n = (size_t)(n0 + RPT * a + r);
+            const size_t n = (size_t)(n0 + 4 * a + r);
             const int j = j0 + p * VN;
             float g[VN], u[VN];
             unpack_gate_up<T, INTERLEAVED>(ga[r][p], ub[r][p], g, u);
@@ -409,7 +402,7 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ&
                     m = max(m, max(abs_bits(dg), abs_bits(du)));
                     const unsigned bg = gq.byte(dg), bu = gq.byte(du);
                     const int c = 8 * b + p * VN + k;
-                    gbytes[c][RPT * a + r] = (unsigned char)bg, gbytes[TILE_OUTS + c][RPT * a + r] = (unsigned char)bu;
+                    gbytes[c][a][r] = (unsigned char)bg, gbytes[TILE_OUTS + c][a][r] = (unsigned char)bu;
                     qg.b[k] = (unsigned char)bg, qu.b[k] = (unsigned char)bu;
                     qi.b[2 * k] = (unsigned char)bg, qi.b[2 * k + 1] = (unsigned char)bu;
                 }
@@ -425,20 +418,14 @@ __device__ __forceinline__ unsigned gated_backward_tile_tp(T* dinp, const GradQ&
             }
         }
     }
-    if constexpr (RPT == 4) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
-    } else {  // two rows: half word a % 2 of word a / 2
-        unsigned short(*halves)[2 * 33] = reinterpret_cast<unsigned short(*)[2 * 33]>(tile);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) halves[8 * b + k][a] = (unsigned short)words[k];
-    }
+    for (int k = 0; k < 8; ++k) tile[8 * b + k][a] = words[k];
     __syncthreads();
-    if (out_tp) store_tile_tp<ROWS>(out_tp, tile, n0, oc0, H, N, [](int oc) { return oc; });
+    if (out_tp) store_tile_tp(out_tp, tile, n0, oc0, H, N, [](int oc) { return oc; });
     if constexpr (DQ) {
-        store_tile_tp<ROWS>(gq.tp, tile + TILE_OUTS, n0, oc0, H, N, [](int oc) { return INTERLEAVED ? 2 * oc : oc; });
-        store_tile_tp<ROWS>(gq.tp, tile + 2 * TILE_OUTS, n0, oc0, H, N,
-                            [H](int oc) { return INTERLEAVED ? 2 * oc + 1 : H + oc; });
+        store_tile_tp(gq.tp, tile + TILE_OUTS, n0, oc0, H, N, [](int oc) { return INTERLEAVED ? 2 * oc : oc; });
+        store_tile_tp(gq.tp, tile + 2 * TILE_OUTS, n0, oc0, H, N,
+                      [H](int oc) { return INTERLEAVED ? 2 * oc + 1 : H + oc; });
     }
     return m;
 }
@@ -451,7 +438,7 @@ __device__ __forceinline__ unsigned gated_backward_body(T* dinp, const GradQ& gq
                                                         const T* dout, const T* inp, long long N, int H,
                                                         unsigned (*tile)[33]) {
     if constexpr (TP)
-        return gated_backward_tile_tp<T, INTERLEAVED, ACT, DQ, DQ ? Q_TP_RPT : QUANT_TP_RPT>(dinp, gq, static_cast<unsigned char*>(out), scale,
+        return gated_backward_tile_tp<T, INTERLEAVED, ACT, DQ>(dinp, gq, static_cast<unsigned char*>(out), scale,
                                                                dout, inp, N, H, tile);
     else
         return gated_backward_item<T, INTERLEAVED, ACT>(dinp, static_cast<T*>(out), dout, inp, N, H);

@@ -25,8 +25,6 @@ PLAIN = ("silu", "gelu_tanh_approx", "relu", "relu_sq")
 GATED = ("swiglu", "swiglu_oai", "reglu", "geglu", "glu")
 ACTIVATIONS = PLAIN + GATED
 LAYOUTS = ("split", "interleaved")
-# rows of a tile kernel's block: 32 threads' rows times the rows a thread takes (activations.cu's RPT)
-TILE_ROWS = {"backward_quant_tp": 128, "backward_q_tp": 64}
 
 # kernel ids (enum Act in activations.cu): plain ones by name, gated ones by their gate function
 _ACT_ID = {"silu": 0, "gelu_tanh_approx": 1, "relu": 2, "relu_sq": 3,
@@ -177,17 +175,16 @@ def _launch(kernel: str, tensors, inp, activation: str, layout: str, N: int, H: 
     over one wave of resident blocks, or over 16 blocks per SM, kept a thread's next loads behind its
     stores and reached 85-92% of copy on the H200, one vector per thread 96-99%. Its grid.x (up to
     2^31 - 1) is never the limit: that many blocks of 256 vectors would be terabytes. Its "backward_quant_tp"
-    and "backward_q_tp" variants take a tile of 128 (quant_tp) or 64 (q_tp) rows by 64 outputs per block, the
-    transposed FP8 bytes passing through shared memory. `extra`: arguments after the sizes (backward_q_tp's E5M2
-    flag)."""
+    and "backward_q_tp" variants take a tile of 128 rows by 64 outputs per block, the transposed FP8 bytes
+    passing through shared memory. `extra`: arguments after the sizes (backward_q_tp's E5M2 flag)."""
     vecs = N * H // (16 // inp.dtype.itemsize)
     if activation in GATED:
         name, sizes = kernel_name(f"gated_{kernel}_{layout}", inp), (np.int64(N), np.int32(H))
     else:
         name, sizes = kernel_name(f"act_{kernel}", inp), (np.int64(vecs),)
     args = (*tensors, np.int32(_ACT_ID[activation]), *sizes, *extra)
-    if kernel in ("backward_quant_tp", "backward_q_tp"):  # tiles of TILE_ROWS rows by TILE_OUTS outputs
-        grid = ceil_div(N, TILE_ROWS[kernel]) * ceil_div(H, 64)
+    if kernel in ("backward_quant_tp", "backward_q_tp"):  # tiles of 128 rows by 64 outputs (TILE_ROWS, TILE_OUTS)
+        grid = ceil_div(N, 128) * ceil_div(H, 64)
     elif activation in GATED and kernel == "backward":
         grid = ceil_div(vecs, 256)
     else:
