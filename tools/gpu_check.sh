@@ -15,6 +15,8 @@
 #                                           # SwiGLU kernels, FP8 steps without and with it alternated (two
 #                                           # rounds, 0.5B and 1.5B; about 8 min); then, as a second call,
 #   bash tools/gpu_check.sh fp8-loss        # FP8 loss curves against bf16 with and without it (3 seeds)
+#   bash tools/gpu_check.sh table           # one GPU: issue 13's table with the HF peer, where each of its four
+#                                           # steps goes (profile_step), B=32 x 16 and the 3B shape (about 6 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -86,6 +88,24 @@ fi
 if [ "$what" = fp8-loss ]; then
   python3 tools/fp8_loss.py --recipes bf16 fp8 fp8-delayed --seeds 0 1 2 --out "$out/fp8runs" 2>&1 \
     | tee "$out/fp8_loss.log" || status=1
+  exit "$status"
+fi
+if [ "$what" = table ]; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader | tee "$out/gpu.txt"
+  clean() { grep -v -e Warning -e warn_once; }
+  timeout 300 python3 tools/bench_train.py --preset qwen2.5-0.5b qwen2.5-1.5b --dtype bf16 fp8 --steps 10 --warmup 3 \
+    2>&1 | clean | tee "$out/bench_train.log" || status=1
+  for preset in qwen2.5-0.5b qwen2.5-1.5b; do
+    for dtype in bf16 fp8; do
+      timeout 100 python3 tools/profile_step.py --preset $preset --dtype $dtype --rows 45 2>&1 | clean \
+        > "$out/profile_${preset}_$dtype.log" || status=1
+      head -3 "$out/profile_${preset}_$dtype.log"
+    done
+  done
+  timeout 100 python3 tools/bench_train.py --preset qwen2.5-0.5b qwen2.5-1.5b --dtype bf16 --batch 32 --grad-accum 16 \
+    --no-peer --steps 2 --warmup 2 2>&1 | clean | tee "$out/bench_train_b32.log" || status=1
+  timeout 150 python3 tools/bench_train.py --preset qwen2.5-3b --dtype bf16 fp8 --no-peer --steps 6 --warmup 2 2>&1 \
+    | clean | tee "$out/bench_train_3b.log" || status=1
   exit "$status"
 fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
