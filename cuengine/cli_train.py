@@ -59,6 +59,10 @@ RUN_KEYS = ("model", "preset", "data", "val_data", "batch_size", "seq_len", "gra
             "save_every", "save_minutes", "log", "sample_tokens", "optimizer", "lmhead_fp8",
             "nondeterministic_attention", "fp8_amax_history")
 # fmt: on
+# What a run whose run.json predates a setting ran with, where that is not today's default: resuming it keeps
+# its recipe. fp8_amax_history: FP8 runs scaled every tensor from its own abs-max (0) before delayed
+# scaling became the default.
+BEFORE_THE_SETTING = {"fp8_amax_history": 0}
 # A resumed run sees the batches the uninterrupted run would: these may not change on --resume.
 FIXED_ON_RESUME = ("data", "batch_size", "seq_len", "grad_accum")
 RESUME_RULE = """\
@@ -113,6 +117,8 @@ def _resolve(args, dev_kind: str) -> dict:
             raise UsageError(f"--resume: the run trained on {n} GPU(s); continue it with --gpus {n} (a resumed run "
                              "keeps its global batch, --batch-size per GPU times --gpus)")  # fmt: skip
     defaults = dict(DEVICE_DEFAULTS[dev_kind], **TRAIN_DEFAULTS)
+    if saved:
+        defaults.update(BEFORE_THE_SETTING)
     run = {}
     for key in RUN_KEYS:
         given = getattr(args, key)

@@ -644,3 +644,24 @@ def test_test_command_output_has_no_skip_lines(tmp_path):
            tmp_path / "test_skips.py"]  # fmt: skip
     proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "5 skipped" in proc.stdout and "no CUDA device" not in proc.stdout, proc.stdout
+
+
+def test_resume_of_a_run_from_before_delayed_scaling_keeps_current_scaling(tmp_path):
+    """A run.json written before fp8_amax_history existed ran FP8 with current scaling: its resume keeps that
+    recipe, where today's default (delayed) would change the numerics mid-run; a newer run.json, a value given
+    again and a fresh run take theirs."""
+    from cuengine import cli_train
+
+    def resolve(*argv, saved=None):
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        if saved is not None:
+            (out / cli_train.RUN_FILE).write_text(json.dumps(saved))
+        args = cli.build_parser().parse_args(["train", "--out", str(out), *argv])
+        return cli_train._resolve(args, "cuda")["fp8_amax_history"]
+
+    old = {"preset": "tiny", "batch_size": 4, "seq_len": 64, "matmul_dtype": "e4m3"}
+    assert resolve("--resume", saved=old) == 0
+    assert resolve("--resume", saved={**old, "fp8_amax_history": None}) is None
+    assert resolve("--resume", "--fp8-amax-history", "16", saved=old) == 16
+    assert resolve() is None
