@@ -30,6 +30,7 @@ from ._cli_util import (
     token_stream,
 )
 from .benchmark import mfu
+from .device import cuda_device_count
 from .train import Schedule, Trainer
 
 CHECKPOINT = "checkpoint"  # sub-directories and files of a run's --out
@@ -172,6 +173,19 @@ def _train_options(run, cfg):
         raise UsageError(str(err)) from None
 
 
+def _check_creatable(flag: str, path: Path | None) -> None:
+    """A UsageError unless `path` exists or its nearest existing ancestor is a directory this process may
+    write into: found before the model is built, rather than as a traceback when the run's files are."""
+    if path is None:
+        return
+    base = path.absolute()
+    while not base.exists():
+        base = base.parent
+    if path.exists() or (base.is_dir() and os.access(base, os.W_OK | os.X_OK)):
+        return
+    raise UsageError(f"{flag} {path}: cannot be created ({base} is not a writable directory)")
+
+
 def _prepare_train(args):
     """Everything a run needs, checked before anything is written: (run settings, out dir, device,
     trainer, val source, tokenizer)."""
@@ -196,6 +210,8 @@ def _prepare_train(args):
         raise UsageError(f"--out {out} is a file, not a directory")
     if not args.resume and out.exists() and any(out.iterdir()) and not _restartable(out):
         raise UsageError(f"--out {out} already holds files; continue it with --resume or choose another --out")
+    for flag, path in (("--out", out), ("--log", Path(run["log"]) if run["log"] else None)):
+        _check_creatable(flag, path)
 
     cfg = load_config(run["model"], run["preset"])
     tokenizer = model_tokenizer(run["model"])
@@ -318,6 +334,7 @@ def _plot(log_path: Path) -> None:
 
 def cmd_train(args) -> int:
     if args.gpus > 1 and _COMM is None:
+        _check_gpus(args)
         return _train_on_gpus(args)
     writer = _COMM is None or _COMM.rank == 0  # with several ranks, rank 0 writes the run's files
     ranks = 1 if _COMM is None else _COMM.world_size
@@ -327,15 +344,18 @@ def cmd_train(args) -> int:
     if start >= stop:
         print(f"{out}: already trained to step {start}; nothing to do")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
     log_path = Path(run["log"]) if run["log"] else out / LOG_FILE
-    if writer:
-        (out / RUN_FILE).write_text(json.dumps(dict(run, gpus=ranks), indent=1) + "\n")
-        kept = []
-        if args.resume and log_path.is_file():  # drop what ran after the checkpoint, it runs again
-            kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("".join(line + "\n" for line in kept))
+    try:  # _check_creatable cannot see every refusal (a read-only file system, /proc): the first writes can
+        out.mkdir(parents=True, exist_ok=True)
+        if writer:
+            (out / RUN_FILE).write_text(json.dumps(dict(run, gpus=ranks), indent=1) + "\n")
+            kept = []
+            if args.resume and log_path.is_file():  # drop what ran after the checkpoint, it runs again
+                kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text("".join(line + "\n" for line in kept))
+    except OSError as err:
+        raise UsageError(f"cannot write the run's files: {err}") from None
 
     print(f"cuengine train: {dev.name}, {model.num_parameters() / 1e6:.2f}M parameters, {model.cfg.num_layers} "
           f"layers, B={B} T={T} grad_accum={accum}, {total} steps; data {trainer.source.name} "
@@ -387,7 +407,7 @@ def _export(model, out: Path, run) -> None:
 
 def _write_sample(out: Path, run, cfg, dev, val, tokenizer) -> None:
     """<out>/sample.txt: the first tokens of the validation data, continued by the exported model."""
-    prompt = [int(t) for t in val.shards[0][: min(32, run["seq_len"] // 2)]]
+    prompt = [int(t) for t in val.shards[0][: max(1, min(32, run["seq_len"] // 2))]]
     n = min(run["sample_tokens"], cfg.max_position_embeddings - len(prompt))
     new = list(
         token_stream(out / EXPORT, cfg, run["dtype"], dev, prompt, n, temperature=0.8, top_k=40, seed=run["seed"])
@@ -496,6 +516,18 @@ def _train_on_gpus(args) -> int:
         return 1
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _check_gpus(args) -> None:
+    """`--gpus N` over NCCL needs N CUDA devices on this host: said in one line before N processes start and
+    each fails with its own traceback. (The NumPy double, CUENGINE_DIST_BACKEND=fake, runs on the cpu.)"""
+    if os.environ.get("CUENGINE_DIST_BACKEND", "nccl") != "nccl":
+        return
+    if args.device == "cpu":
+        raise UsageError(f"--gpus {args.gpus} trains one process a GPU over NCCL; it does not go with --device cpu")
+    count = cuda_device_count()
+    if count < args.gpus:
+        raise UsageError(f"--gpus {args.gpus}: this host has {count} CUDA device(s)")
 
 
 def _train_rank(args) -> int:

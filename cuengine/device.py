@@ -16,14 +16,19 @@ import numpy as np
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred through unified addressing
 
 
-def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+def cuda_device_count() -> int:
+    """How many CUDA devices CuPy sees; 0 when it does not import or finds no driver."""
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy.cuda.runtime.getDeviceCount()
     except Exception:
-        return False
+        return 0
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return cuda_device_count() > 0
 
 
 class Event:

@@ -340,6 +340,9 @@ BAD_CASES = [
     pytest.param(["--resume"], "--resume: no checkpoint to continue", id="resume"),
     pytest.param(["--device", "tpu"], "unknown device 'tpu'", id="device"),
     pytest.param(["--out", "{tmp}/empty.txt"], "empty.txt is a file, not a directory", id="out file"),
+    pytest.param(["--out", "{tmp}/empty.txt/run"], "empty.txt is not a writable directory", id="out under a file"),
+    pytest.param(["--log", "{tmp}/empty.txt/log.jsonl"], "empty.txt/log.jsonl: cannot be created",
+                 id="log under a file"),
 ]  # fmt: skip
 
 
@@ -362,6 +365,42 @@ def test_bad_input_exit_2_one_line_nothing_written(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in inputs.iterdir()) == before
     code, _, err = run_cli(capsys, "train", "--device", "cpu", *argv)  # default --out
     assert code == 2 and list(work.iterdir()) == []
+
+
+@needs_model
+def test_a_refused_first_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """What the early check cannot foresee (a read-only file system, /proc as root) fails at the run's first
+    write: one line, exit 2."""
+    from cuengine import cli_train
+
+    monkeypatch.setattr(cli_train, "_check_creatable", lambda flag, path: None)
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, "train", *FAST, "--steps", "2", "--warmup", "0", "--out", tmp_path / "file" / "run")
+    assert code == 2 and err.count("\n") == 1 and "cannot write the run's files" in err, err
+
+
+@needs_model
+def test_gpus_needs_as_many_cuda_devices(tmp_path, monkeypatch, capsys):
+    """`--gpus N` over NCCL is refused in one line, before any process starts, on the cpu or with fewer GPUs."""
+    from cuengine import cli_train
+
+    monkeypatch.delenv("CUENGINE_DIST_BACKEND", raising=False)
+    monkeypatch.setattr(cli_train, "_train_on_gpus", lambda args: pytest.fail("the ranks started"))
+    code, _, err = run_cli(capsys, "train", "--device", "cpu", "--gpus", "2", "--out", tmp_path / "run")
+    assert code == 2 and "does not go with --device cpu" in err, err
+    monkeypatch.setattr(cli_train, "cuda_device_count", lambda: 1)
+    code, _, err = run_cli(capsys, "train", "--gpus", "2", "--out", tmp_path / "run")
+    assert code == 2 and err.count("\n") == 1 and "--gpus 2: this host has 1 CUDA device(s)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@needs_model
+def test_a_one_token_window_still_writes_its_sample(tmp_path, capsys):
+    """--seq-len 1 trains, and its closing sample starts from a one-token prompt (seq-len // 2 would be none)."""
+    code, out, err = run_cli(capsys, "train", "--device", "cpu", "--seq-len", "1", "--steps", "2", "--warmup", "0",
+                             "--eval-batches", "1", "--sample-tokens", "3", "--out", tmp_path / "run")  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "run" / "sample.txt").read_text().strip()
 
 
 @needs_model
