@@ -151,7 +151,10 @@ def _open_data(run, tokenizer):
 
 def _data_vocab(train) -> int:
     """Vocabulary for a preset model trained on `train`: the format's, else max id + 1, padded to 128."""
-    v = train.vocab_size or train.token_range()[1] + 1
+    lo, hi = train.token_range()
+    if lo < 0:  # (check_vocab says the same of a model's data, later)
+        raise UsageError(f"{train.name}: token id {lo} is negative")
+    v = train.vocab_size or hi + 1
     return v if v == 256 else -(-v // 128) * 128
 
 

@@ -290,6 +290,7 @@ def make_bad_files(tmp):
     (tmp / "junk.npy").write_bytes(b"\x93NUMPY garbage")
     (tmp / "empty.txt").write_bytes(b"")
     np.save(tmp / "ids.npy", np.arange(300, dtype=np.int32) % 256)
+    np.save(tmp / "negative.npy", np.arange(300, dtype=np.int32) % 256 - 1)
     (tmp / "nocfg").mkdir()
     (tmp / "badcfg").mkdir()
     (tmp / "badcfg" / "config.json").write_text("{not json")
@@ -311,6 +312,9 @@ BAD_CASES = [
     pytest.param(["--data", "{tmp}/big.bin"], "token id 60000 is >= its format's vocab_size 50257", id="bin token"),
     pytest.param(["--model", "{tmp}/noweights", "--data", "{tmp}/v300.bin"],
                  "token id 300 is >= the model's vocab_size 256", id="model vocab"),
+    pytest.param(["--data", "{tmp}/negative.npy"], "negative.npy: token id -1 is negative", id="negative id"),
+    pytest.param(["--model", "{tmp}/noweights", "--data", "{tmp}/negative.npy"], "token id -1 is negative",
+                 id="negative id, model vocab"),
     pytest.param(["--val-data", "{tmp}/nope.bin"], "nope.bin: no such file", id="val data"),
     pytest.param(["--data", "{tmp}/none_*.bin"], "no files match", id="glob"),
     pytest.param(["--model", "{tmp}/nowhere"], "not a directory", id="model dir"),

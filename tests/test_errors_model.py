@@ -51,13 +51,15 @@ def model():
         (lambda m, x, y: m.allocate_run_state(B, T), "the run state is already allocated; make a new LlamaModel"),
         (lambda m, x, y: m.backward(x, y, micro_step=1, grad_accum_steps=1),
          re.escape("backward: micro_step=1 outside [0, grad_accum_steps=1)")),
-        (lambda m, x, y: m.update(float("nan")), "update: lr must be finite and >= 0, got nan"),
-        (lambda m, x, y: m.train_step(x, y, lr=-1.0), "train_step: lr must be finite and >= 0, got -1.0"),
+        (lambda m, x, y: m.update(float("nan")), "update: lr must be a finite number >= 0, got nan"),
+        (lambda m, x, y: m.train_step(x, y, lr=-1.0), "train_step: lr must be a finite number >= 0, got -1.0"),
+        (lambda m, x, y: m.finish_step("1e-3", 4), "finish_step: lr must be a finite number >= 0, got '1e-3'"),
         (lambda m, x, y: m.logits(np.zeros((B + 1, T), np.int32)),
          re.escape("logits: inputs must be (b, t) with b <= 2 and t <= 16, got (3, 16)")),
         (lambda m, x, y: m.logits(x.astype(np.int64)), "logits: expected an int32 NumPy array, got int64"),
     ],
-    ids=["allocate-twice", "micro-step", "update-lr", "train-step-lr", "logits-shape", "logits-dtype"],
+    ids=["allocate-twice", "micro-step", "update-lr", "train-step-lr", "finish-step-lr", "logits-shape",
+         "logits-dtype"],
 )  # fmt: skip
 def test_step_api_refusals(model, call, message):
     x, y = batch(model.cfg)
@@ -65,13 +67,31 @@ def test_step_api_refusals(model, call, message):
         call(model, x, y)
 
 
+@pytest.mark.parametrize("call", ["update", "finish_step"])
+def test_an_update_before_any_backward_is_refused(call):
+    """The gradient buffer holds the allocator's old bytes until a backward (or a script through gradients())
+    writes it: an update from it would write garbage into the weights."""
+    m = ce.LlamaModel(tiny(), ce.TrainOptions(model_dtype="fp32"), device="cpu")
+    m.init_weights(1)
+    m.allocate_run_state(B, T)
+    before = {k: v.numpy().copy() for k, v in m.weights.tensors.items()}
+    with pytest.raises(ValueError, match=f"{call}: no gradients yet; run backward first"):
+        getattr(m, call)(1e-3) if call == "update" else m.finish_step(1e-3, B * T)
+    assert all(np.array_equal(v.numpy(), before[k]) for k, v in m.weights.tensors.items())
+    for g in m.gradients().values():  # a script's gradients
+        g.copy_from_numpy(np.zeros(g.shape, np.float32))
+    m.update(1e-3)
+    assert m.step == 1
+
+
 @pytest.mark.parametrize(
     "b,t,opts,message",
     [
         (0, 4, {}, "allocate_run_state: B and T must be >= 1, got B=0, T=4"),
+        (2.0, 4, {}, "allocate_run_state: B and T must be ints, got B=2.0, T=4"),
         (1, 4, {"matmul_dtype": "e4m3"}, "FP8 matmuls need B\\*T to be a multiple of 16, got 4"),
     ],
-    ids=["zero-batch", "fp8-rows"],
+    ids=["zero-batch", "float-batch", "fp8-rows"],
 )
 def test_allocate_run_state_refusals(b, t, opts, message):
     m = ce.LlamaModel(tiny(dtype="bf16"), ce.TrainOptions(**opts), device="cpu")

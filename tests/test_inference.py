@@ -368,6 +368,7 @@ BAD = [
     (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
     (dict(stop_tokens=[999]), "stop_tokens holds token id 999"),
+    (dict(stop_tokens=5), "stop_tokens must be a list of int token ids, got int 5"),
     (dict(ffn_arm="mega"), "ffn_arm must be 'auto' or one of"),
 ]
 

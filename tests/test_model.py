@@ -800,6 +800,38 @@ def test_calls_before_allocate_are_clear():
         m.forward(np.zeros((B, T), np.int32))
 
 
+def test_calls_before_the_weights_are_set_are_clear(tmp_path):
+    """A model whose weights nothing wrote holds the allocator's old bytes: every call that would compute on them
+    or write them out says so, until an init, an import, a checkpoint or a script through parameters()."""
+    cfg = tiny("tiny")
+    m = LlamaModel(cfg, device="cpu")
+    m.allocate_run_state(B, T)
+    x, y = batch(cfg)
+    calls = {"forward": lambda: m.forward(x), "train_step": lambda: m.train_step(x, y, lr=1e-3),
+             "validate": lambda: m.validate(x, y), "logits": lambda: m.logits(x[:1]),
+             "generate": lambda: m.generate([[1, 2]], 2), "stream": lambda: next(m.stream([[1, 2]], 2)),
+             "export_weights": lambda: m.export_weights(tmp_path / "hf"),
+             "save_checkpoint": lambda: m.save_checkpoint(tmp_path / "ck")}  # fmt: skip
+    for call in calls.values():
+        with pytest.raises(ValueError, match="weights were never set; call init_weights"):
+            call()
+    assert not any(tmp_path.iterdir())
+    done = make(cfg)
+    done.save_checkpoint(tmp_path / "ck")
+    m.load_checkpoint(tmp_path / "ck")
+    assert m.validate(x, y) == done.validate(x, y)
+    done.export_weights(tmp_path / "hf")
+    other = LlamaModel(cfg, device="cpu")
+    other.import_weights(tmp_path / "hf")
+    other.allocate_run_state(B, T)
+    assert other.validate(x, y) == done.validate(x, y)
+    scripted = LlamaModel(cfg, device="cpu")
+    scripted.allocate_run_state(B, T)
+    for name, t in scripted.parameters().items():
+        t.copy_from_numpy(done.parameters()[name].numpy())
+    assert scripted.validate(x, y) == done.validate(x, y)
+
+
 def test_flops_per_token():
     m = LlamaModel(TransformerConfig.preset("qwen2.5-0.5b"), device="cpu")
     n = m.num_parameters()

@@ -142,7 +142,7 @@ def test_workspace_passes_are_checked():
         workspace_shape(2, 16, 4, 2, 16, "raw", device=cpu, passes=("bwd",))
 
 
-@pytest.mark.parametrize("lr,n,msg", [(float("nan"), 5, "lr must be finite"), (1e-3, 0, "valid_tokens must be"),
+@pytest.mark.parametrize("lr,n,msg", [(float("nan"), 5, "lr must be a finite"), (1e-3, 0, "valid_tokens must be"),
                                       (1e-3, 2.0, "valid_tokens must be")])  # fmt: skip
 def test_finish_step_checks_its_arguments(lr, n, msg):
     cfg = tiny("tiny")

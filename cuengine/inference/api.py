@@ -209,6 +209,8 @@ def _check_prompts(what, prompts, V) -> list[list[int]]:
 
 
 def _check_ids(what, name, ids, V) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{what}: {name} must be a list of int token ids, got {_describe(ids)}")
     ids = list(ids)
     for t in ids:
         if not isinstance(t, (int, np.integer)) or isinstance(t, bool):

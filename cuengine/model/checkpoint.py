@@ -185,6 +185,7 @@ def load(model, path) -> dict:
     # Everything is read and checked: now write.
     for n, t in model.weights.tensors.items():
         t.copy_from_numpy(weights[n])
+    model.weights.assigned = True
     for k, t in opt_tensors.items():
         t.copy_from_numpy(moments[k])
     if sharded:

@@ -32,6 +32,15 @@ from .run_state import RunState
 from .weights import ModelWeights, param_specs
 
 
+def _check_lr(what: str, lr) -> None:
+    if (
+        isinstance(lr, bool)
+        or not isinstance(lr, (int, float, np.integer, np.floating))
+        or not (math.isfinite(lr) and lr >= 0)
+    ):
+        raise ValueError(f"{what}: lr must be a finite number >= 0, got {lr!r}")
+
+
 def count_valid(targets: np.ndarray) -> int:
     """The number of targets that count in the loss (not -1), from the host array."""
     return int(np.count_nonzero(targets != -1))
@@ -69,6 +78,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         self.rs: RunState | None = None
         self.grads: dict | None = None
         self._grads_flat = None  # the one buffer the 1-GPU gradients are views of
+        self._grads_written = False  # by a backward or a script (gradients()): before, the buffer holds old bytes
         self._blocks: Blocks | None = None
         self.opt_state: AdamWState | None = None
         self.step = 0
@@ -93,6 +103,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         chunking options would make it fit, found by allocating the plan with each in turn (a
         long T needs them: activations grow with T, the logits with T times the vocabulary)."""
         o, cfg = self.opts, self.cfg
+        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in (B, T)):
+            raise ValueError(f"allocate_run_state: B and T must be ints, got B={B!r}, T={T!r}")
         if B < 1 or T < 1:
             raise ValueError(f"allocate_run_state: B and T must be >= 1, got B={B}, T={T}")
         if T > cfg.max_position_embeddings:
@@ -262,6 +274,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         """Run the forward pass of `inputs` (int32 (B, T)) up to the final RMSNorm (`lnf`).
         Enqueued only: no host sync."""
         rs = self._need_rs("forward")
+        self._need_weights("forward")
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._upload(rs.inputs_host, rs.inputs, rs.inputs_event, inputs)
         gather, self._gather_due = self._gather_due, False
@@ -348,6 +361,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
             self._backward(micro_step, grad_accum_steps)
         if self.rs.fp8_history is not None:  # _backward rolled it: the next forward quantises with its scales
             self.rs.fp8_history_filled = True
+        self._grads_written = True
 
     def _backward(self, micro_step: int, grad_accum_steps: int = 1) -> None:
         rs, cfg, W, G, dp = self.rs, self.cfg, self.weights, self.grads, self._dp
@@ -411,8 +425,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         then NaN, and AdamW reads it on the device and writes nothing. The host does not learn
         of it here; `finish_step` (and so `train_step`) checks the norm before updating."""
         self._need_rs("update")
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"update: lr must be finite and >= 0, got {lr!r}")
+        _check_lr("update", lr)
+        self._need_grads("update")
         self._graph(("norm",), self._norm)
         self._adamw(lr, step)
 
@@ -478,6 +492,16 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         for b in self._dp.late:
             self.weights.requantize(self._fp8_of(b.name))
 
+    def _need_grads(self, what: str) -> None:
+        if not self._grads_written:
+            raise ValueError(f"{what}: no gradients yet; run backward first (or write them through gradients())")
+
+    def _need_weights(self, what: str) -> None:
+        if not self.weights.assigned:
+            raise ValueError(f"{what}: the model's weights were never set; call init_weights(seed), "
+                             "import_weights(path) or load_checkpoint(path) first, or write every one through "
+                             "parameters()")  # fmt: skip
+
     def _need_whole_weights(self, what: str) -> None:
         """Raise when a gather is due: `what` may run on one rank alone, so it cannot gather."""
         if self._gather_due:
@@ -485,7 +509,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
                              "all-gathered by the next forward; call sync_weights() on every rank first")  # fmt: skip
 
     def _prepare(self, what, *args):
-        self._need_whole_weights(what)  # generate / stream (InferenceMixin)
+        self._need_weights(what)  # generate / stream (InferenceMixin)
+        self._need_whole_weights(what)
         return super()._prepare(what, *args)
 
     def loss_sum(self) -> float:
@@ -510,8 +535,8 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         loss returned (the usual loss-scaler behaviour).
         """
         self._need_rs("finish_step")
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"finish_step: lr must be finite and >= 0, got {lr!r}")
+        _check_lr("finish_step", lr)
+        self._need_grads("finish_step")
         if isinstance(valid_tokens, bool) or not isinstance(valid_tokens, (int, np.integer)) or valid_tokens < 1:
             raise ValueError(f"finish_step: valid_tokens must be an int >= 1, got {valid_tokens!r}")
         rs, opt = self.rs, self.opt_state
@@ -542,8 +567,7 @@ class LlamaModel(ParametersMixin, InferenceMixin):
         self._need_rs("train_step")
         self._check_tokens(inputs, "inputs", allow_ignore=False)
         self._check_tokens(targets, "targets", allow_ignore=True)
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"train_step: lr must be finite and >= 0, got {lr!r}")
+        _check_lr("train_step", lr)
         n = count_valid(targets)
         if n == 0:
             raise ValueError("train_step: every target is -1 (ignored); there is no loss to learn from")

@@ -24,6 +24,7 @@ class ParametersMixin:
 
     def export_weights(self, out_dir) -> None:
         """Write `model.safetensors` + `config.json` that HF transformers loads unchanged."""
+        self._need_weights("export_weights")
         self._need_whole_weights("export_weights")
         self.device.synchronize()
         self.weights.save_hf(out_dir)
@@ -52,6 +53,7 @@ class ParametersMixin:
     def gradients(self) -> dict:
         """{HF name: Tensor}: zero-copy views of the gradients (q/k/v and gate/up unpacked)."""
         self._need_rs("gradients")
+        self._grads_written = True  # the script writes them (or reads what a backward wrote)
         return hf_views(self.cfg, self.grads)
 
     def parameters(self) -> dict:
@@ -61,6 +63,7 @@ class ParametersMixin:
         `parameters_changed()` instead of `update`. With zero_stage >= 1, after an update, call
         `sync_weights()` on every rank first."""
         self._need_whole_weights("parameters")
+        self.weights.assigned = True  # the script writes them (or reads what an init wrote)
         return hf_views(self.cfg, self.weights.tensors)
 
     def parameters_changed(self) -> None:
@@ -83,6 +86,7 @@ class ParametersMixin:
         the checkpoint one process would write (so any number of ranks can load it), then all
         ranks wait for it."""
         self._need_rs("save_checkpoint")
+        self._need_weights("save_checkpoint")
         self.sync_weights()
         if self.comm is None:
             checkpoint.save(self, out_dir, extra)

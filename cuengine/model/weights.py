@@ -119,6 +119,9 @@ class ModelWeights:
         self.specs = param_specs(cfg)
         self.tensors: dict[str, Tensor] = {}
         self.flat = None
+        # False until init, load_hf, a checkpoint or a script (LlamaModel.parameters()) wrote every value: before
+        # that the buffers hold whatever the allocator's memory held, and a step on them is garbage, not an error
+        self.assigned = False
         with alloc.context("Weights"):
             if layout is not None:
                 self.flat = alloc.allocate(self.dtype, "weights", (layout.total,)).fill_zero()
@@ -203,6 +206,7 @@ class ModelWeights:
         for name, arr in host.items():
             self.tensors[name].copy_from_numpy(arr)
         self.requantize()
+        self.assigned = True
 
     # ---- FP8 copies --------------------------------------------------------------------------
     @property
@@ -311,6 +315,7 @@ class ModelWeights:
         for ename, arr in packed.items():
             self.tensors[ename].copy_from_numpy(arr)
         self.requantize()
+        self.assigned = True
 
     def host_arrays(self) -> dict[str, np.ndarray]:
         """{HF name: host array in the model dtype}, unpacked."""
