@@ -54,6 +54,16 @@ class Schedule:
     def __post_init__(self):
         if self.kind not in ("cosine", "linear", "constant"):
             raise ValueError(f"Schedule.kind must be 'cosine', 'linear' or 'constant', got {self.kind!r}")
+        for name in ("steps", "warmup"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (name == "steps"):
+                raise ValueError(f"Schedule.{name} must be an int >= {int(name == 'steps')}, got {v!r}")
+        for name in ("lr", "min_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"Schedule.{name} must be a finite number >= 0, got {v!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"Schedule.min_lr {self.min_lr} is above lr {self.lr}")
 
     def __call__(self, step: int) -> float:
         return lr_at(step, self.steps, self.lr, self.min_lr, self.warmup, self.kind)
@@ -103,10 +113,10 @@ class Trainer:
         steps: the step the run ends at (a schedule's length, usually).
         val, eval_every, eval_batches: validation every `eval_every` steps (0: never) and at the
             last step, over `eval_batches` batches of `val`.
-        checkpoint_dir: where checkpoints go (None: none). One is written every `save_every` steps
-            (0: off), when `save_seconds` of wall time passed since the last (0: off), at the step
-            `run` stops at, and when a stop is requested (`request_stop`, or Ctrl-C under `run`
-            with `handle_sigint`).
+        checkpoint_dir: where checkpoints go (None: none, and then save_every and save_seconds must be 0).
+            One is written every `save_every` steps (0: off), when `save_seconds` of wall time passed
+            since the last (0: off), at the step `run` stops at, and when a stop is requested
+            (`request_stop`, or Ctrl-C under `run` with `handle_sigint`).
         checkpoint_extra: JSON-able dict stored in every checkpoint beside the step and the data state.
         hooks: callables `hook(record)` run after each step; the record holds "step", "loss", "lr",
             "tokens", "tok_per_s", "ms", "memory", on cuda "mfu", and "val_loss" after a validation.
@@ -131,8 +141,17 @@ class Trainer:
                         ("eval_batches", eval_batches)):  # fmt: skip
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Trainer: {name} must be an integer >= 1, got {v!r}")
-        if eval_every < 0 or save_every < 0 or save_seconds < 0:
-            raise ValueError("Trainer: eval_every, save_every and save_seconds must be >= 0")
+        for name, v in (("eval_every", eval_every), ("save_every", save_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Trainer: {name} must be an integer >= 0, got {v!r}")
+        if isinstance(save_seconds, bool) or not isinstance(save_seconds, (int, float)) or not save_seconds >= 0:
+            raise ValueError(f"Trainer: save_seconds must be a number >= 0, got {save_seconds!r}")
+        if not callable(getattr(source, "batch", None)):
+            raise ValueError(f"Trainer: source needs a batch(B, T) method, got {type(source).__name__}")
+        if eval_every and val is None:  # a run that asked for validation and would silently get none
+            raise ValueError(f"Trainer: eval_every={eval_every} needs val, the validation source")
+        if (save_every or save_seconds) and checkpoint_dir is None:
+            raise ValueError("Trainer: save_every and save_seconds need checkpoint_dir")
         self.model, self.source, self.val = model, source, val
         self.B, self.T, self.accum, self.steps = batch_size, seq_len, grad_accum, steps
         self.lr = lr if callable(lr) else (lambda step, c=float(lr): c)

@@ -117,10 +117,7 @@ def test_checkpoint_cadence_by_steps_time_and_stop(tmp_path, monkeypatch):
     assert saved == [2, 4, 5]  # and at the step run() stops at
     saved.clear()
     make_trainer(checkpoint_dir=tmp_path, save_seconds=1e-9, lr=1e-3).run(stop=3)
-    assert saved == [1, 2, 3]  # every step: the interval has always passed
-    saved.clear()
-    make_trainer(lr=1e-3, save_every=1).run(stop=3)
-    assert saved == []  # no checkpoint_dir, no checkpoints
+    assert saved == [1, 2, 3]  # every step: the interval has always passed (without checkpoint_dir: an error)
 
 
 def test_resume_is_bitwise_and_restores_the_data_position(tmp_path):
@@ -170,12 +167,38 @@ def test_ctrl_c_finishes_the_step_and_checkpoints_then_a_second_interrupts(tmp_p
     [
         (dict(batch_size=0), "batch_size must be an integer >= 1"),
         (dict(grad_accum=1.5), "grad_accum must be an integer >= 1"),
-        (dict(save_seconds=-1), "must be >= 0"),
+        (dict(save_seconds=-1), "save_seconds must be a number >= 0, got -1"),
+        (dict(eval_every=0.5), "eval_every must be an integer >= 0, got 0.5"),
+        (dict(save_every=-2), "save_every must be an integer >= 0, got -2"),
+        (dict(eval_every=2), "eval_every=2 needs val, the validation source"),
+        (dict(save_every=2), "save_every and save_seconds need checkpoint_dir"),
+        (dict(save_seconds=60.0), "save_every and save_seconds need checkpoint_dir"),
     ],
 )
 def test_bad_arguments(kw, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(model=object(), **kw)
+
+
+def test_a_source_without_batch_is_refused_up_front():
+    with pytest.raises(ValueError, match="source needs a batch\\(B, T\\) method, got list"):
+        Trainer(object(), [TOKENS], batch_size=B, seq_len=T, steps=2, lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(steps=0), "Schedule.steps must be an int >= 1, got 0"),
+        (dict(warmup=-1), "Schedule.warmup must be an int >= 0, got -1"),
+        (dict(warmup=1.5), "Schedule.warmup must be an int >= 0, got 1.5"),
+        (dict(lr=float("nan")), "Schedule.lr must be a finite number >= 0, got nan"),
+        (dict(min_lr=-1e-4), "Schedule.min_lr must be a finite number >= 0"),
+        (dict(min_lr=1.0), "Schedule.min_lr 1.0 is above lr 0.001"),
+    ],
+)
+def test_bad_schedules(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Schedule(**(dict(steps=10, lr=1e-3) | kw))
 
 
 def test_resume_needs_a_checkpoint_dir():
