@@ -106,6 +106,10 @@ class TokenSource:
     """
 
     def __init__(self, shards, name: str, seed: int = 0, shuffle: bool = True, vocab_size: int | None = None):
+        for i, s in enumerate(shards):
+            if getattr(s, "ndim", None) != 1 or s.dtype.kind not in "iu":
+                got = f"{s.dtype} array of shape {s.shape}" if hasattr(s, "ndim") else type(s).__name__
+                raise DataError(f"{name}: shard {i} must be a 1-D integer array of token ids, got {got}")
         self.shards = [s for s in shards if len(s) > 0]
         if not self.shards:
             raise DataError(f"{name}: no tokens")

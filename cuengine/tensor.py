@@ -29,6 +29,9 @@ _BITS_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 def _normalize_shape(shape) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
+    shape = tuple(shape)
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
+        raise ValueError(f"shape {shape}: every dimension must be an int")
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimension in shape {shape}")

@@ -186,6 +186,12 @@ def test_too_short_for_a_window_and_bad_state():
         src.load_state({"seed": 0, "seq_len": 4, "epoch": 0, "cursor": 99})
     with pytest.raises(data.DataError, match="no tokens"):
         data.TokenSource([np.arange(0)], "empty")
+    with pytest.raises(data.DataError, match="shard 1 must be a 1-D integer array of token ids, got int64 array of sh"):
+        data.TokenSource([np.arange(10), np.zeros((2, 5), np.int64)], "rows")
+    with pytest.raises(data.DataError, match="shard 0 must be a 1-D integer array of token ids, got float32 array"):
+        data.TokenSource([np.arange(10, dtype=np.float32)], "floats")
+    with pytest.raises(data.DataError, match="shard 0 must be a 1-D integer array of token ids, got list"):
+        data.TokenSource([[1, 2, 3]], "list")
 
 
 def test_split_holds_out_the_tail():

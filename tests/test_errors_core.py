@@ -34,6 +34,7 @@ def t0(name="t"):
     "make,error,msg",
     [
         (lambda: ce.Tensor.empty("fp32", (2, -3)), ValueError, "negative dimension in shape (2, -3)"),
+        (lambda: ce.Tensor.empty("fp32", (2.5,)), ValueError, "shape (2.5,): every dimension must be an int"),
         (lambda: t46().reshape(-1, -1), ValueError, "tensor 't': reshape to (-1, -1) has more than one -1"),
         (lambda: t46().reshape(-1, 5), ValueError, "tensor 't': cannot reshape (4, 6) to (-1, 5)"),
         (lambda: t46().reshape(0, -1), ValueError, "tensor 't': cannot reshape (4, 6) to (0, -1)"),
@@ -46,6 +47,7 @@ def t0(name="t"):
     ],
     ids=[
         "negative-dim",
+        "float-dim",
         "two-minus-ones",
         "minus-one-no-fit",
         "minus-one-zero",
