@@ -286,6 +286,18 @@ def stepped_tiny(stage: int, dtype: str):
     return comm, cfg, model, x, y, rows
 
 
+def refused_save(path: str) -> str:
+    """This rank's error from save_checkpoint(path) where path is not a checkpoint; each rank must get it."""
+    comm, cfg, model, x, y, rows = stepped_tiny(1, "fp32")
+    try:
+        model.save_checkpoint(path)
+    except ValueError as err:
+        return str(err)
+    finally:
+        comm.close()
+    return "saved"
+
+
 def logging_wrapper(log: list):
     """wrap(obj, name, entry): obj.name still runs, after appending entry(*its arguments) to log."""
 

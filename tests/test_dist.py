@@ -409,6 +409,16 @@ def test_checkpoint_errors(tmp_path):
         dist.load_shard(tmp_path, other, 0)
 
 
+def test_a_refused_save_is_refused_on_every_rank(tmp_path):
+    """A path that is not a checkpoint is refused on each rank before any collective: rank 0 alone refusing would
+    leave the others in the save's barrier until the timeout."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    res = dist.launch(dist_worker.refused_save, 2, str(tmp_path / "mine"), backend="fake", timeout=20, deadline=120)
+    assert all("holds files that are not a checkpoint's (notes.txt)" in r for r in res), res
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
 # ---- data sharding -------------------------------------------------------------------------------
 def test_rank_batches_split_the_global_batch_and_resume():
     from cuengine.data import TokenSource

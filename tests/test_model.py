@@ -745,6 +745,31 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     assert_weights_equal(b, snap)
 
 
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
+    """A save swaps its directory in whole (the old one renamed, then deleted): a path holding a user's files, or a
+    file, is refused before anything is written; an empty directory and an earlier checkpoint are replaced."""
+    m = make(tiny("tiny"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    (tmp_path / "file").write_text("precious")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "weights.safetensors").write_text("not from a save")
+    refusals = {
+        "mine": "holds files that are not a checkpoint's \\(notes.txt\\)",
+        "file": "is a file, not a checkpoint directory",
+        "half": "not a checkpoint's \\(no state.json",
+    }
+    for name, msg in refusals.items():
+        with pytest.raises(ValueError, match=msg):
+            m.save_checkpoint(tmp_path / name)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == (tmp_path / "file").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "half", "mine"]
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # into an empty directory, then over its own checkpoint
+        m.save_checkpoint(tmp_path / "empty", extra={"n": 1})
+    assert m.load_checkpoint(tmp_path / "empty") == {"n": 1}
+
+
 # ---- bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "what,msg",

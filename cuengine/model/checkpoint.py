@@ -46,6 +46,7 @@ def save(model, out_dir, extra: dict | None = None, moments: dict | None = None)
         "extra": extra if extra is not None else {},
     }
     text = json.dumps(state, indent=2)  # fails early (before any file) on a non-JSON extra
+    check_replaceable(target)
     model.device.synchronize()
     old = _old_path(target)
     if not target.exists() and (old / "state.json").is_file():
@@ -83,6 +84,25 @@ HISTORY = "fp8_amax_history"
 def _fp8_history(model):
     rs = getattr(model, "rs", None)
     return None if rs is None else rs.fp8_history
+
+
+# what a checkpoint directory holds: the only entries a save may replace (anything else there is a user's)
+_FILES = frozenset({"weights.safetensors", "optimizer.safetensors", "fp8_history.safetensors", "state.json"})
+
+
+def check_replaceable(target: Path) -> None:
+    """A save replaces `target` whole: refuse, before writing anything, unless it is absent, an empty directory
+    or a checkpoint (state.json and checkpoint files only), so a mistyped path never deletes someone's files."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"save_checkpoint: {target} is a file, not a checkpoint directory; choose another path")
+    names = {p.name for p in target.iterdir()}
+    if names and ("state.json" not in names or not names <= _FILES):
+        other = sorted(names - _FILES) or ["no state.json"]
+        listed = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+        raise ValueError(f"save_checkpoint: {target} holds files that are not a checkpoint's ({listed}); a save "
+                         "replaces the directory whole, so choose another path")  # fmt: skip
 
 
 def _old_path(target: Path) -> Path:

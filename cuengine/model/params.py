@@ -4,6 +4,8 @@ checkpoints. A mixin so that llama.py keeps to the step itself; it reads the mod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import checkpoint
 from .weights import hf_views
 
@@ -87,6 +89,8 @@ class ParametersMixin:
         ranks wait for it."""
         self._need_rs("save_checkpoint")
         self._need_weights("save_checkpoint")
+        # checked on every rank: rank 0 alone refusing would leave the others waiting in its barrier
+        checkpoint.check_replaceable(Path(out_dir))
         self.sync_weights()
         if self.comm is None:
             checkpoint.save(self, out_dir, extra)
