@@ -213,7 +213,11 @@ def _prepare_train(args):
         raise UsageError(f"--out {out} is a file, not a directory")
     if not args.resume and out.exists() and any(out.iterdir()) and not _restartable(out):
         raise UsageError(f"--out {out} already holds files; continue it with --resume or choose another --out")
-    for flag, path in (("--out", out), ("--log", Path(run["log"]) if run["log"] else None)):
+    log = Path(run["log"]) if run["log"] else None
+    if log is not None and not args.resume and log.is_file() and log.stat().st_size:
+        raise UsageError(f"--log {log} already holds a log; a new run would overwrite it (continue that run with "
+                         "--resume, or choose another --log)")  # fmt: skip
+    for flag, path in (("--out", out), ("--log", log)):
         _check_creatable(flag, path)
 
     cfg = load_config(run["model"], run["preset"])

@@ -289,6 +289,7 @@ def make_bad_files(tmp):
     write_llmc(tmp / "v300.bin", [1, 300, 2] * 100)
     (tmp / "junk.npy").write_bytes(b"\x93NUMPY garbage")
     (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "old.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     np.save(tmp / "ids.npy", np.arange(300, dtype=np.int32) % 256)
     np.save(tmp / "negative.npy", np.arange(300, dtype=np.int32) % 256 - 1)
     (tmp / "nocfg").mkdir()
@@ -345,6 +346,8 @@ BAD_CASES = [
     pytest.param(["--device", "tpu"], "unknown device 'tpu'", id="device"),
     pytest.param(["--out", "{tmp}/empty.txt"], "empty.txt is a file, not a directory", id="out file"),
     pytest.param(["--out", "{tmp}/empty.txt/run"], "empty.txt is not a writable directory", id="out under a file"),
+    pytest.param(["--log", "{tmp}/old.jsonl"], "old.jsonl already holds a log; a new run would overwrite it",
+                 id="log of another run"),
     pytest.param(["--log", "{tmp}/empty.txt/log.jsonl"], "empty.txt/log.jsonl: cannot be created",
                  id="log under a file"),
 ]  # fmt: skip
