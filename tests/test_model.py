@@ -477,6 +477,28 @@ def test_stack_recording_runs_the_step_code_without_launching(opts):
     assert [t.numpy().tobytes() for t in tensors] == before
 
 
+@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "model_dtype": "bf16"}, {"optimizer": "muon"},
+                                  {"optimizer": "adamw8bit"}, {"recompute_block": True}])  # fmt: skip
+def test_steps_allocate_nothing_after_the_first(monkeypatch, opts):
+    """Every buffer a step needs comes from allocate_run_state (or, for generation, the inference state made on
+    first use): later train steps, validations and generations call the allocator not once."""
+    from cuengine.alloc import TensorAllocator
+
+    cfg = tiny("tiny")
+    m = make(cfg, **opts)
+    x, y = batch(cfg)
+    m.train_step(x, y, lr=1e-3)
+    m.generate([[1, 2]], 2)
+    calls = []
+    real = TensorAllocator.allocate
+    monkeypatch.setattr(TensorAllocator, "allocate", lambda self, *a, **k: calls.append(a[1]) or real(self, *a, **k))
+    for _ in range(2):
+        m.train_step(x, y, lr=1e-3)
+        m.validate(x, y)
+        m.generate([[3, 1, 2], [4]], 3)
+    assert calls == []
+
+
 def test_cuda_graphs_are_captured_and_replayed():
     cfg = tiny("tiny")
     m, _, _ = run_steps(cfg, use_cuda_graphs=True)
