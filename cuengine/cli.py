@@ -61,6 +61,35 @@ def _versions() -> dict[str, str]:
 
 
 # ---- generate -----------------------------------------------------------------------------------
+class TextStream:
+    """The text of a prompt and the tokens that continue it, a piece a token. Each `add` decodes the tokens
+    since the last newline only, starting from the newline's own token (so a tokenizer that drops a token's
+    leading space at the start of a text decodes the next one as mid-text): a long generation costs a line's
+    decode a token, not the whole text's."""
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self.tokenizer, self.cache, self.shown = tokenizer, list(prompt), ""
+
+    def add(self, token: int) -> str:
+        """What `token` adds to the text (the prompt's own text comes with the first); "" while an incomplete
+        UTF-8 character waits for its next bytes."""
+        self.cache.append(int(token))
+        text = self.tokenizer.decode(self.cache)
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[len(self.shown) :]
+        if text.endswith("\n"):
+            self.cache = self.cache[-1:]
+            self.shown = self.tokenizer.decode(self.cache)
+        else:
+            self.shown = text
+        return piece
+
+    def finish(self) -> str:
+        """What is left: the held-back bytes of an incomplete character, as the tokenizer decodes them."""
+        return self.tokenizer.decode(self.cache)[len(self.shown) :]
+
+
 def cmd_generate(args) -> int:
     check_numbers(args, {"max_new_tokens": (1, True), "temperature": (0.0, False), "top_k": (0, True),
                           "top_p": (0.0, False), "seed": (0, True)})  # fmt: skip
@@ -84,18 +113,14 @@ def cmd_generate(args) -> int:
         )
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     stream = token_stream(model_dir, cfg, args.dtype, dev, prompt, args.max_new_tokens, args.weights, **kw)
-    tokens, shown, first = list(prompt), "", None
+    text, n, first = TextStream(tokenizer, prompt), 0, None
     t0 = time.perf_counter()
     for token in stream:
         first = time.perf_counter() - t0 if first is None else first
-        tokens.append(int(token))
-        text = tokenizer.decode(tokens)
-        if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next bytes
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
+        n += 1
+        print(text.add(token), end="", flush=True)
     dt = time.perf_counter() - t0
-    print(tokenizer.decode(tokens)[len(shown) :])
-    n = len(tokens) - len(prompt)
+    print(text.finish())
     # the first token also pays the first use (inference state, kernel compiles) and the prefill
     rest = f", then {(n - 1) / (dt - first):.1f} tokens/s" if n > 1 and dt > first else ""
     print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; the first after {first:.2f} s{rest}]", file=sys.stderr)

@@ -88,6 +88,40 @@ def test_generate_from_trained_model(trained, capsys):
     assert code == 0 and greedy == run_cli(capsys, *argv, "--temperature", 0, "--seed", 9)[1]
 
 
+def _metaspace_tokenizer():
+    """Word tokens whose decoder turns "▁" into a space and drops it at the start of a text, as Llama 2's does."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models
+
+    words = ["▁hello", "▁world", "\n", "▁again", "[UNK]"]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.decoder = decoders.Metaspace()
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_streamed_text_adds_up_to_the_whole_and_decodes_a_line_a_token(kind):
+    """The pieces `cuengine generate` prints, one a token, are the whole text's decode, split: an incomplete UTF-8
+    character waits for its bytes, a token after a newline keeps its leading space, and a step decodes the tokens
+    since the last newline, not all of them (700 tokens in lines of 7: a whole decode a step would read ~245k)."""
+    from cuengine.cli import TextStream
+    from cuengine.data import ByteTokenizer
+
+    if kind == "bytes":
+        tok, prompt = ByteTokenizer(), list(b"> ")
+        tokens = list(("ab\u00e9cd\n" * 100).encode()) + [0xC3]  # ends inside a character
+    else:
+        tok, prompt = _metaspace_tokenizer(), [0]
+        tokens = [1, 2, 3, 1, 0, 2, 1] * 100
+    decoded = []
+    counting = type("Counting", (), {"decode": lambda self, ids: decoded.append(len(ids)) or tok.decode(ids)})()
+    text = TextStream(counting, prompt)
+    pieces = [text.add(t) for t in tokens]
+    assert "".join(pieces) + text.finish() == tok.decode(prompt + tokens)
+    assert "\ufffd" not in "".join(pieces) and ("" in pieces) == (kind == "bytes")  # the held-back halves of é
+    assert sum(decoded) < 12 * len(tokens), sum(decoded)
+
+
 @needs_model
 def test_generate_with_fp8_decode_weights(trained, capsys, monkeypatch):
     """--weights fp8 decodes through per-row E4M3 copies, from a KV cache of exactly prompt + new tokens."""
