@@ -39,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -277,7 +278,9 @@ class _DeviceState:
 
     def __init__(self, allocator: TensorAllocator, workspace_bytes: int, handle=None):
         self.device = allocator.device
-        self.allocator = allocator
+        # weakly: this module-level state outlives models, and the allocator holds every buffer of its model, so
+        # a strong reference kept a deleted model's memory (weights, activations, moments) until the next init
+        self.allocator = weakref.ref(allocator)
         self.workspace_bytes = int(workspace_bytes)
         self.workspace, self.workspace_ptr = None, 0
         if self.device.is_cuda:  # the cpu twin needs none, so a cpu memory report shows none
@@ -428,7 +431,7 @@ def init(allocator: TensorAllocator, workspace_bytes: int = WORKSPACE_BYTES) -> 
     dev = allocator.device
     key = (dev.kind, dev.index)
     state = _STATES.get(key)
-    if state is not None and state.allocator is allocator and state.workspace_bytes >= workspace_bytes:
+    if state is not None and state.allocator() is allocator and state.workspace_bytes >= workspace_bytes:
         return
     handle = None
     if state is not None:

@@ -499,6 +499,29 @@ def test_steps_allocate_nothing_after_the_first(monkeypatch, opts):
     assert calls == []
 
 
+@pytest.mark.parametrize("opts", [{}, {"matmul_dtype": "e4m3", "model_dtype": "bf16"}])
+def test_a_deleted_model_frees_its_memory_at_once(opts):
+    """`del model` releases every buffer (weights, run state, KV cache) as its last reference goes, without
+    waiting for the cycle collector: nothing module-level (cuBLASLt's state keeps the allocator weakly) and no
+    cycle (the inference state holds the weights, not the model) keeps them. On cuda the engine's memory was
+    held after a model was gone, and the next model ran out of memory beside it."""
+    import gc
+    import weakref
+
+    cfg = tiny("tiny")
+    m = make(cfg, **opts)
+    x, y = batch(cfg)
+    m.train_step(x, y, lr=1e-3)
+    m.generate([[1, 2]], 3)
+    model, alloc = weakref.ref(m), weakref.ref(m.alloc)
+    gc.disable()
+    try:
+        del m
+        assert model() is None and alloc() is None
+    finally:
+        gc.enable()
+
+
 def test_cuda_graphs_are_captured_and_replayed():
     cfg = tiny("tiny")
     m, _, _ = run_steps(cfg, use_cuda_graphs=True)

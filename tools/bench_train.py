@@ -283,8 +283,9 @@ def main(argv=None) -> int:
                 if d is not None:
                     runs.append(d)
         if peer:
-            # what of the engine's last model waits in reference cycles goes first: without this the eager 1.5B
-            # peer ran out of memory on an 80 GB H100 beside 33.5 GiB held outside torch (thirtieth session)
+            # the engine's last model is gone before the peer allocates (the eager 1.5B peer once ran out of memory
+            # on an 80 GB H100 beside 33.5 GiB of it, which cuBLASLt's module-level state held through the model's
+            # allocator, now held weakly); the collection is for anything left in a reference cycle
             gc.collect()
             for compiled in (False, True):
                 try:

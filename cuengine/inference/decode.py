@@ -71,10 +71,10 @@ def _gemv(st, out, x, name, **kw) -> None:
 def ffn(st, i: int, b: int, arm: str) -> None:
     """residual[:b] += the MLP of layer i on RMSNorm(residual[:b]), through `arm`."""
     eps, p = st.cfg.rms_norm_eps, f"layers.{i}."
-    ln2 = st.model.weights.block(i)["ln2_w"]
+    ln2 = st.model_weights.block(i)["ln2_w"]
     res, up, act = st.residual.rows(0, b), st.up.rows(0, b), st.act.rows(0, b)
     if arm == "gemm":
-        W = st.model.weights
+        W = st.model_weights
         ln = st.ln.rows(0, b)
         rmsnorm.rmsnorm_forward(ln, st.rstd.rows(0, b), res, ln2, eps)
         blas.matmul(up, ln, W[p + "up_w"])
@@ -99,7 +99,7 @@ def attention(st, i: int, b: int, arm: str, x_acc=None, x_out=None) -> None:
     k and v at its position (x_out: where the qkv GEMV writes the residual plus x_acc)."""
     cfg = st.cfg
     Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-    W, p = st.model.weights, f"layers.{i}."
+    W, p = st.model_weights, f"layers.{i}."
     w = W.block(i)
     res, qkv, att = st.residual.rows(0, b), st.qkv.rows(0, b), st.att.rows(0, b)
     if arm == "gemm":
@@ -118,7 +118,7 @@ def attention(st, i: int, b: int, arm: str, x_acc=None, x_out=None) -> None:
 
 def layer(st, i: int, b: int, arm: str) -> None:
     """Block i on the b rows of st.residual, appending each row's k and v at its position."""
-    W, p = st.model.weights, f"layers.{i}."
+    W, p = st.model_weights, f"layers.{i}."
     res, att = st.residual.rows(0, b), st.att.rows(0, b)
     attention(st, i, b, arm)
     if arm == "gemm":
@@ -131,7 +131,7 @@ def layer(st, i: int, b: int, arm: str) -> None:
 def ksplit_layers(st):
     """Every layer of a batch-1 step on the "ksplit" arm (the module's docstring), from the embedding in
     st.res_in; returns the last layer's MLP accumulator, which the LM head adds to st.residual."""
-    cfg, W, eps = st.cfg, st.model.weights, st.cfg.rms_norm_eps
+    cfg, W, eps = st.cfg, st.model_weights, st.cfg.rms_norm_eps
     Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
     res, res_in, qkv, att = st.residual.rows(0, 1), st.res_in, st.qkv.rows(0, 1), st.att.rows(0, 1)
     st.acc_o.fill_zero()
@@ -155,7 +155,7 @@ def ksplit_layers(st):
 def head_and_sample(st, b: int, x_acc=None) -> None:
     """Final RMSNorm + LM head (fp32 logits) of st.residual[:b] (plus the accumulator x_acc of the "ksplit"
     arm), sample into st.tokens[:b], and move every row one position on."""
-    W, eps = st.model.weights, st.cfg.rms_norm_eps
+    W, eps = st.model_weights, st.cfg.rms_norm_eps
     logits, res = st.logits.rows(0, b), st.residual.rows(0, b)
     if st.head_by_gemm and b > 1:  # one row: the GEMV (the module's docstring)
         ln = st.ln.rows(0, b)
@@ -180,7 +180,7 @@ def persistent_layers(st) -> None:
 def decode_step_rows(st, b: int, arm: str) -> None:
     """One decode step of rows 0..b-1 from their input tokens st.tokens[:b]. Enqueued only."""
     emb = st.res_in if arm == "ksplit" else st.residual.rows(0, b)
-    encoder.encoder_forward(emb, st.tokens.rows(0, b), st.model.weights["wte"])
+    encoder.encoder_forward(emb, st.tokens.rows(0, b), st.model_weights["wte"])
     acc = None
     if arm == "persistent":
         persistent_layers(st)

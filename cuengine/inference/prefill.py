@@ -20,7 +20,7 @@ def prefill_group(st, first: int, n: int, T: int, off: int) -> None:
     """Prompts first..first+n-1 (tokens, slots and positions packed at `off` in st.p_index) into
     the cache; each one's last-row final residual into st.residual[slot]. Enqueued only, and read
     from the host: only the group layout (first, n, T, off), so it can be captured and replayed."""
-    cfg, W = st.cfg, st.model.weights
+    cfg, W = st.cfg, st.model_weights
     Hq, Hkv, eps = cfg.num_q_heads, cfg.num_kv_heads, cfg.rms_norm_eps
     N = n * T
     res, res_att, ln, rstd = st.p_res.rows(0, N), st.p_res_att.rows(0, N), st.p_ln.rows(0, N), st.p_rstd.rows(0, N)

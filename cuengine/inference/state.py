@@ -64,7 +64,7 @@ class InferenceState:
         if weights not in WEIGHTS:
             raise ValueError(f"allocate_inference_state: weights must be one of {WEIGHTS}, got {weights!r}")
         check_ffn_arm(ffn_arm, weights)
-        self.model, self.cfg = model, cfg
+        self.model_weights, self.cfg = model.weights, cfg  # not the model: it holds this state (no cycle)
         self.device = dev = model.device
         self.dtype = dt = model.dtype
         self.max_batch, self.max_seq = int(max_batch), int(max_seq_len)
@@ -170,7 +170,7 @@ class InferenceState:
     # ---- weights -----------------------------------------------------------------------------
     def _layer_weights(self, i: int) -> dict:
         """Layer i's tensors for decode_layers (LAYER_FIELDS): its decode linears, norms, bias and cache."""
-        blk, p = self.model.weights.block(i), f"layers.{i}."
+        blk, p = self.model_weights.block(i), f"layers.{i}."
         lin = {n: self.linears[p + n] for n in LINEARS}
         return {"qkv_w": lin["qkv_w"].w, "qkv_scale": lin["qkv_w"].scale, "qkv_b": blk.get("qkv_b"),
                 "ln1": blk["ln1_w"], "o_w": lin["atto_w"].w, "o_scale": lin["atto_w"].scale, "ln2": blk["ln2_w"],
