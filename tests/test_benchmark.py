@@ -163,6 +163,25 @@ def test_bench_kernels_reports_each_case_beside_a_copy_of_its_bytes(capsys):
         bench.main(["--device", "cpu", "--family", "nope"])
 
 
+# a line each script prints, and exits with, when it has nothing to run on (ptxas_report needs no GPU)
+NO_GPU_LINE = ("no CUDA device", "needs a CUDA", "torch is not installed")
+
+
+@pytest.mark.skipif(ce.cuda_available(), reason="what a script does where there is no GPU")
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[1] / "tools").glob("*.py")
+                                          if p.name != "ptxas_report.py"))  # fmt: skip
+def test_a_gpu_tool_without_a_gpu_says_so_in_a_line(script):
+    """Benchmark users run tools/ scripts as they are: without a GPU (or without torch, for the profilers)
+    each says so in one line, never a traceback."""
+    import subprocess
+    import sys
+
+    tools = Path(__file__).parents[1] / "tools"
+    proc = subprocess.run([sys.executable, str(tools / script)], capture_output=True, text=True, timeout=120)
+    said = (proc.stdout + proc.stderr).strip()
+    assert "Traceback" not in said and said.count("\n") == 0 and any(s in said for s in NO_GPU_LINE), said
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arm, per_layer", [("fused_up", 5), ("ksplit", 3)])
 def test_bench_decode_counts_every_kernel_of_a_step(cuda, arm, per_layer):

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode as bd  # noqa: E402
 
+from cuengine import cuda_available  # noqa: E402
 from cuengine.inference import decode  # noqa: E402
 from cuengine.kernels import gemv  # noqa: E402
 
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--steps", type=int, default=64)
     args = p.parse_args(argv)
+    if not cuda_available():
+        print("ablate_decode: no CUDA device; nothing to measure", file=sys.stderr)
+        return 1
     ab = Ablation()
     ab.install()
     try:

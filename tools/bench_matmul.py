@@ -125,7 +125,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
-
+    if not ce.cuda_available():
+        print("bench_matmul: no CUDA device; nothing to measure", file=sys.stderr)
+        sys.exit(1)
     dev = ce.device("cuda")
     blas.init(ce.TensorAllocator(dev))
     validate(args.dtypes)

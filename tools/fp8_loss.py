@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cuengine import cuda_available
+
 # recipe -> the `cuengine train` flags that select it
 RECIPES = {
     "bf16": [],
@@ -147,6 +149,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.analyse:
         return analyse(Path(args.analyse), args.seeds, args.recipes, args.window, args.skip)
+    if args.device.startswith("cuda") and not cuda_available():
+        print("fp8_loss: no CUDA device; nothing to run", file=sys.stderr)
+        return 1
     root = Path(args.out)
     for seed in args.seeds:
         for r in args.recipes:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ablate_decode import kind  # noqa: E402
 
+from cuengine import cuda_available  # noqa: E402
 from cuengine.kernels import _build, gemv  # noqa: E402
 
 SLOTS = 1 << 18  # records the buffer holds (a 0.5B step makes about 30000, one a block of each GEMV)
@@ -220,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--save", type=Path, help="also write each run's raw records to SAVE/<preset>-<weights>.npy")
     args = p.parse_args(argv)
+    if not cuda_available():
+        print("trace_gemv: no CUDA device; nothing to trace", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="trace-gemv-") as tmp:
         traced = instrumented_dir(Path(tmp))
         _build.kernel_dir = lambda: traced  # before anything compiles: every family from the copy
