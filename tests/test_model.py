@@ -977,6 +977,37 @@ def test_gpu_dependent_launches_keep_training_bitwise(monkeypatch, precision, gr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_a_deleted_model_gives_its_device_memory_back(cuda, graphs):
+    """The cuda side of test_a_deleted_model_frees_its_memory_at_once: after `del model` (trained, with its
+    graphs, and generated from) the driver's free memory is back to what it was before it (cuBLASLt's state keeps
+    one 32 MiB workspace, the warm-up model's then this one's). Before, that state held the allocator, and so
+    every buffer of the last model."""
+    import cupy
+
+    def free_bytes():  # CuPy's pool keeps what a library's scratch arrays freed: not the model's memory
+        cuda.synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+        return cuda.memory_info()[0]
+
+    cfg = tiny("small")
+    warm = make(cfg, device="cuda", b=8, t=256, use_cuda_graphs=graphs)  # libraries, handles, compiled kernels
+    warm.train_step(*batch(cfg, b=8, t=256), lr=1e-3)
+    warm.generate([[1, 2, 3]], 4)
+    del warm
+    free_before = free_bytes()
+    m = make(cfg, device="cuda", b=8, t=256, use_cuda_graphs=graphs)
+    x, y = batch(cfg, b=8, t=256)
+    for _ in range(3):
+        m.train_step(x, y, lr=1e-3)
+    m.generate([[1, 2, 3]], 4)
+    used = free_before - free_bytes()
+    assert used > 64 << 20, used  # the model held real memory
+    del m
+    assert free_before - free_bytes() <= 8 << 20, used
+
+
+@pytest.mark.gpu
 def test_gpu_reference_fp32():
     """Per element within 2x the fp32 tolerance (cpu: 0.3x; the device's exp2 and sums in another
     order add a few ulps)."""
