@@ -349,8 +349,14 @@ def cmd_train(args) -> int:
     model, B, T, accum, total = trainer.model, trainer.B, trainer.T, trainer.accum, trainer.steps
     start, stop = trainer.step, args.stop_after or total
     if start >= stop:
-        print(f"{out}: already trained to step {start}; nothing to do")
-        return 0
+        exported = all((out / EXPORT / f).is_file() for f in ("config.json", "model.safetensors"))
+        if start < total or not writer or exported:
+            print(f"{out}: already trained to step {start}; nothing to do")
+            return 0
+        # a run stopped between its last checkpoint and its export (Ctrl-C, a crash): the export comes now
+        print(f"{out}: trained to step {start}, but {out / EXPORT} is missing; writing it")
+        del model
+        return _finish(trainer, out, run, dev, val, tokenizer)
     log_path = Path(run["log"]) if run["log"] else out / LOG_FILE
     try:  # _check_creatable cannot see every refusal (a read-only file system, /proc): the first writes can
         out.mkdir(parents=True, exist_ok=True)
@@ -395,10 +401,16 @@ def cmd_train(args) -> int:
         return 0
     if not writer:
         return 0
-    _export(model, out, run)
+    del model
+    return _finish(trainer, out, run, dev, val, tokenizer)
+
+
+def _finish(trainer, out: Path, run, dev, val, tokenizer) -> int:
+    """The trained model exported, then (its training buffers gone first) the sample written from the export."""
+    _export(trainer.model, out, run)
     if run["sample_tokens"]:
-        cfg = model.cfg
-        del model, trainer  # the training buffers go before the sampler's are allocated
+        cfg = trainer.model.cfg
+        trainer.model = None  # the training buffers go before the sampler's are allocated
         gc.collect()
         _write_sample(out, run, cfg, dev, val, tokenizer)
     return 0

@@ -445,6 +445,23 @@ def test_a_one_token_window_still_writes_its_sample(tmp_path, capsys):
 
 
 @needs_model
+def test_a_run_stopped_before_its_export_exports_on_resume(tmp_path, capsys):
+    """A run whose last checkpoint was written but whose export was not (a Ctrl-C or a crash in between) gets
+    its export, and its sample, from `--resume`, the weights those of the checkpoint; then there is nothing to do."""
+    out = tmp_path / "run"
+    argv = ["train", *FAST[:-2], "--sample-tokens", "4", "--steps", "3", "--warmup", "1", "--out", out]
+    assert run_cli(capsys, *argv)[0] == 0
+    first = (out / "model" / "model.safetensors").read_bytes()
+    shutil.rmtree(out / "model")
+    (out / "sample.txt").unlink()
+    code, text, err = run_cli(capsys, "train", "--out", out, "--resume")
+    assert code == 0 and "model is missing; writing it" in text, err
+    assert (out / "model" / "model.safetensors").read_bytes() == first and (out / "sample.txt").read_text()
+    code, text, _ = run_cli(capsys, "train", "--out", out, "--resume")
+    assert code == 0 and "already trained to step 3; nothing to do" in text
+
+
+@needs_model
 def test_out_dir_with_files_is_refused(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("x")
     code, _, err = run_cli(capsys, "train", "--device", "cpu", "--out", tmp_path)
