@@ -29,7 +29,7 @@ from ._cli_util import (
     token_stream,
 )
 from .benchmark import CEILINGS
-from .cli_train import EXPORT, add_train_parser
+from .cli_train import EXPORT, RUN_FILE, add_train_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +98,9 @@ def cmd_generate(args) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file() and (model_dir / EXPORT / "config.json").is_file():
         model_dir = model_dir / EXPORT  # a `cuengine train` run directory
+    elif not (model_dir / "config.json").is_file() and (model_dir / RUN_FILE).is_file():
+        raise UsageError(f"--model {model_dir}: a `cuengine train` run with no exported model yet (it ends the run); "
+                         f"finish it with: cuengine train --resume --out {model_dir}")  # fmt: skip
     dev = open_device(args.device)
     cfg = load_config(model_dir, None)
     tokenizer = model_tokenizer(model_dir)

@@ -459,6 +459,9 @@ def test_a_run_stopped_before_its_export_exports_on_resume(tmp_path, capsys):
     assert (out / "model" / "model.safetensors").read_bytes() == first and (out / "sample.txt").read_text()
     code, text, _ = run_cli(capsys, "train", "--out", out, "--resume")
     assert code == 0 and "already trained to step 3; nothing to do" in text
+    shutil.rmtree(out / "model")
+    code, _, err = run_cli(capsys, "generate", "--model", out, "--prompt", "x")
+    assert code == 2 and f"finish it with: cuengine train --resume --out {out}" in err, err
 
 
 @needs_model
