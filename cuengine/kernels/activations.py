@@ -131,15 +131,16 @@ def activation_forward_quant_np(inp: np.ndarray, activation: str, layout: str, a
     scale = 448 / abs_max (1 when abs_max is 0), as cuengine.tensor.stats_values, unless given (delayed
     scaling); values are clipped to +-448 and rounded to nearest even (SATFINITE).
     """
+    return _e4m3_of(activation_forward_np(inp, activation, layout), abs_max, scale)
+
+
+def _e4m3_of(value: np.ndarray, abs_max: float, scale=None):
+    """(q, scale, scale_inv) of activation_forward_quant_np, from the activation's value itself."""
     if scale is None:
         _, scale, scale_inv = stats_values(abs_max, FP8_E4M3)
     else:
         scale, scale_inv = np.float32(scale), np.float32(1) / np.float32(scale)
-    return (
-        quantize_with_scale_reference(activation_forward_np(inp, activation, layout), scale, FP8_E4M3),
-        scale,
-        scale_inv,
-    )
+    return quantize_with_scale_reference(value, scale, FP8_E4M3), scale, scale_inv
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -329,12 +330,12 @@ def activation_backward(dinp, dout, inp, activation: str, layout: str = "split",
     dev = same_device(dinp, dout, inp, abs_max, out, out_fp8_tp, stats, out_scale, dinp_tp, dinp_scale)
     if dev.is_cpu:
         x = inp.array()
-        results = [] if out is None else [(out, activation_forward_np(x, activation, layout))]
+        value = None if out is None and out_fp8_tp is None else activation_forward_np(x, activation, layout)
+        results = [] if out is None else [(out, value)]
         if out_fp8_tp is not None:
             s = stats.array()
             delayed = None if out_scale is None else out_scale.array()[0]
-            q, s[STAT_SCALE], s[STAT_SCALE_INV] = activation_forward_quant_np(x, activation, layout,
-                                                                              s[STAT_ABS_MAX], delayed)  # fmt: skip
+            q, s[STAT_SCALE], s[STAT_SCALE_INV] = _e4m3_of(value, s[STAT_ABS_MAX], delayed)
             out_fp8_tp.array()[...] = q.reshape(N, H).T
         dx = activation_backward_np(dout.array(), x, activation, layout)
         if quant_dinp:
